@@ -1,0 +1,340 @@
+"""Small export-friendly PyTorch modules for the target (Qwen3 / Llama) and the DFlash draft.
+
+They load Hugging Face weights under the checkpoint's own names, take batch-1 tensors with the
+sequence axis outermost, and make every cache explicit: past K/V go in as `[P, Hkv, D]` tensors and
+only the NEW rows come out, so a runtime can keep one static buffer per layer and roll back by
+length. Positions follow from the past length (the shape of the first past tensor), and RoPE
+is computed in fp32 from those positions at run time: no table is frozen at export length.
+
+Tested against the Hugging Face models (target) and a plain reading of the DFlash math (draft).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .checkpoint import AttentionSpec, DraftSpec, TargetSpec
+
+
+def rope_inv_freq(arch: AttentionSpec, family: str) -> tuple[torch.Tensor, float]:
+    """Inverse RoPE frequencies `[head_dim // 2]` (fp32) and the cos/sin scaling factor.
+
+    Uses transformers' own RoPE initialisers for scaled types (llama3, linear, yarn, longrope), so
+    Llama-3.1 and YaRN checkpoints match Hugging Face exactly.
+    """
+    import transformers
+
+    if arch.rope["rope_type"] == "default":
+        base = float(arch.rope["rope_theta"])
+        inv = 1.0 / (base ** (torch.arange(0, arch.head_dim, 2, dtype=torch.int64).float() / arch.head_dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen3Config
+    raw = {k: v for k, v in arch.raw.items() if k not in ("auto_map", "architectures")}
+    cfg = cls(**raw)
+    inv, scale = ROPE_INIT_FUNCTIONS[arch.rope["rope_type"]](cfg, torch.device("cpu"))
+    return inv.float(), float(scale)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin `[S, 1, head_dim]` in fp32 for int64 `positions [S]` (half-rotation layout of HF)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x [S, H, D]` by cos/sin `[S, 1, D]`; math in fp32, result in x's dtype."""
+    xf = x.to(torch.float32)
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as in Hugging Face Llama/Qwen3 (`[..., width]` in, same shape and dtype out).
+
+    Statistics and the weight multiply run in fp32 whatever the input dtype (identical to HF in
+    fp32; in fp16 it avoids rounding the normalised value before scaling).
+    """
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(torch.float32) * xf).to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, d: int, inner: int, bias: bool):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, inner, bias=bias)
+        self.up_proj = nn.Linear(d, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, d, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """GQA attention over an explicit past `[P, Hkv, D]` plus new rows, without copying the past.
+
+    Scores against the past and against the new rows are computed separately and joined before
+    one softmax, so the cache is read once and never concatenated (no per-step cache copy).
+    """
+
+    def __init__(self, arch: AttentionSpec, qk_norm: bool):
+        super().__init__()
+        d, hd = arch.hidden_size, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, hd
+        self.q_proj = nn.Linear(d, arch.num_heads * hd, bias=arch.attention_bias)
+        self.k_proj = nn.Linear(d, arch.num_kv_heads * hd, bias=arch.attention_bias)
+        self.v_proj = nn.Linear(d, arch.num_kv_heads * hd, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(arch.num_heads * hd, d, bias=arch.attention_bias)
+        self.q_norm = RMSNorm(hd, arch.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(hd, arch.rms_norm_eps) if qk_norm else None
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`x [S, d]` -> rotated queries `[S, H, D]`."""
+        q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x [S, d]` -> (rotated keys, values), each `[S, Hkv, D]` (the rows a cache stores)."""
+        k = self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        v = self.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
+        return apply_rope(k, cos, sin), v
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+        new_k: torch.Tensor,
+        new_v: torch.Tensor,
+        new_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention of `q [T, H, D]` over past `[P, Hkv, D]` and new `[S, Hkv, D]` rows.
+
+        `new_mask [T, S]` (bool, True = visible) restricts the new rows; the past is always visible.
+        Returns `[T, H * D]` before o_proj.
+        """
+        t = q.shape[0]
+        g = self.num_heads // self.num_kv_heads
+        scale = 1.0 / math.sqrt(self.head_dim)
+        # Head h uses kv head h // g (HF repeat_kv): group the query heads per kv head.
+        qg = (q * scale).view(t, self.num_kv_heads, g, self.head_dim).permute(1, 2, 0, 3)
+        qg = qg.reshape(self.num_kv_heads, g * t, self.head_dim)
+        s_past = torch.matmul(qg, past_k.permute(1, 2, 0)).to(torch.float32)
+        s_new = torch.matmul(qg, new_k.permute(1, 2, 0)).to(torch.float32)
+        if new_mask is not None:
+            s_new = s_new.view(self.num_kv_heads, g, t, -1)
+            s_new = torch.where(new_mask, s_new, torch.full_like(s_new, torch.finfo(torch.float32).min))
+            s_new = s_new.view(self.num_kv_heads, g * t, -1)
+        p = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1).to(q.dtype)
+        n_past = past_k.shape[0]
+        out = torch.matmul(p[..., :n_past], past_v.permute(1, 0, 2)) + torch.matmul(
+            p[..., n_past:], new_v.permute(1, 0, 2)
+        )
+        out = out.view(self.num_kv_heads, g, t, self.head_dim).permute(2, 0, 1, 3)
+        return out.reshape(t, self.num_heads * self.head_dim)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer layer (Llama / Qwen3 naming)."""
+
+    def __init__(self, arch: AttentionSpec, qk_norm: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, qk_norm)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
+
+
+class _TargetBody(nn.Module):
+    def __init__(self, spec: TargetSpec):
+        super().__init__()
+        a = spec.arch
+        self.embed_tokens = nn.Embedding(spec.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(a, spec.family == "qwen3") for _ in range(a.num_layers)])
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+
+class TargetForExport(nn.Module):
+    """The target with tap features, new K/V rows and the draft's LM head exposed.
+
+    Inputs (batch 1, sequence axis outermost):
+        input_ids: int64 `[T]`, T >= 1: committed tokens to process (the prompt at prefill, the last
+            committed token at a verify or plain decoding step).
+        draft_hidden: `[N, d]`, N >= 0: the draft's final hidden states for the block positions
+            1..N. They go through the TARGET lm_head (DFlash has no head of its own) and their
+            argmax is appended to `input_ids`, so one call proposes and verifies.
+        temperature: fp32 `[1]`; 0 means greedy (argmax), > 0 samples the posterior at T.
+        uniform: fp32 `[1 + N]` in [0, 1): one uniform number per logits row for inverse-CDF
+            sampling (ignored when greedy).
+        past_key_i / past_value_i: `[P, Hkv, D]` for each layer i; positions start at P.
+
+    Outputs:
+        next_ids: int64 `[1 + N]`: the target's token after each of the last 1 + N positions
+            (posterior; sampled at `temperature`).
+        proposal_ids: int64 `[N]`: argmax of lm_head(draft_hidden).
+        next_embeddings: `[1 + N, d]`: embed_tokens(next_ids), the draft's next block anchor.
+        logits: fp32 `[1 + N, V]` for the last 1 + N positions (prefill needs only its last row).
+        taps: `[T + N, k * d]`: outputs of the tap layers (HF `hidden_states[L + 1]`; the last
+            layer's is taken after the final norm, as in Hugging Face).
+        key_i / value_i: `[T + N, Hkv, D]`: the new K/V rows, to be written at row P of the cache.
+    """
+
+    def __init__(self, spec: TargetSpec, tap_layers: tuple[int, ...], dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.spec = spec
+        self.tap_layers = tuple(tap_layers)
+        self.model = _TargetBody(spec)
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.arch.hidden_size, spec.vocab_size, bias=False)
+        inv, scale = rope_inv_freq(spec.arch, spec.family)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.rope_scale = scale
+        self.compute_dtype = dtype
+
+    def head_weight(self) -> torch.Tensor:
+        """The `[V, d]` LM head matrix (embed_tokens' when tied: stored once)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits_of(self, h: torch.Tensor) -> torch.Tensor:
+        """`h [S, d]` -> fp32 logits `[S, V]`. Computed as (W @ h^T)^T so a tied table is not transposed
+        (a transposed copy would be constant-folded into a second stored table)."""
+        return torch.matmul(self.head_weight(), h.transpose(0, 1)).transpose(0, 1).to(torch.float32)
+
+    def forward(self, input_ids, draft_hidden, temperature, uniform, *past):
+        a = self.spec.arch
+        proposal_ids = torch.argmax(self.logits_of(draft_hidden.to(self.compute_dtype)), dim=-1)
+        ids = torch.cat([input_ids, proposal_ids], dim=0)
+        h = self.model.embed_tokens(ids)
+        s = ids.shape[0]
+        p = past[0].shape[0]
+        positions = torch.arange(s, dtype=torch.int64) + p
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
+        idx = torch.arange(s, dtype=torch.int64)
+        causal = idx[None, :] <= idx[:, None]
+        taps, new_kv = {}, []
+        for i, layer in enumerate(self.model.layers):
+            x = layer.input_layernorm(h)
+            q = layer.self_attn.query(x, cos, sin)
+            k, v = layer.self_attn.key_value(x, cos, sin)
+            new_kv += [k, v]
+            h = h + layer.self_attn.o_proj(layer.self_attn.attend(q, past[2 * i], past[2 * i + 1], k, v, causal))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in self.tap_layers and i != a.num_layers - 1:
+                taps[i] = h
+        h = self.model.norm(h)
+        if a.num_layers - 1 in self.tap_layers:
+            taps[a.num_layers - 1] = h  # HF's last hidden_states entry is post-final-norm
+        tap_features = torch.cat([taps[i] for i in self.tap_layers], dim=-1)
+        logits = self.logits_of(h[input_ids.shape[0] - 1 :])
+        greedy = torch.argmax(logits, dim=-1)
+        t_safe = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+        cdf = torch.cumsum(torch.softmax(logits / t_safe, dim=-1), dim=-1)
+        sampled = torch.clamp((cdf < uniform[:, None]).to(torch.int64).sum(dim=-1), max=self.spec.vocab_size - 1)
+        next_ids = torch.where(temperature > 0, sampled, greedy)
+        next_embeddings = self.model.embed_tokens(next_ids)
+        return (next_ids, proposal_ids, next_embeddings, logits, tap_features, *new_kv)
+
+
+class DFlashDraft(nn.Module):
+    """The DFlash draft (Chen et al., 2026, arXiv 2602.06036; dflash-facts section 2) with its context
+    K/V cache explicit.
+
+    Inputs:
+        context_hidden: `[C, k * d]`, C >= 1: target tap features of the newly committed tokens.
+        block_embeddings: `[B, d]`: target embeddings of `[anchor, MASK x (B - 1)]`.
+        past_key_i / past_value_i: `[Pc, Hkv, D]`: cached context K/V (after k_norm and RoPE).
+
+    Outputs:
+        draft_hidden: `[B - 1, d]`: norm(h) of block positions 1..B-1 (position 0 is the known anchor).
+        key_i / value_i: `[C, Hkv, D]`: the context K/V rows of the new context, to cache at row Pc.
+
+    Positions: context rows take Pc..Pc+C-1, block rows Pc+C..Pc+C+B-1, from the DRAFT's RoPE.
+    Attention is non-causal: every block position sees all context and the whole block.
+    `fc`, `hidden_norm` and all norms run in fp32 (released drafts see tap values above 2e4).
+    """
+
+    def __init__(self, spec: DraftSpec, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        a = spec.arch
+        self.spec = spec
+        self.fc = nn.Linear(len(spec.target_layer_ids) * a.hidden_size, a.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(a, qk_norm=True) for _ in range(a.num_layers)])
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        inv, scale = rope_inv_freq(a, "qwen3")
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.rope_scale = scale
+        self.compute_dtype = dtype
+
+    def forward(self, context_hidden, block_embeddings, *past):
+        c = context_hidden.shape[0]
+        b = block_embeddings.shape[0]
+        p = past[0].shape[0]
+        positions = torch.arange(c + b, dtype=torch.int64) + p
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
+        cos_c, sin_c, cos_b, sin_b = cos[:c], sin[:c], cos[c:], sin[c:]
+        ctx = self.hidden_norm(self.fc(context_hidden.to(self.fc.weight.dtype))).to(self.compute_dtype)
+        h = block_embeddings.to(self.compute_dtype)
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h).to(self.compute_dtype)
+            q = layer.self_attn.query(x, cos_b, sin_b)
+            k_ctx, v_ctx = layer.self_attn.key_value(ctx, cos_c, sin_c)
+            k_blk, v_blk = layer.self_attn.key_value(x, cos_b, sin_b)
+            new_kv += [k_ctx, v_ctx]
+            attn = layer.self_attn.attend(
+                q, past[2 * i], past[2 * i + 1], torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk]), None
+            )
+            h = h + layer.self_attn.o_proj(attn)
+            h = h + layer.mlp(layer.post_attention_layernorm(h).to(self.compute_dtype))
+        return (self.norm(h)[1:].to(self.compute_dtype), *new_kv)
+
+
+def load_weights(module: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Copy a checkpoint state dict into a module (strict: no missing or unexpected weights).
+
+    Raises:
+        DFlashError: missing/unexpected names or shape mismatches, named.
+    """
+    from runtime.errors import DFlashError
+
+    own = module.state_dict()
+    missing = [k for k in own if k not in state]
+    # rotary buffers are computed, lm_head may be tied
+    unexpected = [k for k in state if k not in own and "rotary_emb" not in k and not k.endswith("inv_freq")]
+    if missing or unexpected:
+        raise DFlashError(
+            f"{where}: weights do not match the architecture (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    for k, v in own.items():
+        if tuple(state[k].shape) != tuple(v.shape):
+            raise DFlashError(f"{where}: {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
+    module.load_state_dict({k: state[k].to(own[k].dtype) for k in own}, strict=True)
+
+
+def cast_for_export(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast weights to `dtype`, keeping norms (and the draft's fc) in fp32 for range safety."""
+    module.to(dtype)
+    for name, sub in module.named_modules():
+        if isinstance(sub, RMSNorm) or name == "fc":
+            sub.to(torch.float32)
+    return module
