@@ -1,0 +1,49 @@
+"""Lightweight DFlash runtime: loads an artifact from `python -m dflash_export build` and runs
+speculative decoding on onnxruntime (or TensorRT engines). Imports neither torch nor transformers.
+
+Example:
+    import runtime
+    sess = runtime.load("artifacts/smollm2")
+    res = sess.generate("Write a haiku about rain.", chat=True, max_new_tokens=64)
+    print(res.text, res.tau, res.tokens_per_s)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from .decoding import GenerationResult, Session
+from .errors import DFlashError
+
+__all__ = ["load", "generate", "Session", "GenerationResult", "DFlashError"]
+
+
+def load(artifact_dir: str | Path, backend: str = "ort", threads: int | None = None) -> Session:
+    """Load an artifact directory into a reusable :class:`Session` (buffers allocated once).
+
+    Raises:
+        DFlashError: missing/incomplete artifact, manifest of another version, unknown backend.
+    """
+    return Session(artifact_dir, backend=backend, threads=threads)
+
+
+def generate(
+    artifact_dir: str | Path,
+    prompt: str | Sequence[int],
+    max_new_tokens: int = 128,
+    stop_token_ids: Sequence[int] | None = None,
+    temperature: float = 0.0,
+    block_size: int | None = None,
+    chat: bool = False,
+    backend: str = "ort",
+) -> GenerationResult:
+    """One-off generation: `load(artifact_dir).generate(...)`; see :meth:`Session.generate`."""
+    return load(artifact_dir, backend=backend).generate(
+        prompt,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
+        temperature=temperature,
+        block_size=block_size,
+        chat=chat,
+    )

@@ -1,0 +1,7 @@
+"""`python -m dflash_export`: see dflash_export.cli."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

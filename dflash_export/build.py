@@ -1,0 +1,290 @@
+"""`build`: validate a target/draft pair, export both graphs and write a self-contained artifact.
+
+The artifact directory is assembled in a temporary sibling directory and renamed into place only
+when every stage succeeded, so it appears whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from runtime.errors import DFlashError
+from runtime.manifest import MANIFEST_FORMAT, MANIFEST_VERSION
+
+from . import __version__
+from .checkpoint import (
+    DraftSpec,
+    TargetSpec,
+    file_sha256,
+    load_draft_spec,
+    load_state_dict,
+    load_target_spec,
+    parse_draft_config,
+    safetensors_files,
+)
+from .sources import random_draft_config, resolve_draft, resolve_target
+
+
+@dataclass
+class Stage:
+    """Prints numbered build stages with their durations (to stderr)."""
+
+    total: int
+    quiet: bool = False
+    n: int = 0
+
+    def __call__(self, title: str):
+        self.n += 1
+        return _StageTimer(f"[{self.n}/{self.total}] {title}", self.quiet)
+
+
+class _StageTimer:
+    def __init__(self, title: str, quiet: bool):
+        self.title, self.quiet = title, quiet
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        if not self.quiet:
+            print(f"{self.title} ...", file=sys.stderr, flush=True)
+        return self
+
+    def __exit__(self, exc_type, *_):
+        if not self.quiet and exc_type is None:
+            print(f"{self.title}: done in {time.perf_counter() - self.t0:.1f}s", file=sys.stderr, flush=True)
+
+
+def random_draft_state(spec: DraftSpec, seed: int = 0) -> dict:
+    """Deterministic random-init weights for an untrained draft (normal(0, 0.02), unit norms)."""
+    import torch
+
+    from .modules import DFlashDraft
+
+    gen = torch.Generator().manual_seed(seed)
+    module = DFlashDraft(spec)
+    state = {}
+    for k, v in module.state_dict().items():
+        state[k] = torch.ones_like(v) if k.endswith("norm.weight") else torch.randn(v.shape, generator=gen) * 0.02
+    return state
+
+
+def prepare_pair(target: str | None, draft: str | None) -> tuple[TargetSpec, DraftSpec, dict, dict, str | None]:
+    """Resolve and validate the target and draft before anything is exported.
+
+    Returns:
+        (target spec, draft spec, target state dict, draft state dict, known target name).
+
+    Raises:
+        DFlashError: any validation failure (see checkpoint.py).
+    """
+    target_dir, name = resolve_target(target)
+    tspec = load_target_spec(target_dir)
+    draft_dir = resolve_draft(draft, name)
+    if draft_dir is None:
+        cfg = random_draft_config(tspec)
+        dspec = parse_draft_config(cfg, tspec, "(untrained)", None)
+        dstate = random_draft_state(dspec)
+    else:
+        dspec, dstate = load_draft_spec(draft_dir, tspec)
+    tstate = load_state_dict(tspec.path)
+    return tspec, dspec, tstate, dstate, name
+
+
+def build(
+    target: str | None,
+    draft: str | None,
+    out: Path,
+    max_seq_len: int = 2048,
+    dtype: str = "fp32",
+    quiet: bool = False,
+    overwrite: bool = True,
+) -> dict:
+    """Export a target/draft pair into the artifact directory `out`.
+
+    Args:
+        target: target directory or known name; None for the embedded SmolLM2-135M-Instruct.
+        draft: draft directory or hub id; None for the target's released/shipped draft, or an
+            untrained deterministic draft when there is none (reported in the manifest).
+        out: artifact directory (replaced atomically).
+        max_seq_len: KV buffer capacity in tokens (prompt + new tokens).
+        dtype: "fp32" or "fp16" graph precision (norms, fc and softmax stay fp32).
+
+    Returns:
+        the manifest dict.
+
+    Raises:
+        DFlashError: bad input; nothing is written in that case.
+    """
+    import torch
+
+    from .export import check_graph, draft_io_names, export_draft, export_target, target_io_names
+    from .modules import DFlashDraft, TargetForExport, cast_for_export, load_weights
+
+    if dtype not in ("fp32", "fp16"):
+        raise DFlashError(f"--dtype must be fp32 or fp16 (got {dtype!r})")
+    if max_seq_len < 2:
+        raise DFlashError(f"--max-seq-len must be at least 2 (got {max_seq_len})")
+    out = Path(out).resolve()
+    if out.exists() and not overwrite:
+        raise DFlashError(f"{out} exists; remove it or pass --overwrite")
+    if out.exists() and not (out / "manifest.json").is_file() and any(out.iterdir()):
+        raise DFlashError(f"{out} exists and is not a dflash_export artifact; choose another --out")
+    stage = Stage(total=6, quiet=quiet)
+    t_start = time.perf_counter()
+    with stage("validating target and draft"):
+        tspec, dspec, tstate, dstate, name = prepare_pair(target, draft)
+    torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        with stage("loading weights into export modules"):
+            tmod = TargetForExport(tspec, dspec.target_layer_ids, torch_dtype).eval()
+            load_weights(tmod, tstate, f"target {tspec.path}")
+            dmod = DFlashDraft(dspec, torch_dtype).eval()
+            load_weights(dmod, dstate, f"draft {dspec.path or '(untrained)'}")
+            cast_for_export(tmod, torch_dtype)
+            cast_for_export(dmod, torch_dtype)
+            mask_row = tmod.model.embed_tokens.weight[dspec.mask_token_id].detach().float().numpy()
+            del tstate, dstate
+        with stage("exporting target.onnx"):
+            export_target(tmod, tmp / "target.onnx")
+        with stage("exporting draft.onnx"):
+            export_draft(dmod, tmp / "draft.onnx")
+        with stage("checking graphs (TensorRT 10 operators, duplicate weights)"):
+            checks = {g: check_graph(tmp / f"{g}.onnx") for g in ("target", "draft")}
+        with stage("writing tokenizer and manifest"):
+            np.save(tmp / "mask_embedding.npy", mask_row.astype(np.float32), allow_pickle=False)
+            tok_info = _save_tokenizer(tspec.path, tmp / "tokenizer")
+            manifest = _manifest(tspec, dspec, name, max_seq_len, dtype, checks, tok_info, tmp)
+            manifest["export_seconds"] = round(time.perf_counter() - t_start, 1)
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            out.rename(old / out.name)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def _save_tokenizer(target_dir: Path, dest: Path) -> dict:
+    """Copy the target's tokenizer files and return chat template / special tokens / stop ids."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=False)
+    except Exception as exc:  # transformers raises many types here
+        raise DFlashError(f"cannot load the tokenizer of {target_dir}: {exc}") from None
+    tok.save_pretrained(str(dest))
+    if not (dest / "tokenizer.json").is_file():
+        raise DFlashError(f"the tokenizer of {target_dir} has no fast (tokenizer.json) form; the runtime needs one")
+    special = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = getattr(tok, key, None)
+        if isinstance(value, str):
+            special[key] = value
+    template = tok.chat_template if isinstance(tok.chat_template, str) else None
+    eos = [tok.eos_token_id] if isinstance(tok.eos_token_id, int) else []
+    return {"chat_template": template, "special_tokens": special, "eos": eos}
+
+
+def _io_spec(path: Path) -> dict:
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+
+    def describe(values):
+        out = []
+        for v in values:
+            t = v.type.tensor_type
+            dims = [d.dim_param or d.dim_value for d in t.shape.dim]
+            out.append({"name": v.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name, "shape": dims})
+        return out
+
+    return {"inputs": describe(model.graph.input), "outputs": describe(model.graph.output)}
+
+
+def _tool_versions() -> dict:
+    import onnx
+    import torch
+    import transformers
+
+    versions = {
+        "dflash_export": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "onnx": onnx.__version__,
+    }
+    try:
+        import onnxruntime
+
+        versions["onnxruntime"] = onnxruntime.__version__
+    except ImportError:
+        pass
+    return versions
+
+
+def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, checks, tok_info, tmp: Path) -> dict:
+    a, da = tspec.arch, dspec.arch
+    stop = list(dict.fromkeys([*tspec.eos_token_ids, *tok_info["eos"]]))
+    trained = dspec.path is not None
+    sources = {"target": {"path": str(tspec.path), "name": name, "files": {}}, "draft": {"path": str(dspec.path) if dspec.path else None, "files": {}}}
+    for key, path in (("target", tspec.path), ("draft", dspec.path)):
+        if path is not None:
+            for f in [*safetensors_files(path), Path(path) / "config.json"]:
+                sources[key]["files"][f.name] = file_sha256(f)
+    return {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "family": tspec.family,
+        "dtype": dtype,
+        "max_seq_len": max_seq_len,
+        "target": {
+            "graph": "target.onnx",
+            "num_layers": a.num_layers,
+            "hidden_size": a.hidden_size,
+            "num_heads": a.num_heads,
+            "num_kv_heads": a.num_kv_heads,
+            "head_dim": a.head_dim,
+            "vocab_size": tspec.vocab_size,
+            "tie_word_embeddings": tspec.tie_word_embeddings,
+            "rope": a.rope,
+        },
+        "draft": {
+            "graph": "draft.onnx",
+            "num_layers": da.num_layers,
+            "num_heads": da.num_heads,
+            "num_kv_heads": da.num_kv_heads,
+            "head_dim": da.head_dim,
+            "block_size": dspec.block_size,
+            "mask_token_id": dspec.mask_token_id,
+            "target_layer_ids": list(dspec.target_layer_ids),
+            "taps_declared": dspec.taps_declared,
+            "trained": trained,
+            "rope": da.rope,
+        },
+        "mask_embedding": "mask_embedding.npy",
+        "stop_token_ids": stop,
+        "chat_template": tok_info["chat_template"],
+        "special_tokens": tok_info["special_tokens"],
+        "io": {g: _io_spec(tmp / f"{g}.onnx") for g in ("target", "draft")},
+        "graph_checks": checks,
+        "sources": sources,
+        "tools": _tool_versions(),
+        "host": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+    }

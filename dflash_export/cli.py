@@ -1,0 +1,110 @@
+"""Command line of dflash_export: build, generate (and more subcommands as they land).
+
+User errors (:class:`DFlashError`) print one line to stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from runtime.errors import DFlashError
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise DFlashError(f"--prompt-ids must be comma-separated integers (got {text!r})") from None
+    if not ids:
+        raise DFlashError("--prompt-ids is empty; pass at least one token id")
+    return ids
+
+
+def cmd_build(args) -> int:
+    from .build import build
+
+    manifest = build(args.target, args.draft, Path(args.out), max_seq_len=args.max_seq_len, dtype=args.dtype)
+    d = manifest["draft"]
+    print(f"wrote {Path(args.out).resolve()} ({manifest['family']}, {manifest['dtype']}, max_seq_len {manifest['max_seq_len']}, "
+          f"block {d['block_size']}, taps {d['target_layer_ids']}, export {manifest['export_seconds']}s)")
+    if not d["trained"]:
+        print("note: the draft is UNTRAINED (deterministic random init): output is exact but few proposals are "
+              "accepted; pass --draft DIR for a trained draft", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import runtime
+
+    sess = runtime.load(args.artifact, backend=args.backend)
+    prompt = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
+    if isinstance(prompt, str) and not prompt.strip():
+        raise DFlashError("--prompt is empty; pass some text")
+    res = sess.generate(
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        block_size=args.block_size,
+        chat=args.chat,
+        seed=args.seed,
+        record_steps=args.steps,
+    )
+    if args.json:
+        print(json.dumps(res.to_dict(with_steps=args.steps)))
+        return 0
+    print(res.text if res.text is not None else res.output_ids)
+    print(
+        f"\n[{len(res.output_ids)} tokens, finish={res.finish_reason}, tau={res.tau:.2f}, "
+        f"{res.tokens_per_s:.1f} tok/s, draft {'trained' if sess.manifest['draft']['trained'] else 'UNTRAINED'}]",
+        file=sys.stderr,
+    )
+    if args.steps:
+        for i, s in enumerate(res.steps):
+            print(f"step {i}: proposed {s['proposed']} accepted {s['accepted']} committed {s['committed']}", file=sys.stderr)
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The argument parser of `python -m dflash_export`."""
+    p = argparse.ArgumentParser(prog="python -m dflash_export", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="export target + DFlash draft to an ONNX artifact directory")
+    b.add_argument("--target", help="target directory or known name (default: embedded SmolLM2-135M-Instruct)")
+    b.add_argument("--draft", help="draft directory (default: the target's released or shipped draft)")
+    b.add_argument("--out", default="artifacts/default", help="artifact directory (default: artifacts/default)")
+    b.add_argument("--max-seq-len", type=int, default=2048, help="KV buffer capacity in tokens (default 2048)")
+    b.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
+    b.set_defaults(func=cmd_build)
+
+    g = sub.add_parser("generate", help="generate with speculative decoding from an artifact")
+    g.add_argument("artifact", help="artifact directory written by build")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--block-size", type=int, default=None, help="default: the draft's; 1 = plain decoding")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--backend", default="ort", help="ort (onnxruntime CPU)")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--steps", action="store_true", help="include each step's proposed and accepted tokens")
+    g.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 2 user error)."""
+    args = make_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DFlashError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

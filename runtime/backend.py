@@ -1,0 +1,104 @@
+"""The backend interface the decoding loop drives, and the buffer arithmetic every backend shares.
+
+A backend owns memory (host or device) and two executable graphs ("target" and "draft"). The
+decoding loop never touches graph outputs except through :class:`View`\\ s of buffers that it
+allocated once per session, so the same loop runs on onnxruntime (CPU or CUDA) and TensorRT.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+# TensorRT requires 256-byte aligned tensor addresses; we use the same rule everywhere.
+ADDRESS_ALIGNMENT = 256
+
+
+@dataclass(frozen=True)
+class View:
+    """A typed window on a backend buffer: `shape` elements starting `offset` elements in.
+
+    Because the sequence axis is outermost, a prefix of rows or the rows from row P on are both
+    contiguous, so a View is just (buffer, element offset, shape).
+    """
+
+    buffer: "Buffer"
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def byte_offset(self) -> int:
+        """Offset from the buffer start in bytes."""
+        return self.offset * self.buffer.dtype.itemsize
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class Buffer:
+    """A fixed-size allocation of `capacity` elements of `dtype`, owned by a backend.
+
+    Attributes:
+        dtype: numpy dtype of the elements.
+        capacity: elements.
+        row_shape: trailing shape of one sequence row (for `rows()`).
+    """
+
+    def __init__(self, dtype: np.dtype, capacity: int, row_shape: tuple[int, ...] = ()):
+        self.dtype = np.dtype(dtype)
+        self.capacity = int(capacity)
+        self.row_shape = tuple(row_shape)
+
+    @property
+    def row_elems(self) -> int:
+        """Elements in one sequence row."""
+        return int(np.prod(self.row_shape, dtype=np.int64)) if self.row_shape else 1
+
+    def rows(self, start: int, count: int) -> View:
+        """View of rows `[start, start + count)` (shape `[count, *row_shape]`).
+
+        Raises:
+            IndexError: the rows do not fit in the buffer (a bug in capacity planning).
+        """
+        if start < 0 or count < 0 or (start + count) * self.row_elems > self.capacity:
+            raise IndexError(f"rows [{start}, {start + count}) exceed a buffer of {self.capacity // self.row_elems} rows")
+        return View(self, start * self.row_elems, (count, *self.row_shape))
+
+
+def is_aligned(view: View, alignment: int = ADDRESS_ALIGNMENT) -> bool:
+    """Whether a view's start lands on an `alignment`-byte boundary (its buffer base is aligned)."""
+    return view.byte_offset % alignment == 0
+
+
+class Backend(ABC):
+    """What the decoding loop needs from an execution engine.
+
+    Implementations: :class:`runtime.ort_backend.OrtBackend` (onnxruntime CPU/CUDA) and
+    :class:`runtime.trt_backend.TrtBackend` (TensorRT engines).
+    """
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def alloc(self, dtype, rows: int, row_shape: tuple[int, ...] = ()) -> Buffer:
+        """Allocate a zeroed buffer of `rows` rows of `row_shape` (once per session)."""
+
+    @abstractmethod
+    def write(self, view: View, values: np.ndarray) -> None:
+        """Copy host `values` (shape `view.shape`) into the view."""
+
+    @abstractmethod
+    def read(self, view: View) -> np.ndarray:
+        """Copy the view to a new host array (used for token ids only on greedy steps)."""
+
+    @abstractmethod
+    def copy(self, dst: View, src: View) -> None:
+        """Copy `src` into `dst` within the backend's memory (same element count)."""
+
+    @abstractmethod
+    def run(self, graph: str, inputs: dict[str, View], outputs: dict[str, View]) -> None:
+        """Run graph "target" or "draft" reading `inputs` and writing `outputs` in place."""

@@ -1,0 +1,330 @@
+"""The DFlash draft/verify decoding loop over two graphs, with static KV buffers.
+
+Implements `spec_generate` of the DFlash reference (Chen et al., 2026, arXiv 2602.06036;
+dflash-facts section 5):
+
+1. Prefill: the target runs on the prompt; its last posterior is the first new token and the tap
+   features of every prompt position become the draft's first context.
+2. Each step: the draft fills the block `[last committed, MASK x (B - 1)]`; ONE target call takes
+   the last committed token plus the draft's hidden states, turns them into proposals with the
+   target's LM head, and verifies them; the longest prefix where proposal j equals posterior j is
+   accepted, plus the bonus token posterior[acc] (acc + 1 tokens per step).
+3. Rollback is a length update: both caches are static buffers and the rows past the committed
+   length are simply overwritten next step.
+
+Only token ids (and, once per step, one embedding row copied inside the backend) move between the
+graphs and the host. `block_size=1` runs plain autoregressive decoding on the same target graph.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .backend import Backend, View
+from .errors import DFlashError
+from .manifest import DTYPES, load_manifest
+
+# Scratch buffers are sized for blocks up to this many tokens (or the draft's block size, if larger).
+MAX_BLOCK_SIZE = 64
+
+
+@dataclass
+class GenerationResult:
+    """What one `generate` call produced.
+
+    Attributes:
+        output_ids: the new tokens only (a committed stop token is included, as the last id).
+        text: the decoded reply (special tokens skipped).
+        finish_reason: "stop" (a stop token was committed) or "length" (max_new_tokens reached).
+        acceptance_lengths: acc + 1 per speculative step (dflash-facts section 5; a stop token may
+            cut the committed run shorter on the last step).
+        tokens_per_s: new tokens / wall time including prefill (seconds).
+        decode_tokens_per_s: tokens after the first / time after prefill.
+        prefill_s, draft_s, verify_s, host_s: wall time split (seconds); host_s is the decode time
+            spent outside the two graphs.
+        steps: per step, when requested: {"proposed": [...], "accepted": int, "committed": [...]}.
+    """
+
+    output_ids: list[int]
+    text: str | None
+    finish_reason: str
+    acceptance_lengths: list[int]
+    tokens_per_s: float
+    decode_tokens_per_s: float
+    prefill_s: float
+    draft_s: float
+    verify_s: float
+    host_s: float
+    steps: list[dict] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length: mean tokens committed per speculative step (1.0 when none ran)."""
+        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 1.0
+
+    def to_dict(self, with_steps: bool = False) -> dict:
+        """JSON-ready dict (the `generate --json` schema)."""
+        out = {
+            "output_ids": self.output_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "acceptance_lengths": self.acceptance_lengths,
+            "tau": self.tau,
+            "tokens_per_s": self.tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "prefill_s": self.prefill_s,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "host_s": self.host_s,
+        }
+        if with_steps:
+            out["steps"] = self.steps
+        return out
+
+
+def accepted_prefix(proposals: np.ndarray, posterior: np.ndarray) -> int:
+    """Length of the longest prefix with `proposals[j] == posterior[j]` (int64 arrays, len(posterior) >= len(proposals))."""
+    n = len(proposals)
+    mismatch = np.flatnonzero(proposals != posterior[:n])
+    return int(mismatch[0]) if mismatch.size else n
+
+
+def cut_at_stop(tokens: Sequence[int], stop_ids: set[int]) -> tuple[list[int], bool]:
+    """Cut a committed run right after its first stop token. Returns (kept tokens, stopped)."""
+    for i, tok in enumerate(tokens):
+        if tok in stop_ids:
+            return list(tokens[: i + 1]), True
+    return list(tokens), False
+
+
+class Session:
+    """A loaded artifact: both graphs, static KV buffers and the tokenizer, reusable across calls.
+
+    Args:
+        artifact_dir: directory written by `python -m dflash_export build`.
+        backend: "ort" (onnxruntime), "ort-cuda" (onnxruntime CUDA EP) or "trt" (TensorRT engines).
+        threads: onnxruntime intra-op threads (default: all cores).
+
+    Buffers (allocated once, at the manifest's `max_seq_len`): per target layer K and V
+    `[max_seq_len, Hkv, D]`, per draft layer context K and V `[max_seq_len, Hkv_d, D_d]`, tap features
+    `[max_seq_len, k * d]`, and block-sized scratch for ids, embeddings and logits.
+
+    Raises:
+        DFlashError: a bad artifact or an unavailable backend.
+    """
+
+    def __init__(self, artifact_dir: str | Path, backend: str = "ort", threads: int | None = None):
+        self.artifact_dir = Path(artifact_dir)
+        self.manifest = m = load_manifest(self.artifact_dir)
+        self.backend = _make_backend(backend, self.artifact_dir, m, threads)
+        self.dtype = np.dtype(DTYPES[m["dtype"]])
+        self.max_seq_len = int(m["max_seq_len"])
+        self.block_size = int(m["draft"]["block_size"])
+        self.mask_token_id = int(m["draft"]["mask_token_id"])
+        self.stop_token_ids = tuple(int(t) for t in m.get("stop_token_ids", []))
+        self.tokenizer = None
+        tok_json = self.artifact_dir / "tokenizer" / "tokenizer.json"
+        if tok_json.is_file():
+            from .tokenizer import ChatTokenizer
+
+            self.tokenizer = ChatTokenizer(tok_json, m.get("chat_template"), m.get("special_tokens", {}))
+        self._allocate()
+
+    def _allocate(self) -> None:
+        m, be, S = self.manifest, self.backend, self.max_seq_len
+        t, d = m["target"], m["draft"]
+        hidden = int(t["hidden_size"])
+        self.max_block = max(MAX_BLOCK_SIZE, self.block_size)
+        mb = self.max_block
+        self.t_kv = [be.alloc(self.dtype, S, (t["num_kv_heads"], t["head_dim"])) for _ in range(2 * t["num_layers"])]
+        self.d_kv = [be.alloc(self.dtype, S, (d["num_kv_heads"], d["head_dim"])) for _ in range(2 * d["num_layers"])]
+        self.taps = be.alloc(self.dtype, S, (len(d["target_layer_ids"]) * hidden,))
+        self.input_ids = be.alloc(np.int64, S)
+        self.temperature = be.alloc(np.float32, 1)
+        self.uniform = be.alloc(np.float32, mb)
+        self.next_ids = be.alloc(np.int64, mb)
+        self.proposal_ids = be.alloc(np.int64, mb)
+        self.next_embeddings = be.alloc(self.dtype, mb, (hidden,))
+        self.logits = be.alloc(np.float32, mb, (int(t["vocab_size"]),))
+        self.block = be.alloc(self.dtype, mb, (hidden,))
+        self.draft_hidden = be.alloc(self.dtype, mb, (hidden,))
+        mask_row = np.load(self.artifact_dir / m["mask_embedding"], allow_pickle=False).astype(self.dtype)
+        be.write(self.block.rows(0, mb), np.broadcast_to(mask_row, (mb, hidden)))
+
+    # ---- graph calls -------------------------------------------------------------------
+    def _target(self, n_ids: int, n_proposals: int, past: int) -> None:
+        """Target call: `n_ids` ids from the input buffer + `n_proposals` draft rows, past length `past`."""
+        rows = n_ids + n_proposals
+        inputs = {
+            "input_ids": self.input_ids.rows(0, n_ids),
+            "draft_hidden": self.draft_hidden.rows(0, n_proposals),
+            "temperature": self.temperature.rows(0, 1),
+            "uniform": self.uniform.rows(0, n_proposals + 1),
+        }
+        outputs = {
+            "next_ids": self.next_ids.rows(0, n_proposals + 1),
+            "proposal_ids": self.proposal_ids.rows(0, n_proposals),
+            "next_embeddings": self.next_embeddings.rows(0, n_proposals + 1),
+            "logits": self.logits.rows(0, n_proposals + 1),
+            "taps": self.taps.rows(0, rows),
+        }
+        for i, buf in enumerate(self.t_kv):
+            kind = "key" if i % 2 == 0 else "value"
+            inputs[f"past_{kind}_{i // 2}"] = buf.rows(0, past)
+            outputs[f"{kind}_{i // 2}"] = buf.rows(past, rows)
+        self.backend.run("target", inputs, outputs)
+
+    def _draft(self, n_context: int, past: int, block_size: int) -> None:
+        """Draft call: new context = taps rows [0, n_context), cached context length `past`."""
+        inputs = {"context_hidden": self.taps.rows(0, n_context), "block_embeddings": self.block.rows(0, block_size)}
+        outputs = {"draft_hidden": self.draft_hidden.rows(0, block_size - 1)}
+        for i, buf in enumerate(self.d_kv):
+            kind = "key" if i % 2 == 0 else "value"
+            inputs[f"past_{kind}_{i // 2}"] = buf.rows(0, past)
+            outputs[f"{kind}_{i // 2}"] = buf.rows(past, n_context)
+        self.backend.run("draft", inputs, outputs)
+
+    # ---- public API --------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        """Prompt text (optionally as a one-turn chat) or ids -> ids.
+
+        Raises:
+            DFlashError: empty prompt, ids outside the vocabulary, or text without a tokenizer.
+        """
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise DFlashError("the prompt is empty; pass some text or token ids")
+            if self.tokenizer is None:
+                raise DFlashError("this artifact has no tokenizer; pass token ids instead of text")
+            if chat:
+                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(prompt)
+        ids = [int(i) for i in prompt]
+        if not ids:
+            raise DFlashError("the prompt is empty; pass at least one token id")
+        vocab = int(self.manifest["target"]["vocab_size"])
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise DFlashError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        stop_token_ids: Sequence[int] | None = None,
+        temperature: float = 0.0,
+        block_size: int | None = None,
+        chat: bool = False,
+        seed: int = 0,
+        record_steps: bool = False,
+    ) -> GenerationResult:
+        """Generate a reply with DFlash speculative decoding (lossless w.r.t. the target).
+
+        Args:
+            prompt: text, or a sequence of token ids (at least one).
+            max_new_tokens: at most this many new tokens (>= 1).
+            stop_token_ids: ids that end the reply once committed (default: the manifest's; [] for none).
+            temperature: 0 for greedy; > 0 samples the target posterior at this temperature (exact
+                speculative sampling: the draft's argmax is accepted iff it equals the sample).
+            block_size: tokens per block (default: the draft's); 1 = plain autoregressive decoding.
+            chat: wrap text in the model's chat template as one user turn.
+            seed: seed of the sampling random numbers (temperature > 0).
+            record_steps: keep each step's proposals and acceptance in `result.steps`.
+
+        Returns:
+            GenerationResult.
+
+        Raises:
+            DFlashError: empty prompt, bad arguments, or prompt + max_new_tokens beyond the buffers.
+        """
+        ids = self.encode(prompt, chat=chat)
+        b = self.block_size if block_size is None else int(block_size)
+        if not 1 <= b <= self.max_block:
+            raise DFlashError(f"block_size {b} must be between 1 and {self.max_block}")
+        if max_new_tokens < 1:
+            raise DFlashError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+        if temperature < 0:
+            raise DFlashError(f"temperature must be >= 0 (got {temperature})")
+        if len(ids) + max_new_tokens > self.max_seq_len:
+            raise DFlashError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} exceeds "
+                f"the KV buffers' max_seq_len {self.max_seq_len}; shorten the request or rebuild with "
+                f"`python -m dflash_export build --max-seq-len {len(ids) + max_new_tokens}` (or larger)"
+            )
+        stops = set(self.stop_token_ids if stop_token_ids is None else (int(s) for s in stop_token_ids))
+        return self._decode(ids, max_new_tokens, stops, float(temperature), b, np.random.default_rng(seed), record_steps)
+
+    def _decode(self, ids, max_new, stops, temperature, b, rng, record_steps) -> GenerationResult:
+        be = self.backend
+        draft_s = verify_s = 0.0
+        t_start = time.perf_counter()
+        be.write(self.temperature.rows(0, 1), np.array([temperature], np.float32))
+        be.write(self.input_ids.rows(0, len(ids)), np.asarray(ids, np.int64))
+        be.write(self.uniform.rows(0, 1), rng.random(1, dtype=np.float32) if temperature > 0 else np.zeros(1, np.float32))
+        self._target(len(ids), 0, 0)  # prefill
+        first = int(be.read(self.next_ids.rows(0, 1))[0])
+        t_prefill = time.perf_counter()
+        out, stopped = cut_at_stop([first], stops)
+        target_len = len(ids)  # committed rows in the target cache (the last committed token is not in it yet)
+        draft_len = 0  # committed rows in the draft's context cache
+        n_context = len(ids)  # taps rows [0, n_context) not yet in the draft's cache
+        anchor_row = 0  # next_embeddings row holding the embedding of the last committed token
+        acceptance: list[int] = []
+        steps: list[dict] = []
+        while not stopped and len(out) < max_new:
+            remaining = max_new - len(out)
+            n_prop = min(b - 1, remaining - 1)  # never verify more than can be committed
+            if n_prop > 0:
+                be.copy(self.block.rows(0, 1), self.next_embeddings.rows(anchor_row, 1))
+                t0 = time.perf_counter()
+                self._draft(n_context, draft_len, b)
+                draft_s += time.perf_counter() - t0
+                draft_len += n_context
+            be.write(self.input_ids.rows(0, 1), np.array([out[-1]], np.int64))
+            if temperature > 0:
+                be.write(self.uniform.rows(0, n_prop + 1), rng.random(n_prop + 1, dtype=np.float32))
+            t0 = time.perf_counter()
+            self._target(1, n_prop, target_len)
+            verify_s += time.perf_counter() - t0
+            posterior = be.read(self.next_ids.rows(0, n_prop + 1))
+            proposals = be.read(self.proposal_ids.rows(0, n_prop)) if n_prop else np.zeros(0, np.int64)
+            acc = accepted_prefix(proposals, posterior)
+            committed = [int(t) for t in proposals[:acc]] + [int(posterior[acc])]
+            kept, stopped = cut_at_stop(committed, stops)
+            out += kept
+            target_len += acc + 1
+            n_context, anchor_row = acc + 1, acc
+            if n_prop > 0:
+                acceptance.append(acc + 1)
+            if record_steps:
+                steps.append({"proposed": [int(t) for t in proposals], "accepted": acc, "committed": kept})
+        t_end = time.perf_counter()
+        total, decode = t_end - t_start, t_end - t_prefill
+        text = self.tokenizer.decode(out) if self.tokenizer is not None else None
+        return GenerationResult(
+            output_ids=out,
+            text=text,
+            finish_reason="stop" if stopped else "length",
+            acceptance_lengths=acceptance,
+            tokens_per_s=len(out) / total if total > 0 else 0.0,
+            decode_tokens_per_s=(len(out) - 1) / decode if decode > 0 and len(out) > 1 else 0.0,
+            prefill_s=t_prefill - t_start,
+            draft_s=draft_s,
+            verify_s=verify_s,
+            host_s=max(decode - draft_s - verify_s, 0.0),
+            steps=steps,
+        )
+
+
+def _make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | None) -> Backend:
+    if name == "ort":
+        from .ort_backend import OrtBackend
+
+        return OrtBackend(artifact_dir, manifest, threads=threads)
+    raise DFlashError(f"unknown backend {name!r}; available: ort")

@@ -1,0 +1,64 @@
+"""The artifact manifest (`manifest.json`): what the exporter wrote and what the runtime needs.
+
+The exporter writes it; the runtime reads and validates it before allocating anything. Bump
+`MANIFEST_VERSION` whenever graph IO or buffer layout changes meaning: an artifact of another
+version is refused with a message telling the user to rebuild.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import DFlashError
+
+MANIFEST_FORMAT = "dflash_export.artifact"
+MANIFEST_VERSION = 1
+DTYPES = {"fp32": "float32", "fp16": "float16"}
+
+_REQUIRED = {
+    "target": ("graph", "num_layers", "hidden_size", "num_kv_heads", "head_dim", "vocab_size"),
+    "draft": ("graph", "num_layers", "num_kv_heads", "head_dim", "block_size", "mask_token_id", "target_layer_ids"),
+}
+
+
+def load_manifest(artifact_dir: str | Path) -> dict[str, Any]:
+    """Read and validate `DIR/manifest.json`.
+
+    Returns:
+        the manifest dict (see README, "Artifact layout").
+
+    Raises:
+        DFlashError: the directory or manifest is missing, malformed, from another format
+            version, or names graph files that are absent.
+    """
+    artifact_dir = Path(artifact_dir)
+    path = artifact_dir / "manifest.json"
+    if not artifact_dir.is_dir():
+        raise DFlashError(f"artifact directory {artifact_dir} does not exist; create it with `python -m dflash_export build`")
+    if not path.is_file():
+        raise DFlashError(f"{artifact_dir} has no manifest.json; it is not a dflash_export artifact (run `build`)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DFlashError(f"{path} is not valid JSON ({exc}); rebuild the artifact") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise DFlashError(f"{path} is not a dflash_export manifest; rebuild the artifact")
+    version = manifest.get("version")
+    if version != MANIFEST_VERSION:
+        raise DFlashError(
+            f"{path} has manifest version {version}, this runtime reads version {MANIFEST_VERSION}; "
+            "rebuild the artifact with the matching dflash_export (`python -m dflash_export build`)"
+        )
+    for section, keys in _REQUIRED.items():
+        missing = [k for k in keys if k not in manifest.get(section, {})]
+        if missing:
+            raise DFlashError(f"{path}: section {section!r} lacks {missing}; rebuild the artifact")
+    if manifest.get("dtype") not in DTYPES:
+        raise DFlashError(f"{path}: unknown dtype {manifest.get('dtype')!r}; rebuild the artifact")
+    for section in ("target", "draft"):
+        graph = artifact_dir / manifest[section]["graph"]
+        if not graph.is_file():
+            raise DFlashError(f"{artifact_dir}: {graph.name} is missing; the artifact is incomplete, rebuild it")
+    return manifest

@@ -1,0 +1,88 @@
+"""onnxruntime backend: static host buffers bound by raw pointer through IO binding.
+
+Past K/V inputs are bound as a prefix view of each layer's static buffer and the new K/V rows
+are bound as outputs at row P of the same buffer, so onnxruntime writes them in place: no cache
+copy, and rollback is a length update in the decoding loop.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .backend import ADDRESS_ALIGNMENT, Backend, Buffer, View
+from .errors import DFlashError
+
+
+class HostBuffer(Buffer):
+    """A Buffer backed by a 256-byte aligned numpy array (`.array`, 1-D)."""
+
+    def __init__(self, dtype, capacity: int, row_shape=()):
+        super().__init__(dtype, capacity, row_shape)
+        raw = np.zeros(self.capacity * self.dtype.itemsize + ADDRESS_ALIGNMENT, dtype=np.uint8)
+        start = (-raw.ctypes.data) % ADDRESS_ALIGNMENT
+        self._raw = raw
+        self.array = raw[start : start + self.capacity * self.dtype.itemsize].view(self.dtype)
+        self.ptr = self.array.ctypes.data
+
+    def host(self, view: View) -> np.ndarray:
+        """numpy view (no copy) of a View on this buffer."""
+        return self.array[view.offset : view.offset + view.size].reshape(view.shape)
+
+
+class OrtBackend(Backend):
+    """Runs the target and draft graphs with onnxruntime.
+
+    Args:
+        artifact_dir: the artifact directory.
+        manifest: its validated manifest.
+        providers: onnxruntime execution providers (default: CPU).
+        threads: intra-op threads (default: all cores).
+
+    Raises:
+        DFlashError: onnxruntime is missing or cannot load a graph.
+    """
+
+    name = "ort"
+
+    def __init__(self, artifact_dir: Path, manifest: dict, providers: list[str] | None = None, threads: int | None = None):
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise DFlashError("onnxruntime is not installed: pip install onnxruntime") from None
+        self._ort = ort
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.intra_op_num_threads = threads or os.cpu_count() or 1
+        opts.log_severity_level = 3
+        self.providers = providers or ["CPUExecutionProvider"]
+        self.sessions = {}
+        for graph in ("target", "draft"):
+            path = Path(artifact_dir) / manifest[graph]["graph"]
+            try:
+                self.sessions[graph] = ort.InferenceSession(str(path), opts, providers=self.providers)
+            except Exception as exc:  # onnxruntime raises its own untyped Fail errors
+                raise DFlashError(f"onnxruntime cannot load {path}: {exc}") from None
+
+    def alloc(self, dtype, rows: int, row_shape=()) -> HostBuffer:
+        return HostBuffer(dtype, rows * int(np.prod(row_shape, dtype=np.int64) if row_shape else 1), row_shape)
+
+    def write(self, view: View, values: np.ndarray) -> None:
+        view.buffer.host(view)[...] = values
+
+    def read(self, view: View) -> np.ndarray:
+        return view.buffer.host(view).copy()
+
+    def copy(self, dst: View, src: View) -> None:
+        dst.buffer.host(dst)[...] = src.buffer.host(src).reshape(dst.shape)
+
+    def run(self, graph: str, inputs: dict[str, View], outputs: dict[str, View]) -> None:
+        sess = self.sessions[graph]
+        binding = sess.io_binding()
+        for name, v in inputs.items():
+            binding.bind_input(name, "cpu", 0, v.buffer.dtype, list(v.shape), v.buffer.ptr + v.byte_offset)
+        for name, v in outputs.items():
+            binding.bind_output(name, "cpu", 0, v.buffer.dtype, list(v.shape), v.buffer.ptr + v.byte_offset)
+        sess.run_with_iobinding(binding)
