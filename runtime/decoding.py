@@ -223,6 +223,7 @@ class Session:
         chat: bool = False,
         seed: int = 0,
         record_steps: bool = False,
+        verify_len: int | None = None,
     ) -> GenerationResult:
         """Generate a reply with DFlash speculative decoding (lossless w.r.t. the target).
 
@@ -236,6 +237,9 @@ class Session:
             chat: wrap text in the model's chat template as one user turn.
             seed: seed of the sampling random numbers (temperature > 0).
             record_steps: keep each step's proposals and acceptance in `result.steps`.
+            verify_len: verify at most this many of the block_size - 1 proposals per step (default:
+                all). On CPUs a verify pass costs more per token than on GPUs, so checking fewer
+                proposals can be faster; the draft still fills the whole block it was trained on.
 
         Returns:
             GenerationResult.
@@ -257,10 +261,14 @@ class Session:
                 f"the KV buffers' max_seq_len {self.max_seq_len}; shorten the request or rebuild with "
                 f"`python -m dflash_export build --max-seq-len {len(ids) + max_new_tokens}` (or larger)"
             )
+        if verify_len is not None and verify_len < 1:
+            raise DFlashError(f"verify_len must be at least 1 (got {verify_len})")
+        n_verify = b - 1 if verify_len is None else min(int(verify_len), b - 1)
         stops = set(self.stop_token_ids if stop_token_ids is None else (int(s) for s in stop_token_ids))
-        return self._decode(ids, max_new_tokens, stops, float(temperature), b, np.random.default_rng(seed), record_steps)
+        rng = np.random.default_rng(seed)
+        return self._decode(ids, max_new_tokens, stops, float(temperature), b, n_verify, rng, record_steps)
 
-    def _decode(self, ids, max_new, stops, temperature, b, rng, record_steps) -> GenerationResult:
+    def _decode(self, ids, max_new, stops, temperature, b, n_verify, rng, record_steps) -> GenerationResult:
         be = self.backend
         draft_s = verify_s = 0.0
         t_start = time.perf_counter()
@@ -279,7 +287,7 @@ class Session:
         steps: list[dict] = []
         while not stopped and len(out) < max_new:
             remaining = max_new - len(out)
-            n_prop = min(b - 1, remaining - 1)  # never verify more than can be committed
+            n_prop = min(n_verify, remaining - 1)  # never verify more than can be committed
             if n_prop > 0:
                 be.copy(self.block.rows(0, 1), self.next_embeddings.rows(anchor_row, 1))
                 t0 = time.perf_counter()
@@ -327,4 +335,12 @@ def _make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | 
         from .ort_backend import OrtBackend
 
         return OrtBackend(artifact_dir, manifest, threads=threads)
-    raise DFlashError(f"unknown backend {name!r}; available: ort")
+    if name == "trt":  # TensorRT and CUDA are imported only here
+        from .trt_backend import TrtBackend
+
+        return TrtBackend(artifact_dir, manifest)
+    if name == "ort-cuda":
+        from .ort_cuda_backend import OrtCudaBackend
+
+        return OrtCudaBackend(artifact_dir, manifest, threads=threads)
+    raise DFlashError(f"unknown backend {name!r}; available: ort, ort-cuda, trt")

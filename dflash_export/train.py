@@ -1,0 +1,482 @@
+"""`train-draft`: train a DFlash draft for a target that has none.
+
+Recipe (published by third parties; dflash-facts section 7): the target, its embeddings and LM head are
+frozen; training data are the target's OWN greedy responses to a prompt set; per sequence, random anchor
+positions inside the response each start a block `[anchor token, MASK x (B-1)]` at positions
+anchor..anchor+B-1 that attends bidirectionally to itself and to the target's tap features of the
+positions strictly before the anchor; the loss is cross-entropy at block position k (1..B-1) predicting
+token anchor+k, weighted exp(-(k-1)/gamma); AdamW, cosine schedule with warmup, gradient clipping.
+
+The output directory is a draft in the released DFlash format (`config.json` + `model.safetensors`), which
+`build --draft` loads, plus `training_record.json`. Nothing is ever pickled: resume state is safetensors +
+JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from runtime.errors import DFlashError
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "models" / "prompts" / "train.jsonl"
+
+
+# ---------------------------------------------------------------------------------------------
+# data: target-generated responses and their tap features, cached on disk
+# ---------------------------------------------------------------------------------------------
+def read_prompts(path: Path) -> list[dict]:
+    """Read a JSONL prompt file: one {"id", "category", "prompt"} object a line.
+
+    Raises:
+        DFlashError: missing file, bad JSON, or a line without "prompt".
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DFlashError(f"prompt file {path} does not exist")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DFlashError(f"{path}:{i} is not valid JSON ({exc})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise DFlashError(f"{path}:{i} has no non-empty \"prompt\" string")
+        row.setdefault("id", f"line-{i}")
+        row.setdefault("category", "uncategorized")
+        rows.append(row)
+    if not rows:
+        raise DFlashError(f"{path} holds no prompts")
+    return rows
+
+
+def _load_target(target_dir: Path, device):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(target_dir), dtype=torch.float32, trust_remote_code=False, use_safetensors=True
+    )
+    model.eval().to(device)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return tok, model
+
+
+def generate_dataset(
+    target_dir: Path,
+    prompts: list[dict],
+    taps: tuple[int, ...],
+    cache: Path,
+    max_new_tokens: int,
+    batch: int,
+    device,
+    show_progress: bool = True,
+) -> dict:
+    """Generate the target's greedy responses and record the tap features of every position.
+
+    The tap features come from the generation passes themselves (prefill + one step per token), so
+    no second forward over the data is needed. Results are cached in `cache/` (`sequences.json`,
+    `taps.safetensors`) and reused when present.
+
+    Returns:
+        {"sequences": [{"id", "category", "prompt_len", "ids"}], "taps": fp16 tensor [total, k*d],
+         "offsets": list of row offsets into taps per sequence}.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
+
+    seq_path, taps_path = cache / "sequences.json", cache / "taps.safetensors"
+    if seq_path.is_file() and taps_path.is_file():
+        seqs = json.loads(seq_path.read_text())
+        feats = load_file(str(taps_path))
+        return {"sequences": seqs, "taps": feats["taps"], "offsets": feats["offsets"].tolist()}
+    tok, model = _load_target(target_dir, device)
+    tok.padding_side = "left"
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    seqs, chunks = [], []
+    order = list(range(len(prompts)))
+    bar = tqdm(total=len(prompts), desc="generating target responses", disable=not show_progress, file=sys.stderr)
+    for start in range(0, len(order), batch):
+        rows = [prompts[i] for i in order[start : start + batch]]
+        texts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": r["prompt"]}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+            )
+            for r in rows
+        ]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        with torch.no_grad():
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+                output_hidden_states=True,
+                return_dict_in_generate=True,
+            )
+        width = enc["input_ids"].shape[1]
+        # hidden_states[step][layer]: step 0 = prefill [b, width, d], later steps [b, 1, d]
+        per_layer = []
+        for layer in taps:
+            idx = layer + 1  # HF hidden_states[L + 1] is the output of decoder layer L
+            per_layer.append(torch.cat([step[idx] for step in out.hidden_states], dim=1))
+        feats = torch.cat(per_layer, dim=-1)  # [b, width + steps, k*d]
+        for j, r in enumerate(rows):
+            mask = enc["attention_mask"][j].bool()
+            prompt_ids = enc["input_ids"][j][mask].tolist()
+            gen = out.sequences[j, width:].tolist()
+            resp = []
+            for t in gen:
+                if t == pad_id and t not in (tok.eos_token_id,):
+                    break
+                resp.append(t)
+                if t == tok.eos_token_id:
+                    break
+            ids = prompt_ids + resp
+            # features exist for every fed token: the prompt and all generated tokens but the last
+            f = feats[j, width - len(prompt_ids) : width - len(prompt_ids) + len(ids)]
+            if f.shape[0] < len(ids):  # the last generated token was never fed
+                f = torch.cat([f, torch.zeros(len(ids) - f.shape[0], f.shape[1], dtype=f.dtype)], dim=0)
+            seqs.append({"id": r["id"], "category": r["category"], "prompt_len": len(prompt_ids), "ids": ids})
+            chunks.append(f.to(torch.float16).cpu())
+        bar.update(len(rows))
+    bar.close()
+    offsets = [0]
+    for c in chunks:
+        offsets.append(offsets[-1] + c.shape[0])
+    taps_t = torch.cat(chunks, dim=0).contiguous()
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".data-", dir=cache))
+    save_file({"taps": taps_t, "offsets": torch.tensor(offsets, dtype=torch.int64)}, str(tmp / "taps.safetensors"))
+    (tmp / "sequences.json").write_text(json.dumps(seqs))
+    (tmp / "taps.safetensors").replace(taps_path)
+    (tmp / "sequences.json").replace(seq_path)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {"sequences": seqs, "taps": taps_t, "offsets": offsets}
+
+
+# ---------------------------------------------------------------------------------------------
+# the training forward: many blocks of one sequence at once
+# ---------------------------------------------------------------------------------------------
+def blocks_forward(draft, ctx_feats, block_emb, anchors):
+    """Draft forward for K blocks of one sequence in one pass (training form of DFlashDraft.forward).
+
+    Args:
+        draft: a :class:`dflash_export.modules.DFlashDraft`.
+        ctx_feats: `[L, k*d]` fp32 tap features of the sequence (row p = position p).
+        block_emb: `[K, B, d]` target embeddings of `[anchor token, MASK x (B-1)]` per block.
+        anchors: int64 `[K]` anchor positions (each block sits at positions anchor..anchor+B-1).
+
+    Returns:
+        `[K, B, d]` final normed hidden states. Block i attends to context positions < anchors[i]
+        and (bidirectionally) to its own B positions only; equals DFlashDraft.forward with the
+        context `ctx_feats[:anchor]` for each block (tested).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from .modules import rope_cos_sin
+
+    k, b, d = block_emb.shape
+    n_ctx = ctx_feats.shape[0]
+    ctx = draft.hidden_norm(draft.fc(ctx_feats))
+    pos_ctx = torch.arange(n_ctx, device=ctx_feats.device)
+    pos_blk = (anchors[:, None] + torch.arange(b, device=anchors.device)[None, :]).reshape(-1)
+    cos_c, sin_c = rope_cos_sin(pos_ctx, draft.inv_freq, draft.rope_scale)
+    cos_b, sin_b = rope_cos_sin(pos_blk, draft.inv_freq, draft.rope_scale)
+    ctx_visible = pos_ctx[None, :] < anchors.repeat_interleave(b)[:, None]
+    block_id = torch.arange(k, device=anchors.device).repeat_interleave(b)
+    mask = torch.cat([ctx_visible, block_id[:, None] == block_id[None, :]], dim=1)  # [K*B, L + K*B]
+    h = block_emb.reshape(k * b, d)
+    for layer in draft.layers:
+        attn = layer.self_attn
+        g = attn.num_heads // attn.num_kv_heads
+        x = layer.input_layernorm(h)
+        q = attn.query(x, cos_b, sin_b)
+        kc, vc = attn.key_value(ctx, cos_c, sin_c)
+        kb, vb = attn.key_value(x, cos_b, sin_b)
+        keys = torch.cat([kc, kb]).transpose(0, 1).repeat_interleave(g, dim=0)
+        values = torch.cat([vc, vb]).transpose(0, 1).repeat_interleave(g, dim=0)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
+        h = h + attn.o_proj(out.transpose(0, 1).reshape(k * b, attn.num_heads * attn.head_dim))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return draft.norm(h).view(k, b, d)
+
+
+def block_loss(draft, head_weight, embed, seq_ids, feats, prompt_len, n_anchors, block_size, mask_id, gamma, rng, device):
+    """Weighted block cross-entropy for one sequence (dflash-facts section 7).
+
+    Returns:
+        (loss tensor or None when the response is too short, number of supervised positions).
+    """
+    import torch
+
+    n = len(seq_ids)
+    candidates = list(range(prompt_len, n - 1))  # an anchor must have at least one token after it
+    if not candidates:
+        return None, 0
+    anchors = sorted(rng.sample(candidates, min(n_anchors, len(candidates))))
+    anchors_t = torch.tensor(anchors, dtype=torch.int64, device=device)
+    ids = torch.tensor(seq_ids, dtype=torch.int64, device=device)
+    offs = torch.arange(block_size, device=device)
+    block_ids = torch.full((len(anchors), block_size), mask_id, dtype=torch.int64, device=device)
+    block_ids[:, 0] = ids[anchors_t]
+    hidden = blocks_forward(draft, feats, embed(block_ids), anchors_t)
+    target_pos = anchors_t[:, None] + offs[None, 1:]  # [K, B-1]
+    valid = target_pos < n
+    labels = ids[target_pos.clamp(max=n - 1)]
+    logits = hidden[:, 1:].reshape(-1, hidden.shape[-1]) @ head_weight.t()
+    ce = torch.nn.functional.cross_entropy(logits, labels.reshape(-1), reduction="none").view(labels.shape)
+    weights = torch.exp(-(offs[1:].float() - 1) / gamma)[None, :] * valid
+    return (ce * weights).sum() / weights.sum(), int(valid.sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+# ---------------------------------------------------------------------------------------------
+def _draft_config(tspec, layers, taps, block_size, mask_id) -> dict:
+    from .sources import random_draft_config
+
+    cfg = random_draft_config(tspec, num_layers=layers, block_size=block_size, mask_token_id=mask_id)
+    cfg["dflash_config"]["target_layer_ids"] = list(taps)
+    cfg["dflash_export"] = {"trained": True}
+    return cfg
+
+
+def _init_from_target(draft, tstate, tspec, layers) -> None:
+    """Initialise draft layers from the target's last layers (same shapes); q/k norms stay at one."""
+    import torch
+
+    first = tspec.arch.num_layers - layers
+    with torch.no_grad():
+        for i, layer in enumerate(draft.layers):
+            prefix = f"model.layers.{first + i}."
+            for name, p in layer.named_parameters():
+                src = tstate.get(prefix + name)
+                if src is not None and tuple(src.shape) == tuple(p.shape):
+                    p.copy_(src.to(p.dtype))
+        if "model.norm.weight" in tstate:
+            draft.norm.weight.copy_(tstate["model.norm.weight"])
+
+
+def train_draft(args) -> int:
+    """Run `train-draft` (see module docstring). Returns the exit status."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
+
+    from .checkpoint import build_target_layer_ids, file_sha256, load_state_dict, load_target_spec, parse_draft_config
+    from .modules import DFlashDraft
+    from .sources import EMBEDDED_MASK_TOKEN_ID, cache_dir, resolve_target
+
+    t_start = time.time()
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target_dir, _ = resolve_target(args.target)
+    tspec = load_target_spec(target_dir)
+    taps = tuple(args.taps) if args.taps else tuple(build_target_layer_ids(tspec.arch.num_layers, args.layers))
+    mask_id = EMBEDDED_MASK_TOKEN_ID if args.mask_token_id is None else args.mask_token_id
+    cfg = _draft_config(tspec, args.layers, taps, args.block_size, mask_id)
+    dspec = parse_draft_config(cfg, tspec, "(training)", None)  # validates taps and mask id
+    prompts = read_prompts(Path(args.prompts))
+    if args.max_prompts:
+        prompts = prompts[: args.max_prompts]
+    out = Path(args.out).resolve()
+    key = hashlib.sha256(
+        json.dumps(
+            [file_sha256(f) for f in sorted(Path(target_dir).glob("*.safetensors"))]
+            + [file_sha256(Path(args.prompts)), args.max_prompts, args.max_new_tokens, list(taps)]
+        ).encode()
+    ).hexdigest()[:16]
+    data_dir = Path(args.data_cache) if args.data_cache else cache_dir() / "train-data" / key
+    t0 = time.time()
+    data = generate_dataset(target_dir, prompts, taps, data_dir, args.max_new_tokens, args.gen_batch, device)
+    gen_seconds = time.time() - t0
+    seqs = [s for s in data["sequences"] if len(s["ids"]) - s["prompt_len"] >= 2]
+    index = {s["id"]: i for i, s in enumerate(data["sequences"])}
+    tstate = load_state_dict(target_dir)
+    embed_w = tstate["model.embed_tokens.weight"].float().to(device)
+    head_w = (tstate.get("lm_head.weight", tstate["model.embed_tokens.weight"])).float().to(device)
+    embed = torch.nn.Embedding.from_pretrained(embed_w, freeze=True)
+    draft = DFlashDraft(dspec).to(device)
+    gen = torch.Generator().manual_seed(args.seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    if args.init == "target":
+        _init_from_target(draft, tstate, tspec, args.layers)
+    del tstate
+    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = max(1, int(args.warmup * args.steps))
+
+    def lr_at(step):
+        if step < warmup:
+            return args.lr * (step + 1) / warmup
+        progress = (step - warmup) / max(1, args.steps - warmup)
+        return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+    start_step, losses = 0, []
+    if args.resume:
+        rdir = Path(args.resume)
+        state_file, meta_file = rdir / "train_state.safetensors", rdir / "train_state.json"
+        if not state_file.is_file() or not meta_file.is_file():
+            raise DFlashError(f"--resume {rdir}: no train_state.safetensors/json there (written every --save-every steps)")
+        st = load_file(str(state_file))
+        draft.load_state_dict({k[len("model.") :]: v for k, v in st.items() if k.startswith("model.")})
+        meta = json.loads(meta_file.read_text())
+        opt_state = opt.state_dict()
+        names = [n for n, _ in draft.named_parameters()]
+        for i, n in enumerate(names):
+            if f"exp_avg.{n}" in st:
+                opt_state["state"][i] = {"step": torch.tensor(float(meta["step"])), "exp_avg": st[f"exp_avg.{n}"], "exp_avg_sq": st[f"exp_avg_sq.{n}"]}
+        opt.load_state_dict(opt_state)
+        start_step, losses = meta["step"], meta.get("losses", [])
+        rng.setstate(tuple(meta["rng"][:1]) + (tuple(meta["rng"][1]),) + tuple(meta["rng"][2:]))
+
+    def save_state(step):
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
+        names = [n for n, _ in draft.named_parameters()]
+        for i, n in enumerate(names):
+            s = opt.state.get(list(draft.parameters())[i])
+            if s:
+                tensors[f"exp_avg.{n}"] = s["exp_avg"].cpu().contiguous()
+                tensors[f"exp_avg_sq.{n}"] = s["exp_avg_sq"].cpu().contiguous()
+        rs = rng.getstate()
+        save_file(tensors, str(out / ".train_state.tmp"))
+        (out / ".train_state.tmp").replace(out / "train_state.safetensors")
+        (out / "train_state.json").write_text(json.dumps({"step": step, "losses": losses, "rng": [rs[0], list(rs[1]), rs[2]]}))
+
+    draft.train()
+    bar = tqdm(range(start_step, args.steps), desc="training draft", file=sys.stderr, initial=start_step, total=args.steps)
+    t_train = time.time()
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        total, count = 0.0, 0
+        for _ in range(args.batch):
+            s = seqs[rng.randrange(len(seqs))]
+            i = index[s["id"]]
+            lo, hi = data["offsets"][i], data["offsets"][i + 1]
+            feats = data["taps"][lo:hi].float().to(device)
+            loss, n = block_loss(
+                draft, head_w, embed, s["ids"], feats, s["prompt_len"], args.anchors, args.block_size, mask_id, args.gamma, rng, device
+            )
+            if loss is None:
+                continue
+            (loss / args.batch).backward()
+            total += float(loss.detach())
+            count += 1
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        losses.append(total / max(count, 1))
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", lr=f"{lr_at(step):.1e}")
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            save_state(step + 1)
+    bar.close()
+    train_seconds = time.time() - t_train
+    _write_draft(draft, cfg, out, args, {
+        "command": " ".join(["python -m dflash_export"] + sys.argv[1:]) if sys.argv else None,
+        "target": str(target_dir),
+        "target_files_sha256": {f.name: file_sha256(f) for f in sorted(Path(target_dir).glob("*.safetensors"))},
+        "prompts": str(args.prompts),
+        "prompts_sha256": file_sha256(Path(args.prompts)),
+        "num_sequences": len(seqs),
+        "response_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in seqs),
+        "max_new_tokens": args.max_new_tokens,
+        "steps": args.steps,
+        "batch": args.batch,
+        "anchors_per_sequence": args.anchors,
+        "block_size": args.block_size,
+        "gamma": args.gamma,
+        "lr": args.lr,
+        "warmup_fraction": args.warmup,
+        "init": args.init,
+        "layers": args.layers,
+        "target_layer_ids": list(taps),
+        "mask_token_id": mask_id,
+        "seed": args.seed,
+        "device": str(device),
+        "data_generation_seconds": round(gen_seconds, 1),
+        "train_seconds": round(train_seconds, 1),
+        "total_seconds": round(time.time() - t_start, 1),
+        "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
+        "loss_curve": [round(sum(losses[i : i + 50]) / len(losses[i : i + 50]), 4) for i in range(0, len(losses), 50)],
+    })
+    print(f"wrote draft {out} (final loss {sum(losses[-50:]) / max(1, len(losses[-50:])):.3f})")
+    return 0
+
+
+def _write_draft(draft, cfg: dict, out: Path, args, record: dict) -> None:
+    """Write config.json + model.safetensors (+ training_record.json) atomically into `out`."""
+    import torch
+    from safetensors.torch import save_file
+
+    dtype = torch.float16 if args.save_dtype == "fp16" else torch.float32
+    cfg = dict(cfg)
+    cfg["torch_dtype"] = "float16" if dtype == torch.float16 else "float32"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in draft.state_dict().items()}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        (tmp / "training_record.json").write_text(json.dumps(record, indent=2))
+        for name in ("config.json", "model.safetensors", "training_record.json"):
+            out.mkdir(parents=True, exist_ok=True)
+            (tmp / name).replace(out / name)
+        for name in ("train_state.safetensors", "train_state.json"):
+            (out / name).unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def register(sub) -> None:
+    """Add the `train-draft` subcommand."""
+    p = sub.add_parser("train-draft", help="train a DFlash draft for a target (frozen target, self-generated data)")
+    p.add_argument("--target", help="target directory or known name (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="output draft directory (released DFlash format)")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file (default: models/prompts/train.jsonl)")
+    p.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="response length when generating data")
+    p.add_argument("--gen-batch", type=int, default=16, help="prompts per batched generation call")
+    p.add_argument("--data-cache", default=None, help="where generated data are cached (default: under the cache dir)")
+    p.add_argument("--layers", type=int, default=2, help="draft decoder layers")
+    p.add_argument("--taps", type=int, nargs="+", default=None, help="target layer ids (default: reference rule)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mask-token-id", type=int, default=None, help="default: 16 (SmolLM2 <empty_output>)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=4, help="sequences per optimizer step")
+    p.add_argument("--anchors", type=int, default=16, help="anchor blocks per sequence")
+    p.add_argument("--gamma", type=float, default=7.0, help="loss decay exp(-(k-1)/gamma)")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the steps")
+    p.add_argument("--init", choices=["target", "random"], default="target", help="initialise draft layers from the target's last layers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", default=None, help="directory with train_state.* to resume from (usually --out)")
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--save-dtype", choices=["fp16", "fp32"], default="fp16")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.set_defaults(func=train_draft)

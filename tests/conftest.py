@@ -1,0 +1,133 @@
+"""Shared fixtures: tiny checkpoints, their export modules and ONNX graphs, built once per session.
+
+Each tiny export takes seconds, so every distinct graph is exported at most once per test session
+(`tiny` caches by key) and shared by all test files.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Tiny targets used by the suite. Taps include layer 0, a middle layer and the LAST layer (whose
+# feature is post-final-norm), so every tap rule is exercised.
+TARGET_KINDS = {
+    "qwen3": dict(family="qwen3", tie=False),
+    "qwen3_tied": dict(family="qwen3", tie=True),
+    "llama": dict(family="llama", tie=False),
+}
+TARGET_TAPS = (0, 1, 3)
+
+
+@dataclass
+class TinyTarget:
+    kind: str
+    hf_dir: Path
+    spec: object  # dflash_export.checkpoint.TargetSpec
+    state: dict
+    module: object  # TargetForExport, fp32, eval
+    taps: tuple[int, ...]
+    _onnx: Path | None = None
+    _onnx_dir: Path | None = None
+
+    @property
+    def onnx_path(self) -> Path:
+        if self._onnx is None:
+            from dflash_export.export import export_target
+
+            path = self._onnx_dir / "target.onnx"
+            export_target(self.module, path)
+            self._onnx = path
+        return self._onnx
+
+
+@dataclass
+class TinyDraft:
+    draft_dir: Path
+    target: TinyTarget
+    spec: object  # DraftSpec
+    state: dict
+    config: dict
+    module: object  # DFlashDraft, fp32, eval
+    _onnx: Path | None = None
+    _onnx_dir: Path | None = None
+
+    @property
+    def onnx_path(self) -> Path:
+        if self._onnx is None:
+            from dflash_export.export import export_draft
+
+            path = self._onnx_dir / "draft.onnx"
+            export_draft(self.module, path)
+            self._onnx = path
+        return self._onnx
+
+
+class TinyFactory:
+    """Builds tiny checkpoints/modules lazily and caches them (and their ONNX graphs) by key."""
+
+    def __init__(self, tmp_path_factory):
+        self._tmp = tmp_path_factory
+        self._targets: dict[str, TinyTarget] = {}
+        self._drafts: dict[str, TinyDraft] = {}
+
+    def target(self, kind: str = "qwen3") -> TinyTarget:
+        if kind not in self._targets:
+            import torch
+
+            import tiny_models
+            from dflash_export.checkpoint import load_state_dict, load_target_spec
+            from dflash_export.modules import TargetForExport, load_weights
+
+            root = self._tmp.mktemp(f"target_{kind}")
+            hf_dir = tiny_models.make_target(root / "hf", **TARGET_KINDS[kind])
+            spec = load_target_spec(hf_dir)
+            state = load_state_dict(hf_dir)
+            module = TargetForExport(spec, TARGET_TAPS, torch.float32).eval()
+            load_weights(module, state, f"target {hf_dir}")
+            self._targets[kind] = TinyTarget(kind, hf_dir, spec, state, module, TARGET_TAPS, _onnx_dir=root)
+        return self._targets[kind]
+
+    def draft(self, kind: str = "default") -> TinyDraft:
+        """`default`: make_draft's defaults (rope_theta 500000 != target 10000, taps [1, 3], block 8)."""
+        if kind not in self._drafts:
+            import json
+
+            import torch
+
+            import tiny_models
+            from dflash_export.checkpoint import load_draft_spec
+            from dflash_export.modules import DFlashDraft, load_weights
+
+            target = self.target("qwen3")
+            root = self._tmp.mktemp(f"draft_{kind}")
+            # A larger weight scale than the default makes attention far from uniform, so position
+            # (RoPE) and masking errors show up clearly.
+            ddir = tiny_models.make_draft(root / "hf", target.hf_dir, scale=0.15)
+            spec, state = load_draft_spec(ddir, target.spec)
+            module = DFlashDraft(spec, torch.float32).eval()
+            load_weights(module, state, f"draft {ddir}")
+            config = json.loads((ddir / "config.json").read_text())
+            self._drafts[kind] = TinyDraft(ddir, target, spec, state, config, module, _onnx_dir=root)
+        return self._drafts[kind]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> TinyFactory:
+    """Session cache of tiny targets/drafts and their exported graphs (each built at most once)."""
+    return TinyFactory(tmp_path_factory)
+
+
+def ort_session(path: Path):
+    """A CPU onnxruntime session for `path` (deterministic, no graph-level surprises)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])

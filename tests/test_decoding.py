@@ -1,0 +1,428 @@
+"""Decoding semantics of the runtime against the DFlash reference `spec_generate`.
+
+Greedy speculative output must equal plain greedy decoding (block_size 1) on the same artifact and
+Hugging Face `generate`; accepted blocks are forced with an oracle draft (at the `Session._draft`
+seam) or with a real draft ONNX that a context-free target accepts; sampling is checked for
+determinism and for the target's distribution.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import runtime
+import runtime_fixtures as rf
+from runtime import DFlashError
+
+N_REF = 48  # length of the plain-greedy reference continuations
+
+
+@pytest.fixture(scope="session")
+def qwen(tmp_path_factory) -> rf.Pair:
+    return rf.artifact("qwen3", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory) -> rf.Pair:
+    return rf.artifact("llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def ctxfree(tmp_path_factory) -> rf.Pair:
+    return rf.artifact("ctxfree", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def qwen_rows(qwen) -> np.ndarray:
+    return rf.token_rows(qwen.target_dir)
+
+
+@pytest.fixture(scope="session")
+def qwen_ref(qwen):
+    """Plain-greedy continuations (block_size 1, no stop) of a few prompts, from the artifact itself."""
+    sess = runtime.load(qwen.artifact)
+    cache = {}
+
+    def ref(prompt, n=N_REF):
+        key = (tuple(prompt), n)
+        if key not in cache:
+            cache[key] = sess.generate(list(prompt), max_new_tokens=n, stop_token_ids=[], block_size=1).output_ids
+        return cache[key]
+
+    return ref
+
+
+PROMPTS = ([5, 6, 7], [1, 40, 33, 12, 90, 7, 61, 18], [3])
+
+
+def check_steps(res):
+    """Internal consistency of a recorded run: the steps commit exactly output[1:], each step commits
+    its accepted proposals (then the posterior token), and acceptance_lengths = accepted + 1."""
+    committed = [t for s in res.steps for t in s["committed"]]
+    assert [res.output_ids[0], *committed] == res.output_ids
+    spec_steps = [s for s in res.steps if s["proposed"]]
+    assert res.acceptance_lengths == [s["accepted"] + 1 for s in spec_steps]
+    for i, s in enumerate(res.steps):
+        assert 0 <= s["accepted"] <= len(s["proposed"])
+        k = min(s["accepted"], len(s["committed"]))
+        assert s["committed"][:k] == s["proposed"][:k]
+        if i < len(res.steps) - 1:  # only the last step may be cut by a stop token
+            assert len(s["committed"]) == s["accepted"] + 1
+
+
+# ---- 1. lossless greedy ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["qwen", "llama"])
+def test_greedy_equals_plain_and_hugging_face(kind, request):
+    pair = request.getfixturevalue(kind)
+    sess = runtime.load(pair.artifact)
+    n, compared = 24, 0
+    for prompt in PROMPTS:
+        spec = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True)
+        plain = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], block_size=1)
+        assert spec.output_ids == plain.output_ids
+        assert len(spec.output_ids) == n and spec.finish_reason == "length"
+        assert plain.acceptance_lengths == [] and plain.tau == 1.0
+        check_steps(spec)
+        hf_ids, margin = rf.hf_greedy(pair.target_dir, prompt, n)
+        small = np.flatnonzero(margin < 1e-3)
+        cut = int(small[0]) if small.size else n
+        assert spec.output_ids[:cut] == hf_ids[:cut], f"prompt {prompt}: diverges from HF before position {cut}"
+        compared += cut
+        # teacher-forced: every token is HF's argmax (within 1e-3) given the runtime's own prefix
+        assert rf.hf_greedy_violations(pair.target_dir, prompt, spec.output_ids) == []
+    assert compared >= 2 * n, "too many near-ties: the comparison with Hugging Face is vacuous"
+
+
+@pytest.mark.parametrize("block_size", [2, 5, 16])
+def test_greedy_any_block_size_equals_plain(qwen, qwen_ref, block_size):
+    sess = runtime.load(qwen.artifact)
+    for prompt in PROMPTS:
+        res = sess.generate(prompt, max_new_tokens=21, stop_token_ids=[], block_size=block_size, record_steps=True)
+        assert res.output_ids == qwen_ref(prompt)[:21]
+        assert all(len(s["proposed"]) <= block_size - 1 for s in res.steps)
+        check_steps(res)
+
+
+def test_default_stop_token_is_the_manifest_eos(qwen, qwen_ref):
+    sess = runtime.load(qwen.artifact)
+    assert sess.stop_token_ids == (rf.EOS,)
+    ref = qwen_ref(PROMPTS[0])
+    assert rf.EOS not in ref[:10]
+    res = sess.generate(PROMPTS[0], max_new_tokens=10)
+    assert res.output_ids == ref[:10] and res.finish_reason == "length"
+
+
+# ---- 2a. oracle draft: accepted blocks, rollback, stops, capacity, reuse ---------------------------
+@pytest.mark.parametrize("n", [1, 2, 8, 9, 13, 20, 33])
+def test_oracle_fully_correct_blocks(qwen, qwen_rows, qwen_ref, n):
+    prompt = PROMPTS[1]
+    ref = qwen_ref(prompt)
+    sess = runtime.load(qwen.artifact)
+    oracle = rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(ref))
+    res = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True)
+    assert res.output_ids == ref[:n]
+    assert res.finish_reason == "length"
+    assert res.acceptance_lengths == rf.expected_acceptance(n, qwen.block_size)
+    assert all(a == qwen.block_size for a in res.acceptance_lengths[:-1])
+    assert len(oracle.calls) == len(res.acceptance_lengths)
+    assert all(s["accepted"] == len(s["proposed"]) for s in res.steps)
+    check_steps(res)
+    if n == 1:
+        assert oracle.calls == [] and res.steps == []
+
+
+@pytest.mark.parametrize("correct", [0, 1, 3, 6])
+def test_oracle_partly_correct_blocks_roll_back(qwen, qwen_rows, qwen_ref, correct):
+    prompt, n = PROMPTS[0], 30
+    ref = qwen_ref(prompt)
+    sess = runtime.load(qwen.artifact)
+    rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(ref, correct=correct))
+    res = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True)
+    assert res.output_ids == ref[:n]
+    assert res.acceptance_lengths == rf.expected_acceptance(n, qwen.block_size, correct)
+    for s in res.steps:
+        assert s["accepted"] == min(correct, len(s["proposed"]))
+    check_steps(res)
+
+
+def test_oracle_mixed_acceptance_per_step(qwen, qwen_rows, qwen_ref):
+    """A different number of right proposals each step (rollback by different lengths)."""
+    prompt, n = PROMPTS[2], 40
+    ref = qwen_ref(prompt)
+    pattern = [7, 0, 3, 7, 1, 5, 2, 6, 0, 4, 7, 7, 2]
+    calls = []
+
+    def propose(k, m):
+        c = pattern[len(calls) % len(pattern)]
+        calls.append(c)
+        return rf.follow(ref, correct=c)(k, m)
+
+    sess = runtime.load(qwen.artifact)
+    rf.Oracle(sess, qwen_rows, len(prompt), propose)
+    res = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True)
+    assert res.output_ids == ref[:n]
+    assert [s["accepted"] for s in res.steps] == [min(c, len(s["proposed"])) for c, s in zip(calls, res.steps)]
+    check_steps(res)
+
+
+def _stop_candidates(ref, block, n, where):
+    """Output positions j (< n) whose token is new at j; `where`: "mid" of a block, block "end" (bonus)."""
+    out = []
+    for j in range(1, n):
+        pos = (j - 1) % block  # index within the step's committed run (steps commit `block` tokens)
+        if ref[j] in ref[:j]:
+            continue
+        if (where == "mid" and 1 <= pos <= block - 2) or (where == "end" and pos == block - 1):
+            out.append(j)
+    return out
+
+
+@pytest.mark.parametrize("where", ["mid", "end"])
+def test_oracle_stop_inside_accepted_block(qwen, qwen_rows, qwen_ref, where):
+    b = qwen.block_size
+    found = None
+    for prompt in (*PROMPTS, [7, 7, 7, 7], [9, 30, 2, 11], [60, 61, 62]):
+        ref = qwen_ref(prompt)
+        cands = [j for j in _stop_candidates(ref, b, 40, where) if j < 40 - b]  # blocks of b tokens
+        if cands:
+            found = prompt, ref, cands[0]
+            break
+    assert found, "no usable stop token in the reference continuations"
+    prompt, ref, j = found
+    stop = ref[j]
+    sess = runtime.load(qwen.artifact)
+    rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(ref))
+    res = sess.generate(prompt, max_new_tokens=40, stop_token_ids=[stop], record_steps=True)
+    assert res.output_ids == ref[: j + 1]
+    assert res.output_ids[-1] == stop and res.finish_reason == "stop"
+    last = res.steps[-1]
+    assert last["accepted"] == b - 1  # the whole block was accepted, then cut after the stop token
+    start = 1 + (len(res.steps) - 1) * b
+    assert last["committed"] == ref[start : j + 1]
+    check_steps(res)
+    # the same stop on plain decoding ends at the same place
+    plain = runtime.load(qwen.artifact).generate(prompt, max_new_tokens=40, stop_token_ids=[stop], block_size=1)
+    assert plain.output_ids == res.output_ids and plain.finish_reason == "stop"
+
+
+def test_oracle_stop_as_first_token(qwen, qwen_rows, qwen_ref):
+    prompt = PROMPTS[0]
+    ref = qwen_ref(prompt)
+    sess = runtime.load(qwen.artifact)
+    oracle = rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(ref))
+    res = sess.generate(prompt, max_new_tokens=20, stop_token_ids=[ref[0], 93], record_steps=True)
+    assert res.output_ids == [ref[0]] and res.finish_reason == "stop"
+    assert res.steps == [] and oracle.calls == [] and res.acceptance_lengths == []
+
+
+def test_oracle_rejected_stop_proposal_is_not_committed(qwen, qwen_rows, qwen_ref):
+    """A stop id proposed after the first wrong proposal is never committed, so decoding goes on."""
+    prompt, n = PROMPTS[1], 30
+    ref = qwen_ref(prompt)
+    stop = next(t for t in range(3, rf.VOCAB) if t not in ref)
+
+    def propose(k, m):
+        return [ref[k + j] if j < 2 else stop for j in range(m)]
+
+    sess = runtime.load(qwen.artifact)
+    rf.Oracle(sess, qwen_rows, len(prompt), propose)
+    res = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[stop], record_steps=True)
+    assert res.output_ids == ref[:n] and res.finish_reason == "length"
+    assert any(stop in s["proposed"] for s in res.steps)
+    assert res.acceptance_lengths == rf.expected_acceptance(n, qwen.block_size, 2)
+
+
+def test_exact_capacity(qwen, qwen_rows):
+    prompt = [1, 40, 33, 12, 90, 7]
+    n = qwen.max_seq_len - len(prompt)
+    sess = runtime.load(qwen.artifact)
+    plain = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], block_size=1)
+    assert len(plain.output_ids) == n
+    spec = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True)
+    assert spec.output_ids == plain.output_ids
+    hf_ids, margin = rf.hf_greedy(qwen.target_dir, prompt, n)
+    small = np.flatnonzero(margin < 1e-3)
+    cut = int(small[0]) if small.size else n
+    assert plain.output_ids[:cut] == hf_ids[:cut]
+    # every position up to the last row of the buffers is HF's argmax given the same prefix
+    assert rf.hf_greedy_violations(qwen.target_dir, prompt, plain.output_ids) == []
+    # fully accepted blocks right up to the last row of the KV buffers
+    rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(plain.output_ids))
+    full = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True)
+    assert full.output_ids == plain.output_ids
+    assert full.acceptance_lengths == rf.expected_acceptance(n, qwen.block_size)
+    with pytest.raises(DFlashError, match=rf"max_seq_len {qwen.max_seq_len}.*--max-seq-len {qwen.max_seq_len + 1}"):
+        sess.generate(prompt, max_new_tokens=n + 1, stop_token_ids=[])
+
+
+def test_prompt_beyond_capacity_is_refused_before_running(qwen):
+    sess = runtime.load(qwen.artifact)
+    runs = []
+    real_run = sess.backend.run
+    sess.backend.run = lambda graph, i, o: (runs.append(graph), real_run(graph, i, o))
+    with pytest.raises(DFlashError) as err:
+        sess.generate(list(range(3, 3 + qwen.max_seq_len)), max_new_tokens=1)
+    msg = str(err.value)
+    assert f"max_seq_len {qwen.max_seq_len}" in msg and "--max-seq-len" in msg
+    assert runs == []
+    with pytest.raises(DFlashError, match="--max-seq-len"):
+        sess.generate([5, 6], max_new_tokens=qwen.max_seq_len - 1)
+    assert runs == []
+    # the session is still usable afterwards
+    assert len(sess.generate([5, 6], max_new_tokens=qwen.max_seq_len - 2, stop_token_ids=[]).output_ids) == qwen.max_seq_len - 2
+
+
+def test_session_reuse_equals_fresh_sessions(qwen, qwen_rows, qwen_ref):
+    long_prompt = [(7 * i + 3) % 90 + 3 for i in range(30)]
+    calls = [
+        (long_prompt, dict(max_new_tokens=20)),
+        ([1, 40, 33, 12, 90], dict(max_new_tokens=17)),
+        ([3], dict(max_new_tokens=12)),
+        ([5, 6, 7], dict(max_new_tokens=9, temperature=0.8, seed=3)),
+        ([1, 40, 33, 12, 90], dict(max_new_tokens=17)),
+    ]
+    reused = runtime.load(qwen.artifact)
+    for prompt, kw in calls:  # the real (random) draft: proposals depend on the draft's cache too
+        a = reused.generate(prompt, stop_token_ids=[], record_steps=True, **kw)
+        b = runtime.load(qwen.artifact).generate(prompt, stop_token_ids=[], record_steps=True, **kw)
+        assert (a.output_ids, a.acceptance_lengths, a.steps) == (b.output_ids, b.acceptance_lengths, b.steps)
+        if "temperature" not in kw:
+            assert a.output_ids == qwen_ref(prompt)[: kw["max_new_tokens"]]
+    # and with accepted blocks (the oracle), so stale verified rows sit past the committed length
+    for prompt, kw in calls:
+        if "temperature" in kw:
+            continue
+        ref = qwen_ref(prompt)
+        rf.Oracle(reused, qwen_rows, len(prompt), rf.follow(ref, correct=4))
+        a = reused.generate(prompt, stop_token_ids=[], record_steps=True, **kw)
+        assert a.output_ids == ref[: kw["max_new_tokens"]]
+        assert a.acceptance_lengths == rf.expected_acceptance(kw["max_new_tokens"], qwen.block_size, 4)
+
+
+# ---- 2b. a real draft ONNX that is accepted, and mask ids in the output -------------------------
+def test_real_draft_accepted_and_mask_ids_kept(ctxfree):
+    m, b = ctxfree.mask_id, ctxfree.block_size
+    sess = runtime.load(ctxfree.artifact)
+    for prompt in ([5, 7, m], [m]):
+        res = sess.generate(prompt, max_new_tokens=14, stop_token_ids=[], record_steps=True)
+        assert res.output_ids == [m] * 14  # the target emits the mask id: it is kept, never filtered
+        assert res.acceptance_lengths == rf.expected_acceptance(14, b) == [b] * 3
+        assert all(s["proposed"] == [m] * len(s["proposed"]) for s in res.steps)
+        plain = sess.generate(prompt, max_new_tokens=14, stop_token_ids=[], block_size=1)
+        assert plain.output_ids == res.output_ids
+        hf_ids, margin = rf.hf_greedy(ctxfree.target_dir, prompt, 14)
+        assert hf_ids == res.output_ids and margin.min() > 1e-2
+    # a prompt ending in another token: the target repeats it, the draft's mask proposals are rejected
+    res = sess.generate([5, 7, 9], max_new_tokens=10, stop_token_ids=[], record_steps=True)
+    assert res.output_ids == [9] * 10
+    assert res.acceptance_lengths == [1] * 9
+    # the mask id as a stop token stops at once; as a non-stop it fills the whole budget
+    res = sess.generate([5, m], max_new_tokens=10, stop_token_ids=[m])
+    assert res.output_ids == [m] and res.finish_reason == "stop"
+    res = sess.generate([5, m], max_new_tokens=10, stop_token_ids=[2])
+    assert res.output_ids == [m] * 10 and res.finish_reason == "length"
+
+
+def test_real_draft_exact_capacity_and_reuse(ctxfree):
+    m = ctxfree.mask_id
+    sess = runtime.load(ctxfree.artifact)
+    first = sess.generate([4, 8, 15, 16, 23, 42, m], max_new_tokens=ctxfree.max_seq_len - 7, stop_token_ids=[])
+    assert first.output_ids == [m] * (ctxfree.max_seq_len - 7)
+    assert first.acceptance_lengths == rf.expected_acceptance(ctxfree.max_seq_len - 7, ctxfree.block_size)
+    again = sess.generate([m], max_new_tokens=9, stop_token_ids=[], record_steps=True)
+    fresh = runtime.load(ctxfree.artifact).generate([m], max_new_tokens=9, stop_token_ids=[], record_steps=True)
+    assert (again.output_ids, again.steps) == (fresh.output_ids, fresh.steps)
+
+
+# ---- 3. sampling --------------------------------------------------------------------------------
+def test_sampling_is_deterministic_per_seed(qwen):
+    sess = runtime.load(qwen.artifact)
+    prompt = PROMPTS[1]
+    outs = {}
+    for seed in range(4):
+        a = sess.generate(prompt, max_new_tokens=16, stop_token_ids=[], temperature=1.0, seed=seed)
+        b = sess.generate(prompt, max_new_tokens=16, stop_token_ids=[], temperature=1.0, seed=seed)
+        c = runtime.load(qwen.artifact).generate(prompt, max_new_tokens=16, stop_token_ids=[], temperature=1.0, seed=seed)
+        assert a.output_ids == b.output_ids == c.output_ids
+        outs[seed] = tuple(a.output_ids)
+    assert len(set(outs.values())) > 1, "different seeds gave the same sample: temperature is ignored"
+
+
+def test_sampling_spec_equals_plain_when_proposals_are_right(qwen, qwen_rows):
+    """Uniforms are drawn in sequence (prefill, then 1 + N per step): with proposals equal to the plain
+    sampled continuation, every block is accepted and the output equals plain sampling token for token.
+    With the first `c` right, outputs agree up to and including the first rejected position."""
+    prompt, n, t = PROMPTS[0], 20, 0.9
+    for seed in range(4):
+        sess = runtime.load(qwen.artifact)
+        plain = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], temperature=t, seed=seed, block_size=1)
+        rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(plain.output_ids))
+        spec = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], temperature=t, seed=seed, record_steps=True)
+        assert spec.output_ids == plain.output_ids
+        assert spec.acceptance_lengths == rf.expected_acceptance(n, qwen.block_size)
+        rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(plain.output_ids, correct=2))
+        part = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], temperature=t, seed=seed, record_steps=True)
+        first_step = part.steps[0]
+        assert first_step["accepted"] == 2
+        assert part.output_ids[:4] == plain.output_ids[:4]  # token 0, two accepted, the resampled one
+
+
+def test_sampling_distribution_matches_target(qwen, qwen_rows):
+    """First token over many seeds ~ softmax(HF logits / T); second token (verified against an oracle
+    proposal of its most likely value) ~ the target's conditional: accepted iff the sample equals it."""
+    prompt, t, n_seeds = PROMPTS[0], 0.3, 700
+    p1 = rf.softmax(rf.hf_next_logits(qwen.target_dir, prompt), t)
+    a = int(np.argmax(p1))
+    p2 = rf.softmax(rf.hf_next_logits(qwen.target_dir, prompt + [a]), t)
+    mode2 = int(np.argmax(p2))
+    sess = runtime.load(qwen.artifact)
+    rf.Oracle(sess, qwen_rows, len(prompt), lambda k, m: [mode2] * m)
+    first, second, accepted = np.zeros(rf.VOCAB, int), np.zeros(rf.VOCAB, int), []
+    for seed in range(n_seeds):
+        res = sess.generate(prompt, max_new_tokens=2, stop_token_ids=[], temperature=t, seed=seed, block_size=4, record_steps=True)
+        x1, x2 = res.output_ids
+        first[x1] += 1
+        step = res.steps[0]
+        assert step["proposed"] == [mode2]
+        assert step["accepted"] == int(x2 == mode2)
+        if x1 == a:
+            second[x2] += 1
+            accepted.append(step["accepted"])
+    ok, stat, thr = rf.chi_square_ok(first, p1)
+    assert ok, f"first token: chi-square {stat:.1f} > {thr:.1f}"
+    assert second.sum() >= 150, "too few samples of the conditional"
+    ok, stat, thr = rf.chi_square_ok(second, p2)
+    assert ok, f"second token given {a}: chi-square {stat:.1f} > {thr:.1f}"
+    rate = float(np.mean(accepted))
+    assert abs(rate - p2[mode2]) < 4 * np.sqrt(p2[mode2] * (1 - p2[mode2]) / len(accepted)) + 1e-9
+    # block_size 1: the same first tokens for the same seeds (the prefill draws the first uniform)
+    for seed in range(0, n_seeds, 70):
+        x1 = sess.generate(prompt, max_new_tokens=1, stop_token_ids=[], temperature=t, seed=seed, block_size=1).output_ids
+        y1 = sess.generate(prompt, max_new_tokens=1, stop_token_ids=[], temperature=t, seed=seed, block_size=4).output_ids
+        assert x1 == y1
+
+
+# ---- arguments ----------------------------------------------------------------------------------
+def test_argument_errors(qwen):
+    sess = runtime.load(qwen.artifact)
+    with pytest.raises(DFlashError, match="max_new_tokens must be at least 1"):
+        sess.generate([5], max_new_tokens=0)
+    with pytest.raises(DFlashError, match="block_size 0 must be between 1 and"):
+        sess.generate([5], max_new_tokens=4, block_size=0)
+    with pytest.raises(DFlashError, match="temperature must be >= 0"):
+        sess.generate([5], max_new_tokens=4, temperature=-0.5)
+    with pytest.raises(DFlashError, match=r"outside the vocabulary \[0, 96\)"):
+        sess.generate([5, 96], max_new_tokens=4)
+    with pytest.raises(DFlashError, match="outside the vocabulary"):
+        sess.generate([-1], max_new_tokens=4)
+
+
+def test_text_prompt_with_tokenizer(qwen, qwen_ref):
+    sess = runtime.load(qwen.artifact)
+    assert sess.encode("t5 t6 t7") == [5, 6, 7]
+    res = sess.generate("t5 t6 t7", max_new_tokens=10, stop_token_ids=[])
+    assert res.output_ids == qwen_ref([5, 6, 7])[:10]
+    assert res.text == " ".join(f"t{i}" for i in res.output_ids if i > 2)  # 0-2: special tokens
+    res = runtime.generate(qwen.artifact, "t5 t6 t7", max_new_tokens=4, stop_token_ids=[])
+    assert res.output_ids == qwen_ref([5, 6, 7])[:4]

@@ -1,0 +1,154 @@
+"""TensorRT optimization profiles cover every shape the decoding loop binds (checked on onnxruntime).
+
+`runtime.profiles.shape_ranges` is the ONE source of the engines' profiles; here every `run` call
+that a real onnxruntime Session makes during `generate` is recorded (by wrapping the backend's
+`run`) and must lie inside one profile of its graph, with output views of exactly the shapes the
+graph produces. Also: the graphs use only TensorRT 10 ONNX operators, and the 256-byte alignment
+arithmetic of K/V row offsets. Nothing here runs TensorRT.
+
+`tiny_artifact` (below) is the tiny fp32 artifact shared by the TensorRT-related test files
+(test_check, test_trt_backend_double): built once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+for _p in (str(TESTS), str(TESTS.parent)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+_CACHE: dict[str, Path] = {}
+
+
+def tiny_artifact(tmp_path_factory) -> Path:
+    """A tiny Qwen3 target (4 layers, GQA 4:2, head_dim 24) + draft (2 layers, block 8), fp32,
+    max_seq_len 64, exported once per session. Target K/V rows are 2*24*4 = 192 bytes, so row
+    offsets are 256-byte aligned only every 4 rows: both binding paths are exercised."""
+    if "fp32" not in _CACHE:
+        from tiny_models import make_draft, make_target
+
+        from dflash_export.build import build
+
+        root = tmp_path_factory.mktemp("trt_tiny")
+        target = make_target(root / "target")
+        draft = make_draft(root / "draft", target)
+        build(str(target), str(draft), root / "artifact", max_seq_len=64, quiet=True)
+        _CACHE["fp32"] = root / "artifact"
+    return _CACHE["fp32"]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory) -> Path:
+    return tiny_artifact(tmp_path_factory)
+
+
+def _record(sess) -> list[tuple[str, dict, dict]]:
+    calls = []
+    inner = sess.backend.run
+
+    def run(graph, inputs, outputs):
+        calls.append((graph, {n: v.shape for n, v in inputs.items()}, {n: v.shape for n, v in outputs.items()}))
+        return inner(graph, inputs, outputs)
+
+    sess.backend.run = run
+    return calls
+
+
+def test_every_bound_shape_lies_in_a_profile(artifact):
+    import runtime
+    from runtime.profiles import output_shapes, select_profile, shape_ranges
+
+    sess = runtime.load(artifact)
+    manifest = sess.manifest
+    S = manifest["max_seq_len"]
+    ranges = shape_ranges(manifest)
+    calls = _record(sess)
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(3, 90, size=5)]
+    cases = [
+        dict(prompt=prompt, max_new_tokens=40),  # default block (8)
+        dict(prompt=prompt, max_new_tokens=12, block_size=1),  # plain decoding: N = 0 verify
+        dict(prompt=prompt, max_new_tokens=12, block_size=2),
+        dict(prompt=prompt[:1], max_new_tokens=S - 1, block_size=sess.max_block),  # largest block, fills the buffers
+        dict(prompt=prompt, max_new_tokens=20, temperature=0.8, seed=3),
+        dict(prompt=[int(t) for t in rng.integers(3, 90, size=S - 1)], max_new_tokens=1),  # longest prefill
+        dict(prompt=[int(t) for t in rng.integers(3, 90, size=S - 3)], max_new_tokens=3),  # long first draft context
+    ]
+    for case in cases:
+        sess.generate(case.pop("prompt"), stop_token_ids=[], **case)
+    used = {}
+    for graph, ins, outs in calls:
+        idx = select_profile(ranges[graph], ins, graph)  # raises if no profile covers the call
+        used.setdefault(graph, set()).add(ranges[graph][idx].name)
+        assert output_shapes(manifest, graph, ins) == outs, (graph, ins)
+    assert used == {"target": {"prefill", "verify"}, "draft": {"draft_prefill", "draft_step"}}
+    # The loop's extremes are what the profiles were derived for.
+    t_prefill = [c[1]["input_ids"][0] for c in calls if c[0] == "target" and c[1]["past_key_0"][0] == 0]
+    assert max(t_prefill) == S - 1 and min(t_prefill) == 1
+    n_verify = [c[1]["draft_hidden"][0] for c in calls if c[0] == "target" and c[1]["past_key_0"][0] > 0]
+    assert min(n_verify) == 0 and max(n_verify) == S - 3  # block 64 after a 1-token prompt: 61 proposals fit
+    assert max(c[1]["past_key_0"][0] + c[2]["key_0"][0] for c in calls if c[0] == "target") <= S
+
+
+def test_profiles_are_consistent_boxes(artifact):
+    from runtime.profiles import output_shapes, profiles_from_json, profiles_to_json, shape_ranges
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    ranges = shape_ranges(manifest)
+    assert profiles_from_json(json.loads(json.dumps(profiles_to_json(ranges)))) == ranges
+    for graph, profiles in ranges.items():
+        for prof in profiles:
+            names = [t["name"] for t in manifest["io"][graph]["inputs"]]
+            assert list(prof.shapes) == names
+            for i in range(3):  # min, opt and max are each a consistent set of shapes for the graph
+                shapes = {n: s[i] for n, s in prof.shapes.items()}
+                output_shapes(manifest, graph, shapes)
+                assert all(lo <= x <= hi for n in names for lo, x, hi in zip(*[prof.shapes[n][j] for j in range(3)]))
+    target = {p.name: p for p in ranges["target"]}
+    assert target["prefill"].shapes["past_key_0"][2][0] == 0 and target["prefill"].shapes["input_ids"][2] == (63,)
+    assert target["verify"].shapes["uniform"][2] == (64,)  # "proposals + 1" evaluated from the IO
+
+
+def test_select_profile_refuses_uncovered_shapes(artifact):
+    from runtime.errors import DFlashError
+    from runtime.profiles import select_profile, shape_ranges
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    prof = shape_ranges(manifest)["target"]
+    shapes = {"input_ids": (2,), "draft_hidden": (3, 64), "temperature": (1,), "uniform": (4,), "past_key_0": (10, 2, 24)}
+    with pytest.raises(DFlashError, match="no optimization profile"):
+        select_profile(prof, shapes, "target")
+
+
+def test_graphs_use_only_tensorrt10_operators(artifact):
+    from dflash_export.export import trt10_supported_ops
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    for graph in ("target", "draft"):
+        checks = manifest["graph_checks"][graph]
+        assert checks["opset"] <= 20
+        assert set(checks["ops"]) <= trt10_supported_ops(), graph
+
+
+def test_row_offset_alignment_arithmetic():
+    from runtime.backend import ADDRESS_ALIGNMENT, Buffer, is_aligned
+
+    # Qwen3 (8 KV heads x 128, fp16): 2048-byte rows, every row offset is aligned: always in place.
+    qwen = Buffer(np.float16, 4096 * 8 * 128, (8, 128))
+    assert all(is_aligned(qwen.rows(p, 1)) for p in range(0, 4096, 7))
+    # Tiny target (2 x 24, fp32): 192-byte rows, aligned exactly when P % 4 == 0.
+    tiny = Buffer(np.float32, 64 * 2 * 24, (2, 24))
+    assert [p for p in range(12) if is_aligned(tiny.rows(p, 1))] == [0, 4, 8]
+    assert tiny.rows(5, 3).byte_offset == 5 * 192 and ADDRESS_ALIGNMENT == 256
+    # SmolLM2-135M (3 KV heads x 64, fp32): 768-byte rows, aligned when P % 1 == 0 (768 = 3 * 256).
+    smol = Buffer(np.float32, 16 * 3 * 64, (3, 64))
+    assert all(is_aligned(smol.rows(p, 1)) for p in range(16))
+    with pytest.raises(IndexError):
+        tiny.rows(63, 2)

@@ -1,0 +1,227 @@
+"""Target ONNX graph (onnxruntime, CPU, fp32) against the Hugging Face model on the same checkpoint.
+
+Covers a tiny Qwen3 (head_dim != hidden / heads, GQA 4:2) with untied and tied embeddings and a tiny
+Llama: prefill, then 1-, 3- and 16-token steps that feed the returned K/V rows back as the past (the
+16-token step is 1 committed token + 15 draft proposals whose ids are forced through draft_hidden),
+a prefill past position 200, greedy and sampled posteriors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+ATOL = 1e-4
+KINDS = ["qwen3", "qwen3_tied", "llama"]
+
+
+class Case:
+    """One tiny target: HF model, export module, ONNX session (built once per kind per module)."""
+
+    def __init__(self, tiny_target):
+        import onnxruntime as ort
+        import transformers
+
+        self.t = tiny_target
+        cls = transformers.Qwen3ForCausalLM if tiny_target.spec.family == "qwen3" else transformers.LlamaForCausalLM
+        self.hf = cls.from_pretrained(tiny_target.hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        self.sess = ort.InferenceSession(str(tiny_target.onnx_path), opts, providers=["CPUExecutionProvider"])
+        a = tiny_target.spec.arch
+        self.layers, self.kv_heads, self.head_dim, self.d = a.num_layers, a.num_kv_heads, a.head_dim, a.hidden_size
+        self.vocab = tiny_target.spec.vocab_size
+        self.out_names = [o.name for o in self.sess.get_outputs()]
+
+    def empty_past(self) -> list[np.ndarray]:
+        return [np.zeros((0, self.kv_heads, self.head_dim), np.float32) for _ in range(2 * self.layers)]
+
+    def run(self, ids, past, draft_hidden=None, temperature=0.0, uniform=None) -> dict[str, np.ndarray]:
+        draft_hidden = np.zeros((0, self.d), np.float32) if draft_hidden is None else draft_hidden
+        n = draft_hidden.shape[0]
+        uniform = np.full(n + 1, 0.5, np.float32) if uniform is None else np.asarray(uniform, np.float32)
+        feed = {
+            "input_ids": np.asarray(ids, np.int64),
+            "draft_hidden": draft_hidden.astype(np.float32),
+            "temperature": np.array([temperature], np.float32),
+            "uniform": uniform,
+        }
+        for i in range(self.layers):
+            feed[f"past_key_{i}"] = past[2 * i]
+            feed[f"past_value_{i}"] = past[2 * i + 1]
+        return dict(zip(self.out_names, self.sess.run(None, feed)))
+
+    def new_kv(self, out) -> list[np.ndarray]:
+        return [out[f"{kind}_{i}"] for i in range(self.layers) for kind in ("key", "value")]
+
+    def reference(self, seq) -> dict[str, np.ndarray]:
+        """HF on the whole sequence (causal: row r depends only on tokens 0..r)."""
+        with torch.no_grad():
+            out = self.hf(torch.tensor([list(seq)]), output_hidden_states=True, use_cache=True)
+        hs = out.hidden_states
+        assert len(hs) == self.layers + 1
+        cache = out.cache
+        return {
+            "logits": out.logits[0].float().numpy(),
+            "taps": torch.cat([hs[L + 1][0] for L in self.t.taps], dim=-1).numpy(),
+            "last_hidden": hs[-1][0].numpy(),
+            "kv": [
+                getattr(cache.layers[i], kind)[0].permute(1, 0, 2).numpy()
+                for i in range(self.layers)
+                for kind in ("keys", "values")
+            ],
+        }
+
+    def head_weight(self) -> np.ndarray:
+        return self.hf.get_output_embeddings().weight.detach().float().numpy()
+
+    def embed_weight(self) -> np.ndarray:
+        return self.hf.get_input_embeddings().weight.detach().float().numpy()
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def case(request, tiny) -> Case:
+    return Case(tiny.target(request.param))
+
+
+def _close(got, want, what, atol=ATOL):
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    err = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))) if got.size else 0.0
+    assert err <= atol, f"{what}: max abs error {err:.3g} > {atol}"
+
+
+def _check_step(case: Case, out, ref, p: int, t: int, n: int, what: str):
+    """Compare one call (past P, T inputs, N proposals) with the HF reference rows."""
+    s = t + n
+    _close(out["taps"], ref["taps"][p : p + s], f"{what} taps")
+    # The last tap layer's feature is HF's last hidden state (post-final-norm).
+    d = case.d
+    last = case.t.taps.index(case.layers - 1)
+    _close(out["taps"][:, last * d : (last + 1) * d], ref["last_hidden"][p : p + s], f"{what} last-layer tap")
+    _close(out["logits"], ref["logits"][p + t - 1 : p + s], f"{what} logits")
+    assert out["logits"].shape == (1 + n, case.vocab)
+    # Greedy posterior: argmax of the (HF-matching) logits, and its embedding rows.
+    np.testing.assert_array_equal(out["next_ids"], np.argmax(ref["logits"][p + t - 1 : p + s], axis=-1), what)
+    np.testing.assert_array_equal(out["next_ids"], np.argmax(out["logits"], axis=-1), what)
+    _close(out["next_embeddings"], case.embed_weight()[out["next_ids"]], f"{what} next_embeddings", atol=0.0)
+    for j, (got, want) in enumerate(zip(case.new_kv(out), ref["kv"])):
+        _close(got, want[p : p + s], f"{what} {'key' if j % 2 == 0 else 'value'}_{j // 2}")
+
+
+def _forced_draft_hidden(case: Case, tokens) -> np.ndarray:
+    """draft_hidden rows whose target-lm_head argmax is `tokens` (scaled LM-head rows)."""
+    return 8.0 * case.head_weight()[np.asarray(tokens)]
+
+
+def test_tap_layers_include_last_layer(case):
+    assert case.layers - 1 in case.t.taps and 0 in case.t.taps
+    assert case.t.spec.arch.head_dim != case.d // case.t.spec.arch.num_heads
+    assert case.t.spec.arch.num_kv_heads < case.t.spec.arch.num_heads
+    assert case.t.spec.tie_word_embeddings == (case.t.kind == "qwen3_tied")
+
+
+def test_prefill_and_steps_match_hf(case):
+    """Prefill 7, then steps of 1, 3 and 1 + 15 proposals, feeding the new K/V rows back as past."""
+    rng = np.random.default_rng(123)
+    prompt = rng.integers(0, case.vocab, 7).tolist()
+    one = rng.integers(0, case.vocab, 1).tolist()
+    three = rng.integers(0, case.vocab, 3).tolist()
+    anchor = rng.integers(0, case.vocab, 1).tolist()
+    chosen = rng.integers(0, case.vocab, 15).tolist()
+    seq = prompt + one + three + anchor + chosen
+    ref = case.reference(seq)
+
+    past = case.empty_past()
+    p = 0
+    for what, ids, proposals in (
+        ("prefill", prompt, None),
+        ("1-token step", one, None),
+        ("3-token step", three, None),
+        ("16-token step", anchor, chosen),
+    ):
+        dh = None if proposals is None else _forced_draft_hidden(case, proposals)
+        out = case.run(ids, past, draft_hidden=dh)
+        n = 0 if proposals is None else len(proposals)
+        if proposals is not None:
+            np.testing.assert_array_equal(out["proposal_ids"], np.asarray(chosen), "proposal_ids")
+        else:
+            assert out["proposal_ids"].shape == (0,)
+        assert out["taps"].shape == (len(ids) + n, len(case.t.taps) * case.d)
+        _check_step(case, out, ref, p, len(ids), n, what)
+        past = [np.concatenate([old, new], axis=0) for old, new in zip(past, case.new_kv(out))]
+        p += len(ids) + n
+    assert p == len(seq)
+    # The accumulated cache equals HF's cache for the whole sequence.
+    for got, want in zip(past, ref["kv"]):
+        _close(got, want, "accumulated cache")
+
+
+def test_positions_past_200(case):
+    """The graph was exported with 3-token dummies; a 230-token prefill and a step at P=230 match HF."""
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, case.vocab, 230).tolist()
+    anchor = rng.integers(0, case.vocab, 1).tolist()
+    chosen = rng.integers(0, case.vocab, 4).tolist()
+    ref = case.reference(prompt + anchor + chosen)
+    out = case.run(prompt, case.empty_past())
+    _check_step(case, out, ref, 0, len(prompt), 0, "230-token prefill")
+    past = case.new_kv(out)
+    out = case.run(anchor, past, draft_hidden=_forced_draft_hidden(case, chosen))
+    np.testing.assert_array_equal(out["proposal_ids"], chosen)
+    _check_step(case, out, ref, len(prompt), 1, len(chosen), "step at P=230")
+
+
+def inverse_cdf_sample(logits: np.ndarray, temperature: float, u: np.ndarray) -> np.ndarray:
+    """Reference sampler: smallest i with CDF_i >= u under softmax(logits / T) (float64 numpy)."""
+    z = logits.astype(np.float64) / temperature
+    pr = np.exp(z - z.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    cdf = np.cumsum(pr, axis=-1)
+    return np.array([int(np.searchsorted(c, x, side="left")) for c, x in zip(cdf, u)])
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.5])
+def test_sampling_inverse_cdf(case, temperature):
+    """temperature > 0: next_ids is the inverse-CDF sample of softmax(logits / T) at `uniform`."""
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, case.vocab, 9).tolist()
+    anchor = rng.integers(0, case.vocab, 1).tolist()
+    chosen = rng.integers(0, case.vocab, 15).tolist()
+    ref = case.reference(prompt + anchor + chosen)
+    out = case.run(prompt, case.empty_past())
+    past = case.new_kv(out)
+    dh = _forced_draft_hidden(case, chosen)
+    rows = ref["logits"][len(prompt) :]  # the 16 verified rows, from HF
+
+    # Pick u in the middle of the CDF interval of a non-argmax token with real mass (rank 1..3),
+    # far from every boundary, so fp32 vs float64 rounding cannot move the sample.
+    z = rows.astype(np.float64) / temperature
+    pr = np.exp(z - z.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    cdf = np.cumsum(pr, axis=-1)
+    want, u = [], []
+    for r in range(rows.shape[0]):
+        order = np.argsort(-pr[r])
+        tok = next((int(i) for i in order[1 + r % 3 :] if pr[r, i] > 0.01), int(order[0]))
+        lo = cdf[r, tok - 1] if tok > 0 else 0.0
+        want.append(tok)
+        u.append(lo + pr[r, tok] / 2)
+    u = np.asarray(u, np.float32)
+    want = np.asarray(want)
+    np.testing.assert_array_equal(inverse_cdf_sample(rows, temperature, u), want)  # the reference itself
+
+    out = case.run(anchor, past, draft_hidden=dh, temperature=temperature, uniform=u)
+    np.testing.assert_array_equal(out["proposal_ids"], chosen)
+    _close(out["logits"], rows, "logits")  # logits do not depend on the temperature
+    np.testing.assert_array_equal(out["next_ids"], inverse_cdf_sample(out["logits"], temperature, u))
+    np.testing.assert_array_equal(out["next_ids"], want)
+    assert np.any(out["next_ids"] != np.argmax(rows, axis=-1)), "sampling never left the argmax"
+    _close(out["next_embeddings"], case.embed_weight()[out["next_ids"]], "sampled next_embeddings", atol=0.0)
+
+    # Extreme uniforms: u -> 0 picks the first token with mass, u close to 1 stays inside the vocabulary.
+    out = case.run(anchor, past, draft_hidden=dh, temperature=temperature, uniform=np.full(16, 0.9999999, np.float32))
+    assert np.all((out["next_ids"] >= 0) & (out["next_ids"] < case.vocab))
+    # temperature 0 ignores the uniforms: greedy.
+    out = case.run(anchor, past, draft_hidden=dh, temperature=0.0, uniform=u)
+    np.testing.assert_array_equal(out["next_ids"], np.argmax(rows, axis=-1))
