@@ -62,10 +62,14 @@ def check_graph(model_path: Path) -> dict:
     from onnx import numpy_helper
 
     model = onnx.load(str(model_path), load_external_data=True)
-    opset = max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    versions = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
+    if not versions:
+        raise DFlashError(f"{model_path.name} imports no default-domain opset; it is not a graph this tool exported")
+    opset = max(versions)
     if opset > OPSET:
         raise DFlashError(f"{model_path.name}: opset {opset} > {OPSET}; TensorRT 10 cannot parse it")
     ops = set()
+    tensors = list(model.graph.initializer)
 
     def walk(graph):
         for node in graph.node:
@@ -73,8 +77,11 @@ def check_graph(model_path: Path) -> dict:
                 raise DFlashError(f"{model_path.name}: node {node.name} uses domain {node.domain!r}")
             ops.add(node.op_type)
             for attr in node.attribute:
-                if attr.g is not None and attr.g.node:
-                    walk(attr.g)
+                if node.op_type == "Constant" and attr.HasField("t"):
+                    tensors.append(attr.t)
+                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    tensors.extend(sub.initializer)
+                    walk(sub)
 
     walk(model.graph)
     unsupported = sorted(ops - trt10_supported_ops())
@@ -82,7 +89,7 @@ def check_graph(model_path: Path) -> dict:
         raise DFlashError(f"{model_path.name}: operators {unsupported} are not parsed by TensorRT 10")
     seen: dict[str, str] = {}
     total = 0
-    for init in model.graph.initializer:
+    for init in tensors:
         arr = numpy_helper.to_array(init)
         total += arr.nbytes
         if arr.size < 4096:  # small constants (shapes, epsilons) may legitimately repeat

@@ -248,7 +248,9 @@ class TargetForExport(nn.Module):
         greedy = torch.argmax(logits, dim=-1)
         t_safe = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
         cdf = torch.cumsum(torch.softmax(logits / t_safe, dim=-1), dim=-1)
-        sampled = torch.clamp((cdf < uniform[:, None]).to(torch.int64).sum(dim=-1), max=self.spec.vocab_size - 1)
+        # scale u by the CDF's own total: an fp32 cumsum over a large vocabulary can end short of 1
+        threshold = uniform[:, None] * cdf[:, -1:]
+        sampled = torch.clamp((cdf < threshold).to(torch.int64).sum(dim=-1), max=self.spec.vocab_size - 1)
         next_ids = torch.where(temperature > 0, sampled, greedy)
         next_embeddings = self.model.embed_tokens(next_ids)
         return (next_ids, proposal_ids, next_embeddings, logits, tap_features, *new_kv)
@@ -318,6 +320,8 @@ def load_weights(module: nn.Module, state: dict[str, torch.Tensor], where: str) 
     from runtime.errors import DFlashError
 
     own = module.state_dict()
+    if getattr(module, "lm_head", 0) is None:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # tied: HF ties a stored copy too
     missing = [k for k in own if k not in state]
     # rotary buffers are computed, lm_head may be tied
     unexpected = [k for k in state if k not in own and "rotary_emb" not in k and not k.endswith("inv_freq")]

@@ -8,8 +8,9 @@ positions strictly before the anchor; the loss is cross-entropy at block positio
 token anchor+k, weighted exp(-(k-1)/gamma); AdamW, cosine schedule with warmup, gradient clipping.
 
 The output directory is a draft in the released DFlash format (`config.json` + `model.safetensors`), which
-`build --draft` loads, plus `training_record.json`. Nothing is ever pickled: resume state is safetensors +
-JSON.
+`build --draft` loads, plus `training_record.json` and the resume state (`train_state.safetensors` with
+weights and AdamW moments, `train_state.json` with step, losses and RNG state; written every
+`--save-every` steps and at the end). Nothing is ever pickled.
 """
 
 from __future__ import annotations
@@ -396,6 +397,7 @@ def train_draft(args) -> int:
             save_state(step + 1)
     bar.close()
     train_seconds = time.time() - t_train
+    save_state(args.steps)  # lets `--resume OUT --steps MORE` continue training later
     _write_draft(draft, cfg, out, args, {
         "command": " ".join(["python -m dflash_export"] + sys.argv[1:]) if sys.argv else None,
         "target": str(target_dir),
@@ -406,6 +408,7 @@ def train_draft(args) -> int:
         "response_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in seqs),
         "max_new_tokens": args.max_new_tokens,
         "steps": args.steps,
+        "resumed_from_step": start_step if args.resume else None,
         "batch": args.batch,
         "anchors_per_sequence": args.anchors,
         "block_size": args.block_size,
@@ -446,8 +449,6 @@ def _write_draft(draft, cfg: dict, out: Path, args, record: dict) -> None:
         for name in ("config.json", "model.safetensors", "training_record.json"):
             out.mkdir(parents=True, exist_ok=True)
             (tmp / name).replace(out / name)
-        for name in ("train_state.safetensors", "train_state.json"):
-            (out / name).unlink(missing_ok=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

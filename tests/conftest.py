@@ -123,11 +123,3 @@ def tiny(tmp_path_factory) -> TinyFactory:
     """Session cache of tiny targets/drafts and their exported graphs (each built at most once)."""
     return TinyFactory(tmp_path_factory)
 
-
-def ort_session(path: Path):
-    """A CPU onnxruntime session for `path` (deterministic, no graph-level surprises)."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
