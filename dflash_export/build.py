@@ -44,8 +44,15 @@ class Stage:
     n: int = 0
 
     def __call__(self, title: str):
+        """Context manager timing the next stage."""
         self.n += 1
         return _StageTimer(f"[{self.n}/{self.total}] {title}", self.quiet)
+
+    def report(self, text: str) -> None:
+        """Count a stage that already finished and print one line for it."""
+        self.n += 1
+        if not self.quiet:
+            print(f"[{self.n}/{self.total}] {text}", file=sys.stderr, flush=True)
 
 
 class _StageTimer:
@@ -138,10 +145,11 @@ def build(
         raise DFlashError(f"{out} exists; remove it or pass --overwrite")
     if out.exists() and not (out / "manifest.json").is_file() and any(out.iterdir()):
         raise DFlashError(f"{out} exists and is not a dflash_export artifact; choose another --out")
-    stage = Stage(total=6, quiet=quiet)
     t_start = time.perf_counter()
-    with stage("validating target and draft"):
-        tspec, dspec, tstate, dstate, name = prepare_pair(target, draft)
+    # Validation prints nothing, so bad input gives exactly one error line.
+    tspec, dspec, tstate, dstate, name = prepare_pair(target, draft)
+    stage = Stage(total=6, quiet=quiet)
+    stage.report(f"validated target and draft in {time.perf_counter() - t_start:.1f}s")
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

@@ -336,9 +336,13 @@ def parse_draft_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc_i
             "this draft belongs to another target"
         )
     if fc_in_features is not None and fc_in_features != len(taps) * target.arch.hidden_size:
+        origin = "declared taps" if declared else (
+            f"no target_layer_ids declared, so the reference fallback rule gave taps {list(taps)}"
+        )
         raise DFlashError(
             f"draft {where}: fc.weight expects {fc_in_features} input features but {len(taps)} taps x hidden "
-            f"{target.arch.hidden_size} = {len(taps) * target.arch.hidden_size}; the tap list does not match the weights"
+            f"{target.arch.hidden_size} = {len(taps) * target.arch.hidden_size} ({origin}); the tap list does not match "
+            "the weights: declare the draft's dflash_config.target_layer_ids"
         )
     return DraftSpec(
         path=None,

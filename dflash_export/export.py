@@ -94,6 +94,9 @@ def check_graph(model_path: Path) -> dict:
         total += arr.nbytes
         if arr.size < 4096:  # small constants (shapes, epsilons) may legitimately repeat
             continue
+        flat = arr.reshape(-1)
+        if flat.size and (flat == flat[0]).all():  # constant-filled weights (zeroed, pruned) repeat legitimately
+            continue
         digest = hashlib.sha256(arr.tobytes()).hexdigest()
         for candidate in (digest, hashlib.sha256(arr.T.copy().tobytes()).hexdigest() if arr.ndim == 2 else None):
             if candidate in seen:

@@ -62,6 +62,8 @@ def resolve_target(target: str | None) -> tuple[Path, str | None]:
     if path.is_dir():
         return path, None
     found = _lookup(target)
+    if found is None and (os.sep in target or target.startswith((".", "~"))):
+        raise DFlashError(f"target directory {target} does not exist; pass a local Hugging Face directory or a known name")
     if found is None:
         names = ", ".join(registry())
         raise DFlashError(f"target {target!r} is neither a directory nor a known name ({names})")

@@ -37,8 +37,11 @@ def generate(
     block_size: int | None = None,
     chat: bool = False,
     backend: str = "ort",
+    seed: int = 0,
+    record_steps: bool = False,
+    verify_len: int | None = None,
 ) -> GenerationResult:
-    """One-off generation: `load(artifact_dir).generate(...)`; see :meth:`Session.generate`."""
+    """One-off generation: `load(artifact_dir, backend).generate(...)`; see :meth:`Session.generate`."""
     return load(artifact_dir, backend=backend).generate(
         prompt,
         max_new_tokens=max_new_tokens,
@@ -46,4 +49,7 @@ def generate(
         temperature=temperature,
         block_size=block_size,
         chat=chat,
+        seed=seed,
+        record_steps=record_steps,
+        verify_len=verify_len,
     )

@@ -18,7 +18,6 @@ tokens, so tests decide exactly which proposals are made (and hence accepted).
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -323,14 +322,16 @@ def follow(ref: Sequence[int], correct: int | None = None) -> Callable[[int, int
     return propose
 
 
+def build_leftovers(out: Path) -> list[str]:
+    """Temporary siblings (`.NAME.tmp-*`, `.NAME.old-*`) of an artifact directory."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return []
+    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
+
+
 def no_partial_output(out: Path) -> None:
     """Assert that a failed build left neither `out` nor a `.out.tmp-*` / `.out.old-*` sibling."""
     out = Path(out)
     assert not out.exists(), f"{out} was left behind"
-    if out.parent.is_dir():
-        leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
-        assert not leftovers, f"temporary directories left behind: {leftovers}"
-
-
-def write_json(path: Path, data: dict) -> None:
-    Path(path).write_text(json.dumps(data, indent=2))
+    assert not build_leftovers(out), f"temporary directories left behind: {build_leftovers(out)}"

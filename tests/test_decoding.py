@@ -44,7 +44,8 @@ def qwen_ref(qwen):
     sess = runtime.load(qwen.artifact)
     cache = {}
 
-    def ref(prompt, n=N_REF):
+    def ref(prompt, n=None):
+        n = min(N_REF, qwen.max_seq_len - len(prompt)) if n is None else n
         key = (tuple(prompt), n)
         if key not in cache:
             cache[key] = sess.generate(list(prompt), max_new_tokens=n, stop_token_ids=[], block_size=1).output_ids
@@ -166,6 +167,26 @@ def test_oracle_mixed_acceptance_per_step(qwen, qwen_rows, qwen_ref):
     check_steps(res)
 
 
+@pytest.mark.parametrize("verify_len", [1, 3, 7, 50])
+def test_oracle_verify_len_limits_verified_proposals(qwen, qwen_rows, qwen_ref, verify_len):
+    """verify_len k: the draft still fills its whole block, only the first k proposals are verified."""
+    prompt, n = PROMPTS[1], 23
+    ref = qwen_ref(prompt)
+    sess = runtime.load(qwen.artifact)
+    oracle = rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(ref))
+    res = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True, verify_len=verify_len)
+    k = min(verify_len, qwen.block_size - 1)
+    assert res.output_ids == ref[:n]
+    assert res.acceptance_lengths == rf.expected_acceptance(n, k + 1)
+    assert all(len(s["proposed"]) <= k for s in res.steps)
+    assert all(len(toks) == qwen.block_size - 1 for _, toks in oracle.calls)
+    check_steps(res)
+    plain = runtime.load(qwen.artifact).generate(prompt, max_new_tokens=n, stop_token_ids=[], verify_len=verify_len)
+    assert plain.output_ids == ref[:n]  # the real draft too
+    with pytest.raises(DFlashError, match="verify_len must be at least 1"):
+        sess.generate(prompt, max_new_tokens=4, verify_len=0)
+
+
 def _stop_candidates(ref, block, n, where):
     """Output positions j (< n) whose token is new at j; `where`: "mid" of a block, block "end" (bonus)."""
     out = []
@@ -201,6 +222,12 @@ def test_oracle_stop_inside_accepted_block(qwen, qwen_rows, qwen_ref, where):
     start = 1 + (len(res.steps) - 1) * b
     assert last["committed"] == ref[start : j + 1]
     check_steps(res)
+    # a stop token committed as the very last allowed token still finishes with "stop"
+    rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(ref))
+    exact = sess.generate(prompt, max_new_tokens=j + 1, stop_token_ids=[stop])
+    assert exact.output_ids == ref[: j + 1] and exact.finish_reason == "stop"
+    short = sess.generate(prompt, max_new_tokens=j, stop_token_ids=[stop])
+    assert short.output_ids == ref[:j] and short.finish_reason == "length"
     # the same stop on plain decoding ends at the same place
     plain = runtime.load(qwen.artifact).generate(prompt, max_new_tokens=40, stop_token_ids=[stop], block_size=1)
     assert plain.output_ids == res.output_ids and plain.finish_reason == "stop"
@@ -316,7 +343,7 @@ def test_real_draft_accepted_and_mask_ids_kept(ctxfree):
     # a prompt ending in another token: the target repeats it, the draft's mask proposals are rejected
     res = sess.generate([5, 7, 9], max_new_tokens=10, stop_token_ids=[], record_steps=True)
     assert res.output_ids == [9] * 10
-    assert res.acceptance_lengths == [1] * 9
+    assert res.acceptance_lengths == rf.expected_acceptance(10, b, 0) == [1] * 8  # the last step has no proposal
     # the mask id as a stop token stops at once; as a non-stop it fills the whole budget
     res = sess.generate([5, m], max_new_tokens=10, stop_token_ids=[m])
     assert res.output_ids == [m] and res.finish_reason == "stop"
@@ -372,16 +399,19 @@ def test_sampling_distribution_matches_target(qwen, qwen_rows):
     """First token over many seeds ~ softmax(HF logits / T); second token (verified against an oracle
     proposal of its most likely value) ~ the target's conditional: accepted iff the sample equals it."""
     prompt, t, n_seeds = PROMPTS[0], 0.3, 700
-    p1 = rf.softmax(rf.hf_next_logits(qwen.target_dir, prompt), t)
+    logits1 = rf.hf_next_logits(qwen.target_dir, prompt)
+    p1 = rf.softmax(logits1, t)
     a = int(np.argmax(p1))
-    p2 = rf.softmax(rf.hf_next_logits(qwen.target_dir, prompt + [a]), t)
+    logits2 = rf.hf_next_logits(qwen.target_dir, prompt + [a])
+    p2 = rf.softmax(logits2, t)
     mode2 = int(np.argmax(p2))
     sess = runtime.load(qwen.artifact)
     rf.Oracle(sess, qwen_rows, len(prompt), lambda k, m: [mode2] * m)
     first, second, accepted = np.zeros(rf.VOCAB, int), np.zeros(rf.VOCAB, int), []
     for seed in range(n_seeds):
-        res = sess.generate(prompt, max_new_tokens=2, stop_token_ids=[], temperature=t, seed=seed, block_size=4, record_steps=True)
-        x1, x2 = res.output_ids
+        # max_new_tokens 3: one proposal is verified after the first token (n_prop = remaining - 1)
+        res = sess.generate(prompt, max_new_tokens=3, stop_token_ids=[], temperature=t, seed=seed, block_size=4, record_steps=True)
+        x1, x2 = res.output_ids[:2]
         first[x1] += 1
         step = res.steps[0]
         assert step["proposed"] == [mode2]
@@ -394,6 +424,9 @@ def test_sampling_distribution_matches_target(qwen, qwen_rows):
     assert second.sum() >= 150, "too few samples of the conditional"
     ok, stat, thr = rf.chi_square_ok(second, p2)
     assert ok, f"second token given {a}: chi-square {stat:.1f} > {thr:.1f}"
+    # the test has power: the same counts are rejected against the target at another temperature
+    assert not rf.chi_square_ok(first, rf.softmax(logits1, 2 * t))[0]
+    assert not rf.chi_square_ok(second, rf.softmax(logits2, 2 * t))[0]
     rate = float(np.mean(accepted))
     assert abs(rate - p2[mode2]) < 4 * np.sqrt(p2[mode2] * (1 - p2[mode2]) / len(accepted)) + 1e-9
     # block_size 1: the same first tokens for the same seeds (the prefill draws the first uniform)

@@ -1,0 +1,600 @@
+"""`check`: numerical parity of the exported graphs (or TensorRT engines) with the PyTorch modules.
+
+    python -m dflash_export check DIR [--backend ort|trt|ort-cuda] [--atol A] [--rtol R] [--min-cosine C]
+
+The reference is the exporter's own PyTorch modules in fp32, rebuilt from the source checkpoints
+recorded in `manifest["sources"]` (their SHA-256 is verified first). Four cases follow the decoding
+loop with teacher forcing (every input comes from the fp32 reference, so an early difference
+cannot snowball): target PREFILL (a prompt, empty past), DRAFT_PREFILL (its taps as context),
+target VERIFY (last token + the draft's block hidden states, on the prefill's K/V) and DRAFT_STEP
+(a few verified rows on the first draft call's K/V). Both sides get exactly the same inputs (in
+the graph's dtype); the artifact side runs through the runtime backend the decoding loop uses
+(buffers, in-place K/V rows, profiles), inside Polygraphy's `Comparator` next to a runner of the
+PyTorch modules, and `SimpleCompareFunc` applies the tolerances.
+
+Per output it prints the max absolute error, the max relative error (over elements whose
+reference magnitude is at least the effective atol) and the cosine similarity. An output passes
+when every element is within atol x max(1, RMS of the reference output) OR within rtol of the
+reference (Polygraphy's elementwise rule, `SimpleCompareFunc`, with a per-output atol), and its
+cosine similarity is >= min-cosine. atol is taken at the tensor's scale because hidden-state
+outputs (taps) reach magnitudes in the thousands in real models, where an element's error follows
+its row's magnitude, not its own. Token ids (next_ids, proposal_ids) must be equal wherever the
+reference's top-2 logit margin exceeds `id_margin` (near-ties may flip at reduced precision); rows
+of next_embeddings whose id flipped are skipped. Exit status 0 = pass, 1 = beyond tolerance,
+2 = user error.
+
+Default tolerances, by the precision that runs (the ONNX dtype for onnxruntime, the engine's
+precision for TensorRT). Measured on onnxruntime CPU here: fp32 max abs 2.4e-6 (tiny test model)
+and 6.4e-5 on SmolLM2-135M logits; fp16 max abs 0.04 on SmolLM2 logits, every cosine >= 0.999997.
+
+| precision | atol (x scale) | rtol | min cosine | id margin | why |
+|---|---|---|---|---|---|
+| fp32 | 1e-4 | 1e-3 | 0.9999 | 1e-3 | the same math in another kernel order (TF32 is off in fp32 engines) |
+| fp16 | 1e-1 | 5e-2 | 0.99 | 0.25 | ~2.5x the fp16 error measured on a 30-layer model, for deeper models and TensorRT's own kernels; cosine 0.99 is the gate Edge-LLM uses |
+| bf16 | 4e-1 | 1.5e-1 | 0.99 | 1.0 | bf16 keeps 3 fewer mantissa bits than fp16 (8x coarser) |
+
+Without torch on the device: `check DIR --save-reference ref.npz` on the export host stores the
+inputs and reference outputs; `check DIR --backend trt --reference ref.npz` on the device compares
+against them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from runtime.errors import DFlashError
+
+ID_OUTPUTS = ("next_ids", "proposal_ids")
+# Outputs that are a lookup of an id output (compared on the rows where the ids agree).
+ID_DEPENDENT = {"next_embeddings": "next_ids"}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    min_cosine: float
+    id_margin: float
+
+
+TOLERANCES = {
+    "fp32": Tolerance(atol=1e-4, rtol=1e-3, min_cosine=0.9999, id_margin=1e-3),
+    "fp16": Tolerance(atol=1e-1, rtol=5e-2, min_cosine=0.99, id_margin=0.25),
+    "bf16": Tolerance(atol=4e-1, rtol=1.5e-1, min_cosine=0.99, id_margin=1.0),
+}
+
+
+@dataclass
+class Case:
+    """One graph call: its inputs (graph dtypes), the fp32 reference outputs, and id margins."""
+
+    graph: str
+    name: str
+    feed: "OrderedDict[str, np.ndarray]"
+    ref: dict[str, np.ndarray] = field(default_factory=dict)
+    margins: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class OutputResult:
+    case: str
+    output: str
+    shape: tuple
+    max_abs: float | None
+    max_rel: float | None
+    cosine: float | None
+    passed: bool
+    note: str = ""
+
+
+@dataclass
+class CheckReport:
+    artifact: str
+    backend: str
+    precision: str
+    tolerance: Tolerance
+    results: list[OutputResult]
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    def to_dict(self) -> dict:
+        return {
+            "artifact": self.artifact, "backend": self.backend, "precision": self.precision, "passed": self.passed,
+            "tolerance": self.tolerance.__dict__, "seconds": self.seconds,
+            "results": [r.__dict__ | {"shape": list(r.shape)} for r in self.results],
+        }
+
+
+# ---- reference (PyTorch, fp32) ---------------------------------------------------------------------
+def _verify_sources(manifest: dict) -> tuple[str, str | None]:
+    from .checkpoint import file_sha256
+
+    src = manifest.get("sources", {})
+    paths = []
+    for key in ("target", "draft"):
+        entry = src.get(key, {})
+        path = entry.get("path")
+        if path is None:
+            if key == "target":
+                raise DFlashError("the manifest records no target checkpoint (sources.target.path); rebuild the artifact")
+            paths.append(None)
+            continue
+        if not Path(path).is_dir():
+            raise DFlashError(f"the {key} checkpoint {path} recorded in the manifest is gone; `check` rebuilds the "
+                              "PyTorch reference from it (or pass --reference FILE saved where it exists)")
+        for name, digest in entry.get("files", {}).items():
+            f = Path(path) / name
+            if not f.is_file() or file_sha256(f) != digest:
+                raise DFlashError(f"{f} differs from the file the artifact was exported from (SHA-256); the reference "
+                                  "would use other weights: restore it or rebuild the artifact")
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def _modules(manifest: dict):
+    import torch
+
+    from .build import prepare_pair
+    from .modules import DFlashDraft, TargetForExport, load_weights
+
+    target, draft = _verify_sources(manifest)
+    tspec, dspec, tstate, dstate, _ = prepare_pair(target, draft)
+    if list(dspec.target_layer_ids) != list(manifest["draft"]["target_layer_ids"]):
+        raise DFlashError("the source checkpoints no longer describe this artifact (draft taps differ); rebuild it")
+    tmod = TargetForExport(tspec, dspec.target_layer_ids, torch.float32).eval()
+    load_weights(tmod, tstate, f"target {tspec.path}")
+    dmod = DFlashDraft(dspec, torch.float32).eval()
+    load_weights(dmod, dstate, f"draft {dspec.path or '(untrained)'}")
+    return tmod, dmod
+
+
+def _run_module(module, feed: dict) -> dict[str, np.ndarray]:
+    import torch
+
+    args = [torch.from_numpy(np.ascontiguousarray(a.astype(np.float32) if a.dtype.kind == "f" else a)) for a in feed.values()]
+    with torch.no_grad():
+        outs = module(*args)
+    return [o.detach().numpy() for o in outs]
+
+
+def _margins(logits: np.ndarray) -> np.ndarray:
+    """Top-1 minus top-2 logit per row (how clearly the argmax is decided)."""
+    if logits.shape[0] == 0 or logits.shape[-1] < 2:
+        return np.full(logits.shape[:1], np.inf, np.float32)
+    top2 = np.sort(logits, axis=-1)[..., -2:]
+    return (top2[..., 1] - top2[..., 0]).astype(np.float32)
+
+
+def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None = None, seed: int = 0, modules=None) -> list[Case]:
+    """The four teacher-forced cases with fp32 PyTorch reference outputs (see the module doc)."""
+    import torch
+
+    tmod, dmod = modules or _modules(manifest)
+    io = manifest["io"]
+    dt = {g: {t["name"]: np.dtype(t["dtype"]) for t in io[g]["inputs"]} for g in io}
+    out_names = {g: [t["name"] for t in io[g]["outputs"]] for g in io}
+    t, d = manifest["target"], manifest["draft"]
+    S, B = int(manifest["max_seq_len"]), int(d["block_size"])
+    hidden, vocab = int(t["hidden_size"]), int(t["vocab_size"])
+    T = int(prompt_len or min(13, max(1, S - B)))
+    if T < 1 or T + B > S:
+        raise DFlashError(f"--prompt-len {T} does not fit: prompt + block ({T} + {B}) must be <= max_seq_len {S}")
+    rng = np.random.default_rng(seed)
+
+    def feed(graph, **arrays):
+        f = OrderedDict()
+        for spec in io[graph]["inputs"]:
+            f[spec["name"]] = np.ascontiguousarray(arrays[spec["name"]]).astype(dt[graph][spec["name"]])
+        return f
+
+    def run(graph, name, f, module):
+        outs = dict(zip(out_names[graph], _run_module(module, f)))
+        return Case(graph, name, f, {k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in outs.items()})
+
+    def kv(prefix_outs, rows, layers, kvh, hd):
+        arrays = {}
+        for i in range(layers):
+            for kind in ("key", "value"):
+                src = prefix_outs.get(f"{kind}_{i}") if prefix_outs is not None else None
+                arrays[f"past_{kind}_{i}"] = src[:rows] if src is not None else np.zeros((0, kvh, hd), np.float32)
+        return arrays
+
+    tl, tkv, thd = int(t["num_layers"]), int(t["num_kv_heads"]), int(t["head_dim"])
+    dl, dkv, dhd = int(d["num_layers"]), int(d["num_kv_heads"]), int(d["head_dim"])
+    mask_row = np.load(Path(artifact_dir) / manifest["mask_embedding"]).astype(np.float32)
+    ids = rng.integers(0, vocab, size=T).astype(np.int64)
+
+    prefill = run("target", "prefill", feed(
+        "target", input_ids=ids, draft_hidden=np.zeros((0, hidden)), temperature=np.zeros(1), uniform=np.zeros(1),
+        **kv(None, 0, tl, tkv, thd)), tmod)
+    block = np.concatenate([prefill.ref["next_embeddings"][:1], np.broadcast_to(mask_row, (B - 1, hidden))])
+    dprefill = run("draft", "draft_prefill", feed(
+        "draft", context_hidden=prefill.ref["taps"], block_embeddings=block, **kv(None, 0, dl, dkv, dhd)), dmod)
+    verify = run("target", "verify", feed(
+        "target", input_ids=prefill.ref["next_ids"][:1], draft_hidden=dprefill.ref["draft_hidden"], temperature=np.zeros(1),
+        uniform=np.zeros(B), **kv(prefill.ref, T, tl, tkv, thd)), tmod)
+    with torch.no_grad():
+        prop_logits = tmod.logits_of(torch.from_numpy(verify.feed["draft_hidden"].astype(np.float32))).numpy()
+    verify.margins["proposal_ids"] = _margins(prop_logits)
+    c = min(3, B)  # as if c - 1 proposals were accepted: the next context is c verified rows
+    block2 = np.concatenate([verify.ref["next_embeddings"][c - 1 : c], np.broadcast_to(mask_row, (B - 1, hidden))])
+    dstep = run("draft", "draft_step", feed(
+        "draft", context_hidden=verify.ref["taps"][:c], block_embeddings=block2, **kv(dprefill.ref, T, dl, dkv, dhd)), dmod)
+    for case in (prefill, verify):
+        case.margins["next_ids"] = _margins(case.ref["logits"])
+    return [prefill, dprefill, verify, dstep]
+
+
+def save_reference(path: Path, cases: list[Case], manifest: dict) -> None:
+    """Store the cases (inputs, fp32 reference outputs, margins) for a device without torch."""
+    arrays = {}
+    meta = {"format": "dflash_export.check-reference", "sources": manifest.get("sources"), "cases": []}
+    for i, c in enumerate(cases):
+        meta["cases"].append({"graph": c.graph, "name": c.name, "inputs": list(c.feed), "outputs": list(c.ref),
+                              "margins": list(c.margins)})
+        for kind, dct in (("in", c.feed), ("ref", c.ref), ("margin", c.margins)):
+            for k, v in dct.items():
+                arrays[f"{i}/{kind}/{k}"] = v
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def load_reference(path: Path, manifest: dict) -> list[Case]:
+    try:
+        data = np.load(path, allow_pickle=False)
+        meta = json.loads(bytes(data["meta"]).decode())
+    except (OSError, ValueError, KeyError) as exc:
+        raise DFlashError(f"{path} is not a reference saved by `check --save-reference` ({exc})") from None
+    if meta.get("format") != "dflash_export.check-reference" or meta.get("sources") != manifest.get("sources"):
+        raise DFlashError(f"{path} was saved for another artifact (its sources differ); save it again for this one")
+    cases = []
+    for i, c in enumerate(meta["cases"]):
+        cases.append(Case(
+            c["graph"], c["name"],
+            OrderedDict((k, data[f"{i}/in/{k}"]) for k in c["inputs"]),
+            {k: data[f"{i}/ref/{k}"] for k in c["outputs"]},
+            {k: data[f"{i}/margin/{k}"] for k in c["margins"]},
+        ))
+    return cases
+
+
+# ---- Polygraphy runners ------------------------------------------------------------------------------
+def _runner_classes():
+    from polygraphy.backend.base import BaseRunner
+    from polygraphy.common import TensorMetadata
+
+    class _IoRunner(BaseRunner):
+        def __init__(self, manifest, graph, name):
+            super().__init__(name=name, prefix=name)
+            self.manifest, self.graph = manifest, graph
+
+        def activate_impl(self):
+            pass
+
+        def deactivate_impl(self):
+            pass
+
+        def get_input_metadata_impl(self):
+            meta = TensorMetadata()
+            for t in self.manifest["io"][self.graph]["inputs"]:
+                meta.add(t["name"], np.dtype(t["dtype"]), [d if isinstance(d, int) else str(d) for d in t["shape"]])
+            return meta
+
+    class RecordedRunner(_IoRunner):
+        """Returns the fp32 reference outputs computed by the PyTorch modules (live or saved), in case order."""
+
+        def __init__(self, manifest, graph, cases, name):
+            super().__init__(manifest, graph, name)
+            self.cases, self.i = cases, 0
+
+        def infer_impl(self, feed_dict):
+            case = self.cases[self.i]
+            self.i += 1
+            self.inference_time = 0.0
+            return OrderedDict(case.ref)
+
+    class TorchRunner(_IoRunner):
+        """Runs a PyTorch module (fp32, CPU) on the feed."""
+
+        def __init__(self, manifest, graph, module, name):
+            super().__init__(manifest, graph, name)
+            self.module = module
+
+        def infer_impl(self, feed_dict):
+            t0 = time.perf_counter()
+            outs = _run_module(self.module, feed_dict)
+            names = [t["name"] for t in self.manifest["io"][self.graph]["outputs"]]
+            res = OrderedDict((n, o.astype(np.float32) if o.dtype.kind == "f" else o) for n, o in zip(names, outs))
+            self.inference_time = time.perf_counter() - t0
+            return res
+
+    class BackendRunner(_IoRunner):
+        """Runs the graph through a runtime backend the way the decoding loop binds it: past K/V and the
+        new rows in ONE buffer (new rows at row P), every other tensor in its own buffer."""
+
+        def __init__(self, manifest, graph, backend, name):
+            super().__init__(manifest, graph, name)
+            self.backend = backend
+
+        def infer_impl(self, feed_dict):
+            from runtime.profiles import output_shapes
+
+            be, graph = self.backend, self.graph
+            shapes = {n: tuple(a.shape) for n, a in feed_dict.items()}
+            outs = output_shapes(self.manifest, graph, shapes)
+            out_dtype = {t["name"]: np.dtype(t["dtype"]) for t in self.manifest["io"][graph]["outputs"]}
+            ins, views = {}, {}
+            for name, arr in feed_dict.items():
+                if name.startswith("past_"):
+                    new = name[len("past_"):]
+                    p, n = arr.shape[0], outs[new][0]
+                    buf = be.alloc(arr.dtype, p + n, arr.shape[1:])
+                    ins[name], views[new] = buf.rows(0, p), buf.rows(p, n)
+                else:
+                    buf = be.alloc(arr.dtype, max(1, arr.shape[0]), arr.shape[1:])
+                    ins[name] = buf.rows(0, arr.shape[0])
+                if arr.size:
+                    be.write(ins[name], arr)
+            for name, shape in outs.items():
+                if name not in views:
+                    views[name] = be.alloc(out_dtype[name], max(1, shape[0]), shape[1:]).rows(0, shape[0])
+            t0 = time.perf_counter()
+            be.run(graph, ins, views)
+            res = OrderedDict()
+            for name in outs:
+                arr = be.read(views[name])
+                res[name] = arr.astype(np.float32) if arr.dtype.kind == "f" else arr
+            self.inference_time = time.perf_counter() - t0
+            return res
+
+    return RecordedRunner, TorchRunner, BackendRunner
+
+
+# ---- comparison ------------------------------------------------------------------------------------------
+def _stats(out: np.ndarray, ref: np.ndarray, atol: float) -> tuple[float, float, float | None]:
+    a, b = out.astype(np.float64).ravel(), ref.astype(np.float64).ravel()
+    if a.size == 0:
+        return 0.0, 0.0, None
+    diff = np.abs(a - b)
+    big = np.abs(b) >= atol
+    max_rel = float(np.max(diff[big] / np.abs(b[big]))) if big.any() else 0.0
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    cosine = 1.0 if na == 0 and nb == 0 else float(np.dot(a, b) / (na * nb)) if na and nb else 0.0
+    return float(np.max(diff)), max_rel, cosine
+
+
+def _accuracy_verdicts(acc, pair_names) -> list[dict]:
+    """Per iteration {output: bool} from Comparator.compare_accuracy (AccuracyResults or AccuracyResult)."""
+    if not hasattr(acc, "items"):  # polygraphy >= 0.53: AccuracyResults, one per compare func
+        acc = acc[0]
+    for pair, iterations in acc.items():
+        if tuple(pair) == tuple(pair_names):
+            return [{k: bool(v) for k, v in it.items()} for it in iterations]
+    raise DFlashError(f"polygraphy returned no comparison for {pair_names}")
+
+
+def compare(manifest: dict, cases: list[Case], backend, backend_name: str, tol: Tolerance, modules=None,
+            verbose: bool = False) -> list[OutputResult]:
+    """Run every case through `backend` and the reference inside Polygraphy's Comparator and judge it."""
+    from polygraphy.comparator import Comparator
+    from polygraphy.logger import G_LOGGER
+
+    try:  # polygraphy >= 0.53 (CompareFunc.simple is deprecated there)
+        from polygraphy.comparator import SimpleCompareFunc as simple_compare
+    except ImportError:
+        from polygraphy.comparator import CompareFunc
+
+        simple_compare = CompareFunc.simple
+
+    RecordedRunner, TorchRunner, BackendRunner = _runner_classes()
+    quiet = contextlib.nullcontext() if verbose or not hasattr(G_LOGGER, "verbosity") else G_LOGGER.verbosity(G_LOGGER.CRITICAL)
+    results: list[OutputResult] = []
+    for graph in ("target", "draft"):
+        gcases = [c for c in cases if c.graph == graph]
+        if modules is not None:
+            ref_runner = TorchRunner(manifest, graph, modules[0] if graph == "target" else modules[1], f"pytorch-fp32-{graph}")
+        else:
+            ref_runner = RecordedRunner(manifest, graph, gcases, f"reference-fp32-{graph}")
+        runner = BackendRunner(manifest, graph, backend, f"{backend_name}-{graph}")
+        scale = _output_scales(gcases)
+        compare_func = simple_compare(
+            atol={"": tol.atol, **{n: tol.atol * k for n, k in scale.items()}}, rtol=tol.rtol, check_shapes=True,
+            find_output_func=lambda name, index, result: [] if name in ID_OUTPUTS or name in ID_DEPENDENT else [name],
+        )
+        with quiet:
+            run_results = Comparator.run([runner, ref_runner], data_loader=[c.feed for c in gcases])
+            acc = Comparator.compare_accuracy(run_results, compare_func=compare_func)
+        verdicts = _accuracy_verdicts(acc, (runner.name, ref_runner.name))
+        for i, case in enumerate(gcases):
+            got, ref = run_results[runner.name][i], run_results[ref_runner.name][i]
+            for name in ref.keys():
+                out, want = np.asarray(got[name]), np.asarray(ref[name])
+                if name in ID_OUTPUTS:
+                    results.append(_id_result(case, name, out, want, tol))
+                    continue
+                note = ""
+                if name in ID_DEPENDENT:  # rows of a flipped (near-tie) id embed another token: skip them
+                    ids = ID_DEPENDENT[name]
+                    same = np.asarray(got[ids]) == np.asarray(ref[ids])
+                    if out.shape != want.shape or same.shape != want.shape[:1]:
+                        results.append(OutputResult(case.name, name, tuple(want.shape), None, None, None, False,
+                                                    f"shape {list(out.shape)}"))
+                        continue
+                    if not same.all():
+                        note = f"{int((~same).sum())} rows of flipped ids skipped"
+                    out, want = out[same], want[same]
+                    verdict = _elementwise_ok(out, want, tol.atol * scale.get(name, 1.0), tol.rtol)
+                else:
+                    verdict = verdicts[i].get(name, False)
+                max_abs, max_rel, cosine = _stats(out, want, tol.atol * scale.get(name, 1.0))
+                ok = verdict and (cosine is None or cosine >= tol.min_cosine)
+                results.append(OutputResult(case.name, name, tuple(np.asarray(ref[name]).shape), max_abs, max_rel, cosine,
+                                            bool(ok), note))
+    return results
+
+
+def _output_scales(cases: list[Case]) -> dict[str, float]:
+    """Per float output, max(1, RMS of the reference) over the cases: atol is applied at the tensor's
+    scale (hidden-state outputs such as taps reach magnitudes in the thousands, where an element's
+    error follows its row's magnitude rather than its own)."""
+    scale: dict[str, float] = {}
+    for case in cases:
+        for name, ref in case.ref.items():
+            if ref.dtype.kind == "f" and ref.size:
+                rms = float(np.sqrt(np.mean(np.square(ref.astype(np.float64)))))
+                scale[name] = max(scale.get(name, 1.0), rms)
+    return scale
+
+
+def _elementwise_ok(out: np.ndarray, want: np.ndarray, atol: float, rtol: float) -> bool:
+    """Polygraphy's elementwise rule: every element within atol or within rtol of the reference."""
+    diff = np.abs(out.astype(np.float64) - want.astype(np.float64))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = diff / np.abs(want.astype(np.float64))
+    return not bool(np.any((diff > atol) & ~(rel <= rtol)))
+
+
+def _id_result(case: Case, name: str, out: np.ndarray, want: np.ndarray, tol: Tolerance) -> OutputResult:
+    if out.shape != want.shape:
+        return OutputResult(case.name, name, tuple(want.shape), None, None, None, False, f"shape {list(out.shape)}")
+    margins = case.margins.get(name, np.full(want.shape, np.inf))
+    differ = out != want
+    decided = margins > tol.id_margin
+    bad = int(np.sum(differ & decided))
+    ties = int(np.sum(differ & ~decided))
+    note = f"{int(np.sum(~differ))}/{want.size} equal" + (f", {ties} near-tie flips allowed" if ties else "")
+    return OutputResult(case.name, name, tuple(want.shape), None, None, None, bad == 0, note)
+
+
+def make_backend(name: str, artifact_dir: Path, manifest: dict):
+    """The runtime backend `name` for the check (the same classes `runtime.load` uses)."""
+    from runtime.decoding import _make_backend
+
+    return _make_backend(name, Path(artifact_dir), manifest, None)
+
+
+def run_check(
+    artifact_dir: str | Path,
+    backend: str = "ort",
+    atol: float | None = None,
+    rtol: float | None = None,
+    min_cosine: float | None = None,
+    id_margin: float | None = None,
+    prompt_len: int | None = None,
+    seed: int = 0,
+    reference: str | Path | None = None,
+    save_reference_to: str | Path | None = None,
+    verbose: bool = False,
+) -> CheckReport:
+    """Compare the artifact's graphs (or engines) on `backend` with the fp32 PyTorch modules.
+
+    Raises:
+        DFlashError: a bad artifact, missing source checkpoints, an unavailable backend.
+    """
+    from runtime.manifest import load_manifest
+
+    t0 = time.perf_counter()
+    artifact_dir = Path(artifact_dir)
+    manifest = load_manifest(artifact_dir)
+    if backend == "trt":
+        if not manifest.get("trt"):
+            raise DFlashError(f"{artifact_dir} has no TensorRT engines to check; build them with `python -m dflash_export.engine {artifact_dir}`")
+        precision = manifest["trt"]["precision"]
+    else:
+        precision = manifest["dtype"]
+    base = TOLERANCES[precision]
+    tol = Tolerance(
+        atol=base.atol if atol is None else float(atol),
+        rtol=base.rtol if rtol is None else float(rtol),
+        min_cosine=base.min_cosine if min_cosine is None else float(min_cosine),
+        id_margin=base.id_margin if id_margin is None else float(id_margin),
+    )
+    be = make_backend(backend, artifact_dir, manifest)  # fail early when the backend is unavailable
+    try:
+        modules = None
+        if reference is not None:
+            cases = load_reference(Path(reference), manifest)
+        else:
+            modules = _modules(manifest)
+            cases = reference_cases(artifact_dir, manifest, prompt_len, seed, modules)
+            if save_reference_to is not None:
+                save_reference(Path(save_reference_to), cases, manifest)
+        results = compare(manifest, cases, be, backend, tol, modules, verbose)
+    finally:
+        if hasattr(be, "close"):
+            be.close()
+    return CheckReport(str(artifact_dir), backend, precision, tol, results, round(time.perf_counter() - t0, 1))
+
+
+def format_report(rep: CheckReport) -> str:
+    t = rep.tolerance
+    lines = [
+        f"check {rep.artifact}: backend {rep.backend}, precision {rep.precision}; reference: the PyTorch modules in fp32",
+        f"tolerance: per element atol {t.atol:g} x max(1, RMS of the reference output) or rtol {t.rtol:g}; "
+        f"cosine >= {t.min_cosine:g}; "
+        f"ids equal where the top-2 logit margin > {t.id_margin:g}",
+        f"{'case':<14}{'output':<17}{'shape':<16}{'max_abs':>10}{'max_rel':>10}{'cosine':>11}  result",
+    ]
+
+    def num(x, fmt):
+        width = int(fmt.split(".")[0])
+        return f"{'-':>{width}}" if x is None else format(x, fmt)
+
+    for r in rep.results:
+        lines.append(
+            f"{r.case:<14}{r.output:<17}{str(list(r.shape)):<16}{num(r.max_abs, '10.3g')}{num(r.max_rel, '10.3g')}"
+            f"{num(r.cosine, '11.7f')}  {'ok' if r.passed else 'FAIL'}{'  ' + r.note if r.note else ''}"
+        )
+    bad = [r for r in rep.results if not r.passed]
+    worst = max((r.max_abs for r in rep.results if r.max_abs is not None), default=0.0)
+    lines.append(
+        f"PASS: {len(rep.results)} outputs within tolerance (worst max_abs {worst:.3g}) in {rep.seconds}s" if not bad
+        else f"FAIL: {len(bad)} of {len(rep.results)} outputs beyond tolerance: "
+             + ", ".join(f"{r.case}/{r.output}" for r in bad)
+    )
+    return "\n".join(lines)
+
+
+def cmd_check(args) -> int:
+    rep = run_check(
+        args.artifact, backend=args.backend, atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine,
+        id_margin=args.id_margin, prompt_len=args.prompt_len, seed=args.seed, reference=args.reference,
+        save_reference_to=args.save_reference, verbose=args.verbose,
+    )
+    print(json.dumps(rep.to_dict()) if args.json else format_report(rep))
+    return 0 if rep.passed else 1
+
+
+def register(subparsers) -> None:
+    """Add the `check` subcommand."""
+    p = subparsers.add_parser("check", help="compare the exported graphs (or TensorRT engines) with the PyTorch modules")
+    p.add_argument("artifact", help="artifact directory written by build")
+    p.add_argument("--backend", default="ort", choices=["ort", "trt", "ort-cuda"], help="what runs the artifact (default ort)")
+    p.add_argument("--atol", type=float, default=None, help="absolute tolerance, times max(1, RMS of each output) (default: fp32 1e-4, fp16 0.1, bf16 0.4)")
+    p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: fp32 1e-3, fp16 0.05, bf16 0.15)")
+    p.add_argument("--min-cosine", type=float, default=None, help="least cosine similarity per output (default fp32 0.9999, else 0.99)")
+    p.add_argument("--id-margin", type=float, default=None, help="token ids must match where the reference top-2 logit margin exceeds this")
+    p.add_argument("--prompt-len", type=int, default=None, help="prefill length (default min(13, max_seq_len - block))")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    p.add_argument("--reference", default=None, help="compare against a reference saved by --save-reference (no torch needed)")
+    p.add_argument("--save-reference", default=None, help="also save the inputs and fp32 reference outputs to this .npz")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--verbose", action="store_true", help="show Polygraphy's own comparison log")
+    p.set_defaults(func=cmd_check)
+
+
+if __name__ == "__main__":
+    sys.exit(print("use: python -m dflash_export check DIR ...") or 2)

@@ -1,0 +1,125 @@
+"""The runtime runs without torch and transformers (as on a Jetson with only onnxruntime)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import runtime
+import runtime_fixtures as rf
+
+BLOCKED = ("torch", "transformers", "safetensors.torch", "dflash_export")
+
+# A meta-path finder installed before anything else refuses every blocked module, so any import of
+# them (direct or from a dependency) raises ImportError, as on a machine without them.
+CHILD = r"""
+import importlib.abc, json, sys
+
+BLOCKED = {blocked!r}
+attempts = []
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+            attempts.append(name)
+            raise ImportError(f"{{name}} is blocked in this test")
+        return None
+
+sys.meta_path.insert(0, Block())
+for b in BLOCKED:
+    try:
+        __import__(b)
+    except ImportError:
+        pass
+    else:
+        raise SystemExit(f"{{b}} is importable despite the blocker")
+attempts.clear()
+
+import runtime
+
+sess = runtime.load(sys.argv[1])
+out = {{}}
+out["greedy"] = sess.generate([5, 6, 7], max_new_tokens=20, stop_token_ids=[]).output_ids
+out["plain"] = sess.generate([5, 6, 7], max_new_tokens=20, stop_token_ids=[], block_size=1).output_ids
+out["sampled"] = sess.generate([1, 40, 33], max_new_tokens=12, stop_token_ids=[], temperature=0.8, seed=7).output_ids
+res = sess.generate("t5 t6 t7", max_new_tokens=6, stop_token_ids=[])
+out["text"] = [res.output_ids, res.text]
+out["loaded"] = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
+out["attempts"] = attempts
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="session")
+def qwen(tmp_path_factory) -> rf.Pair:
+    return rf.artifact("qwen3", tmp_path_factory)
+
+
+def test_runtime_generates_without_torch_or_transformers(qwen, tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(blocked=BLOCKED))
+    proc = subprocess.run(
+        [sys.executable, str(script), str(qwen.artifact)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(rf.ROOT), os.environ.get("PYTHONPATH")]))},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    child = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert child["loaded"] == []
+    assert [a for a in child["attempts"] if a.split(".")[0] in ("torch", "transformers")] == [], (
+        f"the runtime tried to import {child['attempts']}"
+    )
+    sess = runtime.load(qwen.artifact)
+    assert child["greedy"] == sess.generate([5, 6, 7], max_new_tokens=20, stop_token_ids=[]).output_ids
+    assert child["plain"] == child["greedy"]
+    assert child["sampled"] == sess.generate(
+        [1, 40, 33], max_new_tokens=12, stop_token_ids=[], temperature=0.8, seed=7
+    ).output_ids
+    res = sess.generate("t5 t6 t7", max_new_tokens=6, stop_token_ids=[])
+    assert child["text"] == [res.output_ids, res.text]
+
+
+def _module_level_imports(tree: ast.Module) -> list[str]:
+    """Modules imported by statements that run at import time (not inside a def or class body)."""
+    names = []
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                names.extend(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level == 0 and node.module:
+                    names.append(node.module)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            else:
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    visit(getattr(node, field, []) or [])
+
+    visit(tree.body)
+    return names
+
+
+def test_runtime_sources_import_no_torch_at_module_level():
+    src = Path(runtime.__file__).resolve().parent
+    files = sorted(src.glob("*.py"))
+    assert files
+    offenders = {}
+    for f in files:
+        bad = [
+            m
+            for m in _module_level_imports(ast.parse(f.read_text(), str(f)))
+            if m.split(".")[0] in ("torch", "transformers", "dflash_export") or m == "safetensors.torch"
+        ]
+        if bad:
+            offenders[f.name] = bad
+    assert offenders == {}, f"module-level torch/transformers/exporter imports in runtime/: {offenders}"
