@@ -1,4 +1,4 @@
-"""Command line of dflash_export: build, generate (and more subcommands as they land).
+"""Command line of dflash_export: build, generate, check, engine, train-draft, bench.
 
 User errors (:class:`DFlashError`) print one line to stderr and exit with status 2.
 """
@@ -15,7 +15,7 @@ from runtime.errors import DFlashError
 
 # Each module has `register(subparsers)` adding its subcommand(s) with `set_defaults(func=...)`,
 # where func(args) returns an exit status and raises DFlashError for user errors.
-SUBCOMMAND_MODULES = ("dflash_export.check", "dflash_export.train", "dflash_export.bench")
+SUBCOMMAND_MODULES = ("dflash_export.check", "dflash_export.engine", "dflash_export.train", "dflash_export.bench")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -34,7 +34,7 @@ def cmd_build(args) -> int:
     if args.engine == "trt":
         from .engine import require_tensorrt
 
-        require_tensorrt()  # fail at once, before a long export, when TensorRT or a GPU is missing
+        require_tensorrt(precision=args.precision, dtype=args.dtype)  # fail at once, before a long export, when TensorRT or a GPU is missing
     manifest = build(args.target, args.draft, Path(args.out), max_seq_len=args.max_seq_len, dtype=args.dtype)
     if args.engine == "trt":
         from .engine import build_engines
@@ -107,7 +107,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--verify-len", type=int, default=None, help="proposals verified per step (default: block_size - 1)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--backend", default="ort", help="ort (onnxruntime CPU)")
+    g.add_argument("--backend", default="ort", help="ort (onnxruntime CPU), ort-cuda or trt (TensorRT engines)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--steps", action="store_true", help="include each step's proposed and accepted tokens")
     g.set_defaults(func=cmd_generate)

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Device memory of a DFlash pair (Qwen3 target + 5-layer draft) at fp16, per Jetson device.
+
+    python scripts/memory_table.py [--max-seq-len 2048] [--block-size 16] [--markdown]
+
+- Weights: counted from the published Qwen3 configs (hard-coded below), fp16, with the exporter's
+  fp32 islands (RMSNorm weights, the draft's `fc`) at 4 bytes.
+- Runtime buffers: the runtime's OWN allocation code (`runtime.decoding.Session._allocate`) run
+  against a counting backend, so the numbers follow the real formulas (static K/V per layer at
+  max_seq_len, taps, block-sized scratch, fp32 logits for up to 64 rows).
+- Activations: an ESTIMATE of the TensorRT execution-context scratch, per engine the largest of
+  its profiles (prefill is the big one: the exported attention materialises fp32 scores
+  [H, T, T]; a fused attention kernel would need far less). It is an unfused upper-bound style
+  estimate, not a measurement.
+- Fit: against device memory minus a reserve for the OS, CUDA/TensorRT context and the process
+  (`--reserve-gib`, default 2.5). Jetson memory is shared by CPU and GPU.
+
+Draft layout: the released z-lab Qwen3-4B/8B drafts (5 layers, target hidden/intermediate, 32/8/128
+heads, 5 taps, block 16); for 0.6B/1.7B, which have no released draft, the same 5-layer layout at
+the target's sizes is ASSUMED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GIB = 1 << 30
+
+# Published Hugging Face configs (Qwen/Qwen3-*): layers, hidden, heads, kv heads, head_dim, intermediate, vocab, tied.
+QWEN3 = {
+    "Qwen3-0.6B": dict(layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128, inter=3072, vocab=151936, tie=True),
+    "Qwen3-1.7B": dict(layers=28, hidden=2048, heads=16, kv_heads=8, head_dim=128, inter=6144, vocab=151936, tie=True),
+    "Qwen3-4B": dict(layers=36, hidden=2560, heads=32, kv_heads=8, head_dim=128, inter=9728, vocab=151936, tie=True),
+    "Qwen3-8B": dict(layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=12288, vocab=151936, tie=False),
+}
+DRAFT_LAYERS, DRAFT_TAPS = 5, 5
+DEVICES = {  # total memory (GiB, shared CPU/GPU)
+    "Orin Nano 8GB": 8,
+    "Orin NX 16GB": 16,
+    "AGX Orin 64GB": 64,
+    "Thor (AGX, 128GB)": 128,
+}
+FP16, FP32 = 2, 4
+
+
+def draft_config(target: dict) -> dict:
+    heads, kv, hd = (32, 8, 128) if target["hidden"] >= 2560 else (target["heads"], target["kv_heads"], target["head_dim"])
+    return dict(layers=DRAFT_LAYERS, hidden=target["hidden"], heads=heads, kv_heads=kv, head_dim=hd, inter=target["inter"],
+                taps=DRAFT_TAPS)
+
+
+def _layer_bytes(c: dict) -> int:
+    h, q, kv = c["hidden"], c["heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
+    mats = h * q + 2 * h * kv + q * h + 3 * h * c["inter"]
+    norms = 2 * h + 2 * c["head_dim"]  # input/post-attention norms, q_norm/k_norm (fp32)
+    return mats * FP16 + norms * FP32
+
+
+def weight_bytes(t: dict, d: dict) -> tuple[int, int]:
+    """(target, draft) weight bytes at fp16 with fp32 norms and fc."""
+    target = t["layers"] * _layer_bytes(t) + t["vocab"] * t["hidden"] * FP16 * (1 if t["tie"] else 2) + t["hidden"] * FP32
+    draft = d["layers"] * _layer_bytes(d) + d["taps"] * d["hidden"] * d["hidden"] * FP32 + 2 * d["hidden"] * FP32
+    return target, draft
+
+
+class CountingBackend:
+    """A runtime Backend that only counts what `Session._allocate` asks for."""
+
+    name = "count"
+
+    def __init__(self):
+        self.bytes = 0
+
+    def alloc(self, dtype, rows, row_shape=()):
+        from runtime.backend import Buffer
+
+        buf = Buffer(dtype, rows * int(np.prod(row_shape, dtype=np.int64) if row_shape else 1), row_shape)
+        self.bytes += buf.capacity * buf.dtype.itemsize
+        return buf
+
+    def write(self, view, values):
+        pass
+
+
+def runtime_buffer_bytes(t: dict, d: dict, max_seq_len: int, block_size: int) -> int:
+    """Bytes the runtime allocates for this pair: `Session._allocate` itself, on a counting backend."""
+    from runtime.decoding import Session
+
+    manifest = {
+        "max_seq_len": max_seq_len,
+        "target": {"num_layers": t["layers"], "hidden_size": t["hidden"], "num_kv_heads": t["kv_heads"],
+                   "head_dim": t["head_dim"], "vocab_size": t["vocab"]},
+        "draft": {"num_layers": d["layers"], "num_kv_heads": d["kv_heads"], "head_dim": d["head_dim"],
+                  "target_layer_ids": list(range(d["taps"])), "block_size": block_size},
+        "mask_embedding": "mask.npy",
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(Path(tmp) / "mask.npy", np.zeros(t["hidden"], np.float32))
+        sess = Session.__new__(Session)
+        sess.manifest, sess.backend, sess.artifact_dir = manifest, CountingBackend(), Path(tmp)
+        sess.dtype, sess.max_seq_len, sess.block_size = np.dtype(np.float16), max_seq_len, block_size
+        sess._allocate()
+        return sess.backend.bytes
+
+
+def kv_bytes(t: dict, d: dict, max_seq_len: int) -> int:
+    """The K/V part of the runtime buffers (2 per layer, [max_seq_len, Hkv, D] fp16)."""
+    return 2 * max_seq_len * FP16 * (t["layers"] * t["kv_heads"] * t["head_dim"] + d["layers"] * d["kv_heads"] * d["head_dim"])
+
+
+def activation_bytes(t: dict, d: dict, max_seq_len: int, max_block: int = 64) -> int:
+    """ESTIMATED TensorRT context scratch: per engine the largest profile, both engines summed."""
+    S, mb = max_seq_len, max_block
+
+    def layer(c, rows, keys):
+        q = c["heads"] * c["head_dim"]
+        hidden = rows * c["hidden"] * (2 * FP16 + FP32)  # residual, normed input, fp32 norm temporaries
+        qkv = rows * (q + 2 * c["kv_heads"] * c["head_dim"]) * (FP16 + FP32)  # projections + fp32 RoPE temporaries
+        scores = c["heads"] * rows * keys * (2 * FP32 + FP16)  # fp32 scores, fp32 softmax, fp16 probabilities
+        mlp = 3 * rows * c["inter"] * FP16
+        return hidden + qkv + max(scores, mlp)
+
+    prefill = layer(t, S - 1, S - 1)
+    verify = layer(t, mb, S) + 4 * mb * t["vocab"] * FP32  # logits, softmax, cumsum, compare (sampling path)
+    target = max(prefill, verify)
+    draft_first = layer(d, mb, S + mb) + (S - 1) * d["taps"] * d["hidden"] * FP32 * 2  # fc input/output in fp32
+    draft_step = layer(d, mb, S + mb)
+    return target + max(draft_first, draft_step)
+
+
+def rows(max_seq_len: int, block_size: int, reserve_gib: float) -> list[dict]:
+    out = []
+    for name, t in QWEN3.items():
+        d = draft_config(t)
+        wt, wd = weight_bytes(t, d)
+        buffers = runtime_buffer_bytes(t, d, max_seq_len, block_size)
+        kv = kv_bytes(t, d, max_seq_len)
+        act = activation_bytes(t, d, max_seq_len)
+        total = wt + wd + buffers + act
+        out.append({
+            "model": name, "target_weights": wt, "draft_weights": wd, "kv": kv, "other_buffers": buffers - kv,
+            "activations": act, "total": total,
+            "fits": {dev: total <= (mem - reserve_gib) * GIB for dev, mem in DEVICES.items()},
+        })
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--reserve-gib", type=float, default=2.5, help="memory kept for the OS, CUDA/TensorRT and the process")
+    p.add_argument("--markdown", action="store_true")
+    args = p.parse_args(argv)
+    table = rows(args.max_seq_len, args.block_size, args.reserve_gib)
+    g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
+    head = ["model (fp16)", "target weights", "draft weights", "KV buffers", "other buffers", "activations (est.)", "total GiB",
+            *DEVICES]
+    lines = []
+    if args.markdown:
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+    else:
+        lines.append("  ".join(head))
+    for r in table:
+        cells = [r["model"], g(r["target_weights"]), g(r["draft_weights"]), g(r["kv"]), g(r["other_buffers"]),
+                 g(r["activations"]), g(r["total"]), *("yes" if r["fits"][dev] else "no" for dev in DEVICES)]
+        lines.append(("| " + " | ".join(cells) + " |") if args.markdown else "  ".join(cells))
+    print(f"max_seq_len {args.max_seq_len}, block {args.block_size}, reserve {args.reserve_gib} GiB (GiB = 2^30 bytes)")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
