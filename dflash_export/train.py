@@ -8,8 +8,8 @@ positions strictly before the anchor; the loss is cross-entropy at block positio
 token anchor+k, weighted exp(-(k-1)/gamma); AdamW, cosine schedule with warmup, gradient clipping.
 
 The output directory is a draft in the released DFlash format (`config.json` + `model.safetensors`), which
-`build --draft` loads, plus `training_record.json` and the resume state (`train_state.safetensors` with
-weights and AdamW moments, `train_state.json` with step, losses and RNG state; written every
+`build --draft` loads, plus `training_record.json` and the resume state (`train_state/state.safetensors`
+with weights and AdamW moments, `train_state/state.json` with step, losses and RNG state; written every
 `--save-every` steps and at the end). Nothing is ever pickled.
 """
 
@@ -339,9 +339,9 @@ def train_draft(args) -> int:
     start_step, losses = 0, []
     if args.resume:
         rdir = Path(args.resume)
-        state_file, meta_file = rdir / "train_state.safetensors", rdir / "train_state.json"
+        state_file, meta_file = rdir / "train_state" / "state.safetensors", rdir / "train_state" / "state.json"
         if not state_file.is_file() or not meta_file.is_file():
-            raise DFlashError(f"--resume {rdir}: no train_state.safetensors/json there (written every --save-every steps)")
+            raise DFlashError(f"--resume {rdir}: no train_state/state.safetensors + state.json there (written every --save-every steps)")
         st = load_file(str(state_file))
         draft.load_state_dict({k[len("model.") :]: v for k, v in st.items() if k.startswith("model.")})
         meta = json.loads(meta_file.read_text())
@@ -364,9 +364,12 @@ def train_draft(args) -> int:
                 tensors[f"exp_avg.{n}"] = s["exp_avg"].cpu().contiguous()
                 tensors[f"exp_avg_sq.{n}"] = s["exp_avg_sq"].cpu().contiguous()
         rs = rng.getstate()
-        save_file(tensors, str(out / ".train_state.tmp"))
-        (out / ".train_state.tmp").replace(out / "train_state.safetensors")
-        (out / "train_state.json").write_text(json.dumps({"step": step, "losses": losses, "rng": [rs[0], list(rs[1]), rs[2]]}))
+        # a subdirectory, so checkpoint loaders that read every *.safetensors at the top level ignore it
+        sdir = out / "train_state"
+        sdir.mkdir(exist_ok=True)
+        save_file(tensors, str(sdir / ".state.tmp"))
+        (sdir / ".state.tmp").replace(sdir / "state.safetensors")
+        (sdir / "state.json").write_text(json.dumps({"step": step, "losses": losses, "rng": [rs[0], list(rs[1]), rs[2]]}))
 
     draft.train()
     bar = tqdm(range(start_step, args.steps), desc="training draft", file=sys.stderr, initial=start_step, total=args.steps)

@@ -91,14 +91,14 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     spec, state = load_draft_spec(out, load_target_spec(embedded_target_dir()))
     assert spec.arch.num_layers == 2 and spec.block_size == 16
     assert state["fc.weight"].dtype == torch.float16
-    assert (out / "train_state.safetensors").is_file()
+    assert (out / "train_state" / "state.safetensors").is_file()
     # resume: data come from the cache, training continues from step 4 to step 6
     r2 = subprocess.run(cmd[:-4] + ["--steps", "6", "--resume", str(out), "--data-cache", str(tmp_path / "data")],
                         capture_output=True, text=True, timeout=900)
     assert r2.returncode == 0, r2.stderr[-2000:]
     record2 = json.loads((out / "training_record.json").read_text())
     assert record2["resumed_from_step"] == 4 and record2["steps"] == 6
-    assert len(json.loads((out / "train_state.json").read_text())["losses"]) == 6
+    assert len(json.loads((out / "train_state" / "state.json").read_text())["losses"]) == 6
     # resuming from a directory without state is a clear error
     r3 = subprocess.run(cmd[:-4] + ["--resume", str(tmp_path), "--data-cache", str(tmp_path / "data")],
                         capture_output=True, text=True, timeout=900)
