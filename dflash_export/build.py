@@ -70,6 +70,28 @@ class _StageTimer:
             print(f"{self.title}: done in {time.perf_counter() - self.t0:.1f}s", file=sys.stderr, flush=True)
 
 
+def check_output_dir(out: Path, overwrite: bool = True) -> None:
+    """Refuse an output location the atomic rename cannot serve, before any work is done.
+
+    Raises:
+        DFlashError: `out` is a file, a mount point, a non-artifact directory with files, or its
+            parent is not writable.
+    """
+    if out.exists() and not out.is_dir():
+        raise DFlashError(f"--out {out} is a file; choose a directory path")
+    if out.exists() and not overwrite:
+        raise DFlashError(f"{out} exists; remove it or pass --overwrite")
+    if out.is_dir() and os.path.ismount(out):
+        raise DFlashError(f"--out {out} is a mount point, which cannot be replaced atomically; use a subdirectory of it")
+    if out.is_dir() and not (out / "manifest.json").is_file() and any(out.iterdir()):
+        raise DFlashError(f"{out} exists and is not a dflash_export artifact; choose another --out")
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DFlashError(f"cannot write to {parent}; choose a writable --out")
+
+
 def random_draft_state(spec: DraftSpec, seed: int = 0) -> dict:
     """Deterministic random-init weights for an untrained draft (normal(0, 0.02), unit norms)."""
     import torch
@@ -102,6 +124,13 @@ def prepare_pair(target: str | None, draft: str | None) -> tuple[TargetSpec, Dra
         dstate = random_draft_state(dspec)
     else:
         dspec, dstate = load_draft_spec(draft_dir, tspec)
+    from .modules import rope_inv_freq
+
+    for arch, family, what in ((tspec.arch, tspec.family, "target"), (dspec.arch, "qwen3", "draft")):
+        try:
+            rope_inv_freq(arch, family)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise DFlashError(f"{what}: RoPE parameters {arch.rope} are incomplete or invalid ({exc!r})") from None
     tstate = load_state_dict(tspec.path)
     return tspec, dspec, tstate, dstate, name
 
@@ -141,10 +170,7 @@ def build(
     if max_seq_len < 2:
         raise DFlashError(f"--max-seq-len must be at least 2 (got {max_seq_len})")
     out = Path(out).resolve()
-    if out.exists() and not overwrite:
-        raise DFlashError(f"{out} exists; remove it or pass --overwrite")
-    if out.exists() and not (out / "manifest.json").is_file() and any(out.iterdir()):
-        raise DFlashError(f"{out} exists and is not a dflash_export artifact; choose another --out")
+    check_output_dir(out, overwrite)
     t_start = time.perf_counter()
     # Validation prints nothing, so bad input gives exactly one error line.
     tspec, dspec, tstate, dstate, name = prepare_pair(target, draft)
@@ -175,11 +201,18 @@ def build(
             manifest = _manifest(tspec, dspec, name, max_seq_len, dtype, checks, tok_info, tmp)
             manifest["export_seconds"] = round(time.perf_counter() - t_start, 1)
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700; an artifact is meant to be shared and copied
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            out.rename(old / out.name)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
+            try:
+                out.rename(old / out.name)
+                tmp.rename(out)
+            except OSError as exc:
+                if (old / out.name).exists() and not out.exists():
+                    (old / out.name).rename(out)  # put the previous artifact back
+                raise DFlashError(f"cannot replace {out}: {exc}") from None
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)
     finally:

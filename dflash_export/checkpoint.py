@@ -32,9 +32,12 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise DFlashError(f"{model_dir} has no config.json; it is not a Hugging Face model directory")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DFlashError(f"{path} is not valid JSON ({exc}); re-download the checkpoint") from None
+    if not isinstance(cfg, dict):
+        raise DFlashError(f"{path} does not hold a JSON object; re-download the checkpoint")
+    return cfg
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -48,7 +51,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise DFlashError(f"{index} is malformed ({exc}); re-download the checkpoint") from None
         files = [model_dir / s for s in shards]
         missing = [str(f) for f in files if not f.is_file()]
@@ -102,14 +105,19 @@ def file_sha256(path: Path) -> str:
 
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     """Normalise old (`rope_theta` + `rope_scaling`) and new (`rope_parameters`) RoPE fields."""
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
-    for k, v in scaling.items():
-        params.setdefault(k, v)
+    params, scaling = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise DFlashError("rope_parameters / rope_scaling must be JSON objects")
+    params = dict(params)
+    params.update(scaling)  # as transformers: an explicit rope_scaling overrides the defaults
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
     params.setdefault("rope_type", "default")
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    if params.get("rope_type") == "default" and "factor" in scaling:
+        params["rope_type"] = "linear"  # legacy `{"factor": f}` without a type means linear scaling
+    if isinstance(params["rope_theta"], bool) or not isinstance(params["rope_theta"], (int, float)):
+        raise DFlashError(f"rope_theta {params['rope_theta']!r} is not a number")
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise DFlashError(
             f"RoPE type {params['rope_type']!r} is not supported yet (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
@@ -177,6 +185,10 @@ class AttentionSpec:
             )
         except KeyError as exc:
             raise DFlashError(f"{what} config.json lacks the field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise DFlashError(f"{what} config.json has a field of the wrong type ({exc})") from None
+        if min(spec.hidden_size, spec.intermediate_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) < 1:
+            raise DFlashError(f"{what} config.json has a non-positive size field")
         if spec.num_heads % spec.num_kv_heads:
             raise DFlashError(
                 f"{what}: num_attention_heads {spec.num_heads} is not a multiple of num_key_value_heads {spec.num_kv_heads}"
@@ -248,15 +260,18 @@ def load_target_spec(model_dir: Path) -> TargetSpec:
     safetensors_files(model_dir)
     eos: list[int] = []
     for source in (cfg, _read_optional_json(model_dir / "generation_config.json")):
-        value = source.get("eos_token_id")
+        value = source.get("eos_token_id") if isinstance(source, dict) else None
         for v in value if isinstance(value, list) else [value]:
             if isinstance(v, int) and v not in eos:
                 eos.append(v)
+    vocab = cfg.get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise DFlashError(f"target {model_dir} config.json has vocab_size {vocab!r}; expected a positive integer")
     return TargetSpec(
         path=model_dir,
         family=family,
         arch=arch,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=vocab,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         eos_token_ids=tuple(eos),
     )
@@ -302,16 +317,20 @@ def parse_draft_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc_i
     _check_layer_types(cfg, f"draft {where}")
     arch = AttentionSpec.from_config(cfg, f"draft {where}")
     dcfg = cfg.get("dflash_config") or {}
+    if not isinstance(dcfg, dict):
+        raise DFlashError(f"draft {where}: dflash_config must be a JSON object")
     block_size = dcfg.get("block_size", cfg.get("block_size"))
     if block_size is None:
         raise DFlashError(f"draft {where} declares no block_size (top level or dflash_config)")
-    block_size = int(block_size)
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise DFlashError(f"draft {where}: block_size {block_size!r} must be an integer")
     if block_size < 2:
         raise DFlashError(f"draft {where}: block_size {block_size} must be at least 2")
     mask = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
     if mask is None:
         raise DFlashError(f"draft {where} declares no dflash_config.mask_token_id")
-    mask = int(mask)
+    if isinstance(mask, bool) or not isinstance(mask, int):
+        raise DFlashError(f"draft {where}: mask_token_id {mask!r} must be an integer token id")
     if not 0 <= mask < target.vocab_size:
         raise DFlashError(
             f"draft {where}: mask_token_id {mask} is outside the target vocabulary [0, {target.vocab_size})"
@@ -321,7 +340,9 @@ def parse_draft_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc_i
     if taps is None:
         n_target = int(cfg.get("num_target_layers", target.arch.num_layers))
         taps = build_target_layer_ids(n_target, arch.num_layers)
-    taps = tuple(int(t) for t in taps)
+    if not isinstance(taps, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in taps):
+        raise DFlashError(f"draft {where}: target_layer_ids {taps!r} must be a list of integer layer ids")
+    taps = tuple(taps)
     if not taps:
         raise DFlashError(f"draft {where}: target_layer_ids is empty")
     bad = [t for t in taps if not 0 <= t < target.arch.num_layers]

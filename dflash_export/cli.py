@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
+import signal
 import sys
 from pathlib import Path
 
@@ -19,13 +21,12 @@ SUBCOMMAND_MODULES = ("dflash_export.check", "dflash_export.engine", "dflash_exp
 
 
 def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise DFlashError(f"--prompt-ids must be comma-separated integers (got {text!r})") from None
-    if not ids:
+    items = [x.strip() for x in text.split(",")]
+    if items == [""]:
         raise DFlashError("--prompt-ids is empty; pass at least one token id")
-    return ids
+    if not all(re.fullmatch(r"[0-9]+", x, flags=re.ASCII) for x in items):
+        raise DFlashError(f"--prompt-ids must be comma-separated non-negative integers like 1,2,3 (got {text!r})")
+    return [int(x) for x in items]
 
 
 def cmd_build(args) -> int:
@@ -53,6 +54,8 @@ def cmd_generate(args) -> int:
     import runtime
 
     sess = runtime.load(args.artifact, backend=args.backend)
+    if args.prompt_ids is not None and args.chat:
+        raise DFlashError("--chat applies to --prompt text, not to --prompt-ids")
     prompt = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
     if isinstance(prompt, str) and not prompt.strip():
         raise DFlashError("--prompt is empty; pass some text")
@@ -125,6 +128,8 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 user error)."""
     args = make_parser().parse_args(argv)
+    # SIGTERM (docker stop, schedulers) unwinds like Ctrl-C, so temporary outputs are removed.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return args.func(args)
     except DFlashError as exc:

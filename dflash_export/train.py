@@ -43,7 +43,11 @@ def read_prompts(path: Path) -> list[dict]:
     if not path.is_file():
         raise DFlashError(f"prompt file {path} does not exist")
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DFlashError(f"prompt file {path} is not UTF-8 text") from None
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -107,7 +111,9 @@ def generate_dataset(
         return {"sequences": seqs, "taps": feats["taps"], "offsets": feats["offsets"].tolist()}
     tok, model = _load_target(target_dir, device)
     tok.padding_side = "left"
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if tok.pad_token is None:  # e.g. Llama-3 tokenizers: pad with EOS (masked out anyway)
+        tok.pad_token = tok.eos_token
+    pad_id = tok.pad_token_id
     seqs, chunks = [], []
     order = list(range(len(prompts)))
     bar = tqdm(total=len(prompts), desc="generating target responses", disable=not show_progress, file=sys.stderr)
@@ -274,6 +280,23 @@ def _init_from_target(draft, tstate, tspec, layers) -> None:
             draft.norm.weight.copy_(tstate["model.norm.weight"])
 
 
+def _check_train_args(args) -> None:
+    """Refuse bad options before the (possibly long) data generation."""
+    for name in ("steps", "batch", "anchors", "layers", "max_new_tokens", "gen_batch"):
+        if getattr(args, name) < 1:
+            raise DFlashError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    if args.block_size < 2:
+        raise DFlashError(f"--block-size must be at least 2 (got {args.block_size})")
+    if args.max_prompts is not None and args.max_prompts < 1:
+        raise DFlashError(f"--max-prompts must be at least 1 (got {args.max_prompts})")
+    if not (args.lr > 0 and math.isfinite(args.lr)) or not args.gamma > 0 or not 0 <= args.warmup < 1:
+        raise DFlashError("--lr and --gamma must be positive and --warmup in [0, 1)")
+    if args.device not in ("auto", "cpu", "cuda") and not args.device.startswith("cuda:"):
+        raise DFlashError(f"--device must be auto, cpu or cuda[:N] (got {args.device!r})")
+    if args.resume and not (Path(args.resume) / "train_state" / "state.json").is_file():
+        raise DFlashError(f"--resume {args.resume}: no train_state/state.safetensors + state.json there (written every --save-every steps)")
+
+
 def train_draft(args) -> int:
     """Run `train-draft` (see module docstring). Returns the exit status."""
     import torch
@@ -285,6 +308,7 @@ def train_draft(args) -> int:
     from .sources import EMBEDDED_MASK_TOKEN_ID, cache_dir, resolve_target
 
     t_start = time.time()
+    _check_train_args(args)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)

@@ -18,6 +18,8 @@ graphs and the host. `block_size=1` runs plain autoregressive decoding on the sa
 
 from __future__ import annotations
 
+import math
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +129,8 @@ class Session:
         self.block_size = int(m["draft"]["block_size"])
         self.mask_token_id = int(m["draft"]["mask_token_id"])
         self.stop_token_ids = tuple(int(t) for t in m.get("stop_token_ids", []))
+        # One generate at a time: the static buffers belong to the session, not to a call.
+        self._lock = threading.Lock()
         self.tokenizer = None
         tok_json = self.artifact_dir / "tokenizer" / "tokenizer.json"
         if tok_json.is_file():
@@ -153,7 +157,7 @@ class Session:
         self.logits = be.alloc(np.float32, mb, (int(t["vocab_size"]),))
         self.block = be.alloc(self.dtype, mb, (hidden,))
         self.draft_hidden = be.alloc(self.dtype, mb, (hidden,))
-        mask_row = np.load(self.artifact_dir / m["mask_embedding"], allow_pickle=False).astype(self.dtype)
+        mask_row = _load_mask_embedding(self.artifact_dir / m["mask_embedding"], hidden).astype(self.dtype)
         be.write(self.block.rows(0, mb), np.broadcast_to(mask_row, (mb, hidden)))
 
     # ---- graph calls -------------------------------------------------------------------
@@ -201,10 +205,18 @@ class Session:
                 raise DFlashError("the prompt is empty; pass some text or token ids")
             if self.tokenizer is None:
                 raise DFlashError("this artifact has no tokenizer; pass token ids instead of text")
-            if chat:
-                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(prompt)
-        ids = [int(i) for i in prompt]
+            ids = (
+                self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                if chat
+                else self.tokenizer.encode(prompt)
+            )
+            if not ids:
+                raise DFlashError("the prompt tokenizes to no tokens; pass some text or token ids")
+            return ids
+        try:
+            ids = [_as_int(i, "prompt token id") for i in prompt]
+        except TypeError:
+            raise DFlashError("the prompt must be text or a sequence of token ids") from None
         if not ids:
             raise DFlashError("the prompt is empty; pass at least one token id")
         vocab = int(self.manifest["target"]["vocab_size"])
@@ -248,25 +260,41 @@ class Session:
             DFlashError: empty prompt, bad arguments, or prompt + max_new_tokens beyond the buffers.
         """
         ids = self.encode(prompt, chat=chat)
-        b = self.block_size if block_size is None else int(block_size)
+        b = self.block_size if block_size is None else _as_int(block_size, "block_size")
         if not 1 <= b <= self.max_block:
             raise DFlashError(f"block_size {b} must be between 1 and {self.max_block}")
+        max_new_tokens = _as_int(max_new_tokens, "max_new_tokens")
         if max_new_tokens < 1:
             raise DFlashError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
-        if temperature < 0:
-            raise DFlashError(f"temperature must be >= 0 (got {temperature})")
+        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+            raise DFlashError(f"temperature must be a finite number >= 0 (got {temperature!r})")
+        seed = _as_int(seed, "seed")
+        if seed < 0:
+            raise DFlashError(f"seed must be a non-negative integer (got {seed})")
+        if stop_token_ids is not None:
+            if isinstance(stop_token_ids, (int, str)):
+                raise DFlashError("stop_token_ids must be a list of token ids (or None for the model's defaults)")
+            stop_token_ids = [_as_int(t, "stop token id") for t in stop_token_ids]
         if len(ids) + max_new_tokens > self.max_seq_len:
             raise DFlashError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} exceeds "
                 f"the KV buffers' max_seq_len {self.max_seq_len}; shorten the request or rebuild with "
                 f"`python -m dflash_export build --max-seq-len {len(ids) + max_new_tokens}` (or larger)"
             )
-        if verify_len is not None and verify_len < 1:
+        if verify_len is not None and _as_int(verify_len, "verify_len") < 1:
             raise DFlashError(f"verify_len must be at least 1 (got {verify_len})")
         n_verify = b - 1 if verify_len is None else min(int(verify_len), b - 1)
         stops = set(self.stop_token_ids if stop_token_ids is None else (int(s) for s in stop_token_ids))
         rng = np.random.default_rng(seed)
-        return self._decode(ids, max_new_tokens, stops, float(temperature), b, n_verify, rng, record_steps)
+        if not self._lock.acquire(blocking=False):
+            raise DFlashError(
+                "this Session is already generating in another thread; its KV buffers serve one call at a time "
+                "(load one Session per thread)"
+            )
+        try:
+            return self._decode(ids, max_new_tokens, stops, float(temperature), b, n_verify, rng, record_steps)
+        finally:
+            self._lock.release()
 
     def _decode(self, ids, max_new, stops, temperature, b, n_verify, rng, record_steps) -> GenerationResult:
         be = self.backend
@@ -328,6 +356,28 @@ class Session:
             host_s=max(decode - draft_s - verify_s, 0.0),
             steps=steps,
         )
+
+
+def _as_int(value, what: str) -> int:
+    """An integer argument (bools and non-integral floats refused) or a DFlashError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if isinstance(value, (float, np.floating)) and float(value).is_integer():
+            return int(value)
+        raise DFlashError(f"{what} must be an integer (got {value!r})")
+    return int(value)
+
+
+def _load_mask_embedding(path: Path, hidden: int) -> np.ndarray:
+    """The mask token's embedding row `[hidden]` (fp32) from the artifact, validated."""
+    try:
+        row = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise DFlashError(f"cannot read {path.name} ({exc}); the artifact is damaged, rebuild it") from None
+    if row.ndim != 1 or row.shape[0] != hidden or row.dtype.kind != "f":
+        raise DFlashError(
+            f"{path.name} holds a {row.dtype} array of shape {row.shape}, expected float [{hidden}]; rebuild the artifact"
+        )
+    return row
 
 
 def _make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | None) -> Backend:

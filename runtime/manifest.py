@@ -17,6 +17,13 @@ MANIFEST_FORMAT = "dflash_export.artifact"
 MANIFEST_VERSION = 1
 DTYPES = {"fp32": "float32", "fp16": "float16"}
 
+_INT_FIELDS = {
+    "target": ("num_layers", "hidden_size", "num_kv_heads", "head_dim", "vocab_size"),
+    "draft": ("num_layers", "num_kv_heads", "head_dim", "block_size"),
+}
+# Buffers are allocated up front: refuse capacities no device could hold before allocating.
+MAX_SEQ_LEN_LIMIT = 1 << 20
+
 _REQUIRED = {
     "target": ("graph", "num_layers", "hidden_size", "num_kv_heads", "head_dim", "vocab_size"),
     "draft": ("graph", "num_layers", "num_kv_heads", "head_dim", "block_size", "mask_token_id", "target_layer_ids"),
@@ -55,6 +62,27 @@ def load_manifest(artifact_dir: str | Path) -> dict[str, Any]:
         missing = [k for k in keys if k not in manifest.get(section, {})]
         if missing:
             raise DFlashError(f"{path}: section {section!r} lacks {missing}; rebuild the artifact")
+    ints = [("max_seq_len",)] + [(sec, k) for sec, keys in _INT_FIELDS.items() for k in keys]
+    for key in ints:
+        value = manifest
+        for part in key:
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, bool) or not isinstance(value, int) or value < (2 if key == ("max_seq_len",) else 1):
+            raise DFlashError(f"{path}: {'.'.join(key)} is {value!r}, expected a positive integer; rebuild the artifact")
+    if manifest["max_seq_len"] > MAX_SEQ_LEN_LIMIT:
+        raise DFlashError(f"{path}: max_seq_len {manifest['max_seq_len']} exceeds {MAX_SEQ_LEN_LIMIT}; rebuild with a smaller --max-seq-len")
+    taps = manifest["draft"].get("target_layer_ids")
+    if not isinstance(taps, list) or not taps or not all(isinstance(t, int) and not isinstance(t, bool) for t in taps):
+        raise DFlashError(f"{path}: draft.target_layer_ids is {taps!r}, expected a list of layer ids; rebuild the artifact")
+    stops = manifest.get("stop_token_ids", [])
+    if not isinstance(stops, list) or not all(isinstance(t, int) for t in stops):
+        raise DFlashError(f"{path}: stop_token_ids is {stops!r}, expected a list of token ids; rebuild the artifact")
+    for section in ("target", "draft"):
+        graph = manifest[section]["graph"]
+        if not isinstance(graph, str) or Path(graph).name != graph:
+            raise DFlashError(f"{path}: {section}.graph must be a file name inside the artifact (got {graph!r})")
+    if not isinstance(manifest.get("mask_embedding"), str) or Path(manifest["mask_embedding"]).name != manifest["mask_embedding"]:
+        raise DFlashError(f"{path}: mask_embedding must be a file name inside the artifact; rebuild the artifact")
     if manifest.get("dtype") not in DTYPES:
         raise DFlashError(f"{path}: unknown dtype {manifest.get('dtype')!r}; rebuild the artifact")
     for section in ("target", "draft"):

@@ -16,6 +16,31 @@ from .backend import ADDRESS_ALIGNMENT, Backend, Buffer, View
 from .errors import DFlashError
 
 
+_ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)"}
+
+
+def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) -> None:
+    """Check a loaded graph's inputs against what the manifest promises (names, layer count, dtype).
+
+    Raises:
+        DFlashError: the graph and the manifest disagree (a damaged or hand-edited artifact).
+    """
+    from .manifest import DTYPES
+
+    n = int(manifest[graph]["num_layers"])
+    lead = ["input_ids", "draft_hidden", "temperature", "uniform"] if graph == "target" else ["context_hidden", "block_embeddings"]
+    expected = lead + [f"past_{kind}_{i}" for i in range(n) for kind in ("key", "value")]
+    names = [name for name, _ in inputs]
+    if names != expected:
+        raise DFlashError(
+            f"{graph} graph inputs {names[:6]}... do not match the manifest ({n} layers: {expected[:6]}...); "
+            "the artifact is damaged, rebuild it"
+        )
+    kv_type = dict(inputs)["past_key_0"]
+    if kv_type != _ORT_TYPES[DTYPES[manifest["dtype"]]]:
+        raise DFlashError(f"{graph} graph stores K/V as {kv_type} but the manifest says {manifest['dtype']}; rebuild the artifact")
+
+
 class HostBuffer(Buffer):
     """A Buffer backed by a 256-byte aligned numpy array (`.array`, 1-D)."""
 
@@ -65,6 +90,7 @@ class OrtBackend(Backend):
                 self.sessions[graph] = ort.InferenceSession(str(path), opts, providers=self.providers)
             except Exception as exc:  # onnxruntime raises its own untyped Fail errors
                 raise DFlashError(f"onnxruntime cannot load {path}: {exc}") from None
+            check_graph_io(graph, [(i.name, i.type) for i in self.sessions[graph].get_inputs()], manifest)
 
     def alloc(self, dtype, rows: int, row_shape=()) -> HostBuffer:
         return HostBuffer(dtype, rows * int(np.prod(row_shape, dtype=np.int64) if row_shape else 1), row_shape)

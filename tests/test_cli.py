@@ -79,15 +79,15 @@ def test_generate_json_in_process(qwen, capsys):
 @pytest.mark.parametrize(
     "args, match",
     [
-        (["--prompt-ids", "1,x,3"], "--prompt-ids must be comma-separated integers"),
+        (["--prompt-ids", "1,x,3"], "--prompt-ids must be comma-separated non-negative integers"),
         (["--prompt-ids", ""], "--prompt-ids is empty"),
-        (["--prompt-ids", ","], "--prompt-ids is empty"),
+        (["--prompt-ids", ","], "--prompt-ids must be comma-separated"),
         (["--prompt", "   "], "--prompt is empty"),
         (["--prompt-ids", "5,200"], "outside the vocabulary [0, 96)"),
         (["--prompt-ids", "5,6", "--max-new-tokens", "63"], "--max-seq-len 65"),
         (["--prompt-ids", "5", "--max-new-tokens", "0"], "max_new_tokens must be at least 1"),
         (["--prompt-ids", "5", "--block-size", "0"], "block_size 0 must be between 1 and"),
-        (["--prompt-ids", "5", "--temperature", "-1"], "temperature must be >= 0"),
+        (["--prompt-ids", "5", "--temperature", "-1"], "temperature must be a finite number >= 0"),
         (["--prompt", "t5", "--chat"], "no chat template"),
         (["--prompt-ids", "5", "--backend", "nope"], "unknown backend 'nope'"),
     ],
@@ -101,7 +101,7 @@ def test_generate_user_errors_in_process(qwen, capsys, args, match):
 
 def test_generate_user_errors_exit_2(qwen, tmp_path):
     proc = run_cli("generate", str(qwen.artifact), "--prompt-ids", "1,x,3")
-    assert_user_error(proc.returncode, proc.stderr, "--prompt-ids must be comma-separated integers")
+    assert_user_error(proc.returncode, proc.stderr, "--prompt-ids must be comma-separated non-negative integers")
     assert proc.stdout == ""
     proc = run_cli("generate", str(tmp_path / "missing"), "--prompt-ids", "1,2")
     assert_user_error(proc.returncode, proc.stderr, "does not exist; create it with `python -m dflash_export build`")

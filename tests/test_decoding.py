@@ -443,7 +443,7 @@ def test_argument_errors(qwen):
         sess.generate([5], max_new_tokens=0)
     with pytest.raises(DFlashError, match="block_size 0 must be between 1 and"):
         sess.generate([5], max_new_tokens=4, block_size=0)
-    with pytest.raises(DFlashError, match="temperature must be >= 0"):
+    with pytest.raises(DFlashError, match="temperature must be a finite number >= 0"):
         sess.generate([5], max_new_tokens=4, temperature=-0.5)
     with pytest.raises(DFlashError, match=r"outside the vocabulary \[0, 96\)"):
         sess.generate([5, 96], max_new_tokens=4)
