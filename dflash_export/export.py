@@ -108,6 +108,10 @@ def check_graph(model_path: Path) -> dict:
 
 
 def _export(module, args, names, dynamic_shapes, path: Path) -> None:
+    import logging
+
+    # the exporter logs one warning per missing optional torchvision operator: noise for LLMs
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     in_names, out_names = names
     n_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     with warnings.catch_warnings(), torch.no_grad():

@@ -41,24 +41,6 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
         raise DFlashError(f"{graph} graph stores K/V as {kv_type} but the manifest says {manifest['dtype']}; rebuild the artifact")
 
 
-_GLOBAL_POOL: dict = {}
-
-
-def _use_global_thread_pool(ort, threads: int) -> bool:
-    """Create onnxruntime's process-wide thread pool once (it must precede the ORT environment).
-
-    Returns False when the environment already exists without one (another library created a
-    session first): sessions then keep their own pools.
-    """
-    if "ok" not in _GLOBAL_POOL:
-        try:
-            ort.set_global_thread_pool_sizes(threads, 1)
-            _GLOBAL_POOL["ok"] = True
-        except Exception:  # the environment was created earlier; onnxruntime raises a plain RuntimeError
-            _GLOBAL_POOL["ok"] = False
-    return _GLOBAL_POOL["ok"]
-
-
 class HostBuffer(Buffer):
     """A Buffer backed by a 256-byte aligned numpy array (`.array`, 1-D)."""
 
@@ -96,20 +78,20 @@ class OrtBackend(Backend):
         except ImportError:
             raise DFlashError("onnxruntime is not installed: pip install onnxruntime") from None
         self._ort = ort
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.log_severity_level = 3
-        if _use_global_thread_pool(ort, threads or os.cpu_count() or 1):
-            # The draft and the target alternate every step: with a pool each, the idle session's
-            # spinning threads steal the cores from the busy one (measured: a 16-token verify took
-            # 96 ms in the loop vs 60 ms alone on 2 cores). One shared pool removes that.
-            opts.use_per_session_threads = False
-        else:
-            opts.intra_op_num_threads = threads or os.cpu_count() or 1
         self.providers = providers or ["CPUExecutionProvider"]
         self.sessions = {}
         for graph in ("target", "draft"):
             path = Path(artifact_dir) / manifest[graph]["graph"]
+            # The two graphs alternate every step. An idle session's worker threads spin for a
+            # while after each run and steal the cores from the other one; the draft is short, so
+            # its threads sleep instead (measured on 2 cores: a 16-token verify took 96 ms inside
+            # the loop vs 60 ms alone). onnxruntime's process-wide pool would also fix it, but it
+            # breaks every other InferenceSession the host program creates.
+            opts = ort.SessionOptions()
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            opts.log_severity_level = 3
+            opts.intra_op_num_threads = threads or os.cpu_count() or 1
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0" if graph == "draft" else "1")
             try:
                 self.sessions[graph] = ort.InferenceSession(str(path), opts, providers=self.providers)
             except Exception as exc:  # onnxruntime raises its own untyped Fail errors

@@ -45,6 +45,7 @@ def _minimal_artifact(path: Path, trt_section: dict | None = None) -> Path:
         "target": {"graph": "target.onnx", "num_layers": 1, "hidden_size": 8, "num_kv_heads": 1, "head_dim": 8, "vocab_size": 16},
         "draft": {"graph": "draft.onnx", "num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_size": 4,
                   "mask_token_id": 15, "target_layer_ids": [0]},
+        "mask_embedding": "mask_embedding.npy",
     }
     if trt_section is not None:
         manifest["trt"] = trt_section
