@@ -45,16 +45,30 @@ class ChatTokenizer:
         """
         if not self.chat_template:
             raise DFlashError("this model has no chat template; pass the prompt without --chat")
+        import json
+
+        import jinja2
+        import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
             raise DFlashError(f"chat template error: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            # as transformers: plain JSON, not Jinja's HTML-escaping filter
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        # the same environment transformers renders chat templates with
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
-        text = env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, enable_thinking=False, **self.special_tokens
-        )
+        extra = {k: v for k, v in self.special_tokens.items() if isinstance(k, str) and k not in ("messages",)}
+        try:
+            text = env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=True, enable_thinking=False, **extra
+            )
+        except jinja2.TemplateError as exc:
+            raise DFlashError(f"the model's chat template cannot be rendered: {exc}") from None
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
