@@ -16,6 +16,21 @@ from .backend import ADDRESS_ALIGNMENT, Backend, Buffer, View
 from .errors import DFlashError
 
 
+def _optimization_level(ort):
+    """Graph optimisation level known to run these graphs on the installed onnxruntime.
+
+    onnxruntime 1.23.2 (the newest wheel for Python 3.10 on aarch64, i.e. JetPack 6) dies with a
+    floating-point exception on the first call (empty past) at ENABLE_ALL, EXTENDED and DISABLE_ALL,
+    and runs correctly at BASIC (measured on x86_64; tests/test_py310_jetpack.py). 1.32 runs at
+    ENABLE_ALL; versions in between are untested, so they get BASIC too.
+    """
+    try:
+        version = tuple(int(x) for x in ort.__version__.split(".")[:2])
+    except ValueError:
+        version = (0, 0)
+    return ort.GraphOptimizationLevel.ORT_ENABLE_ALL if version >= (1, 32) else ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+
+
 _ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)"}
 
 
@@ -88,7 +103,7 @@ class OrtBackend(Backend):
             # the loop vs 60 ms alone). onnxruntime's process-wide pool would also fix it, but it
             # breaks every other InferenceSession the host program creates.
             opts = ort.SessionOptions()
-            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            opts.graph_optimization_level = _optimization_level(ort)
             opts.log_severity_level = 3
             opts.intra_op_num_threads = threads or os.cpu_count() or 1
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0" if graph == "draft" else "1")

@@ -1,0 +1,68 @@
+"""JetPack 6 stand-in: the runtime on Python 3.10 with onnxruntime 1.23.2 and no torch.
+
+JetPack 6 ships Python 3.10, and 1.23.2 is the newest onnxruntime wheel for it on aarch64. That
+version crashes (SIGFPE) on these graphs at the default optimisation level, which this test caught;
+the runtime picks a level that works. Runs where a Python 3.10 interpreter exists (pyenv here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import runtime_fixtures as rf
+
+pytestmark = pytest.mark.slow
+
+
+def _python310() -> str | None:
+    for cand in (shutil.which("python3.10"), os.path.expanduser("~/.pyenv/versions/3.10.13/bin/python")):
+        if cand and Path(cand).exists():
+            probe = subprocess.run([cand, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True)
+            if probe.returncode == 0 and probe.stdout.strip() == "(3, 10)":
+                return cand
+    return None
+
+
+@pytest.fixture(scope="module")
+def py310_env(tmp_path_factory):
+    py = _python310()
+    if py is None:
+        pytest.skip("no Python 3.10 interpreter on this machine")
+    venv = tmp_path_factory.mktemp("py310") / "venv"
+    subprocess.run([py, "-m", "venv", str(venv)], check=True)
+    pip = subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "-q", "numpy", "onnxruntime==1.23.2", "tokenizers", "jinja2"],
+        capture_output=True, text=True, timeout=600,
+    )
+    if pip.returncode != 0:
+        pytest.skip(f"cannot install the JetPack-6 runtime set from PyPI: {pip.stderr[-300:]}")
+    return venv / "bin" / "python"
+
+
+def test_runtime_on_python310_onnxruntime_1_23(py310_env, tmp_path_factory):
+    import runtime
+
+    pair = rf.artifact("qwen3", tmp_path_factory)
+    expected = runtime.load(pair.artifact).generate([5, 7, 9], max_new_tokens=12, stop_token_ids=[])
+    script = (
+        "import json, sys, runtime\n"
+        "s = runtime.load(sys.argv[1])\n"
+        "a = s.generate([5, 7, 9], max_new_tokens=12, stop_token_ids=[])\n"
+        "b = s.generate([5, 7, 9], max_new_tokens=12, stop_token_ids=[], block_size=1)\n"
+        "import onnxruntime\n"
+        "print(json.dumps({'spec': a.output_ids, 'plain': b.output_ids, 'torch': 'torch' in sys.modules,"
+        " 'ort': onnxruntime.__version__, 'py': sys.version_info[:2]}))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    proc = subprocess.run([str(py310_env), "-c", script, str(pair.artifact)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-1500:]}"
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["py"] == [3, 10] and out["ort"] == "1.23.2" and out["torch"] is False
+    assert out["spec"] == expected.output_ids
+    assert out["plain"] == expected.output_ids
