@@ -177,20 +177,14 @@ class Session:
             "logits": self.logits.rows(0, n_proposals + 1),
             "taps": self.taps.rows(0, rows),
         }
-        for i, buf in enumerate(self.t_kv):
-            kind = "key" if i % 2 == 0 else "value"
-            inputs[f"past_{kind}_{i // 2}"] = buf.rows(0, past)
-            outputs[f"{kind}_{i // 2}"] = buf.rows(past, rows)
+        _bind_kv(self.t_kv, past, rows, inputs, outputs)
         self.backend.run("target", inputs, outputs)
 
     def _draft(self, n_context: int, past: int, block_size: int) -> None:
         """Draft call: new context = taps rows [0, n_context), cached context length `past`."""
         inputs = {"context_hidden": self.taps.rows(0, n_context), "block_embeddings": self.block.rows(0, block_size)}
         outputs = {"draft_hidden": self.draft_hidden.rows(0, block_size - 1)}
-        for i, buf in enumerate(self.d_kv):
-            kind = "key" if i % 2 == 0 else "value"
-            inputs[f"past_{kind}_{i // 2}"] = buf.rows(0, past)
-            outputs[f"{kind}_{i // 2}"] = buf.rows(past, n_context)
+        _bind_kv(self.d_kv, past, n_context, inputs, outputs)
         self.backend.run("draft", inputs, outputs)
 
     # ---- public API --------------------------------------------------------------------
@@ -356,6 +350,17 @@ class Session:
             host_s=max(decode - draft_s - verify_s, 0.0),
             steps=steps,
         )
+
+
+def _bind_kv(buffers, past: int, rows: int, inputs: dict, outputs: dict) -> None:
+    """Bind each layer's cache: past = rows [0, past) as input, new rows at row `past` as output.
+
+    `buffers` alternate key, value per layer (the graphs' `past_key_i` / `key_i` naming).
+    """
+    for i, buf in enumerate(buffers):
+        kind = "key" if i % 2 == 0 else "value"
+        inputs[f"past_{kind}_{i // 2}"] = buf.rows(0, past)
+        outputs[f"{kind}_{i // 2}"] = buf.rows(past, rows)
 
 
 def _as_int(value, what: str) -> int:
