@@ -13,7 +13,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ from runtime.manifest import MANIFEST_FORMAT, MANIFEST_VERSION
 
 from . import __version__
 from .checkpoint import (
+    DRAFT_VOCAB_FILE,
     DraftSpec,
     TargetSpec,
     file_sha256,
@@ -143,6 +144,7 @@ def build(
     dtype: str = "fp32",
     quiet: bool = False,
     overwrite: bool = True,
+    draft_vocab: str = "auto",
 ) -> dict:
     """Export a target/draft pair into the artifact directory `out`.
 
@@ -153,6 +155,8 @@ def build(
         out: artifact directory (replaced atomically).
         max_seq_len: KV buffer capacity in tokens (prompt + new tokens).
         dtype: "fp32" or "fp16" graph precision (norms, fc and softmax stay fp32).
+        draft_vocab: "auto" proposes from the draft's `draft_vocab.json` when it has one (fewer LM-head
+            rows per proposal, same output); "full" always uses the whole vocabulary.
 
     Returns:
         the manifest dict.
@@ -167,6 +171,8 @@ def build(
 
     if dtype not in ("fp32", "fp16"):
         raise DFlashError(f"--dtype must be fp32 or fp16 (got {dtype!r})")
+    if draft_vocab not in ("auto", "full"):
+        raise DFlashError(f"--draft-vocab must be auto or full (got {draft_vocab!r})")
     if max_seq_len < 2:
         raise DFlashError(f"--max-seq-len must be at least 2 (got {max_seq_len})")
     out = Path(out).resolve()
@@ -174,6 +180,8 @@ def build(
     t_start = time.perf_counter()
     # Validation prints nothing, so bad input gives exactly one error line.
     tspec, dspec, tstate, dstate, name = prepare_pair(target, draft)
+    if draft_vocab == "full":
+        dspec = replace(dspec, draft_vocab=None)
     stage = Stage(total=6, quiet=quiet)
     stage.report(f"validated target and draft in {time.perf_counter() - t_start:.1f}s")
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
@@ -181,7 +189,7 @@ def build(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         with stage("loading weights into export modules"):
-            tmod = TargetForExport(tspec, dspec.target_layer_ids, torch_dtype).eval()
+            tmod = TargetForExport(tspec, dspec.target_layer_ids, torch_dtype, dspec.draft_vocab).eval()
             load_weights(tmod, tstate, f"target {tspec.path}")
             dmod = DFlashDraft(dspec, torch_dtype).eval()
             load_weights(dmod, dstate, f"draft {dspec.path or '(untrained)'}")
@@ -292,7 +300,8 @@ def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, che
     sources = {"target": {"path": str(tspec.path), "name": name, "files": {}}, "draft": {"path": str(dspec.path) if dspec.path else None, "files": {}}}
     for key, path in (("target", tspec.path), ("draft", dspec.path)):
         if path is not None:
-            for f in [*safetensors_files(path), Path(path) / "config.json"]:
+            extra = [Path(path) / DRAFT_VOCAB_FILE] if key == "draft" and dspec.draft_vocab is not None else []
+            for f in [*safetensors_files(path), Path(path) / "config.json", *extra]:
                 sources[key]["files"][f.name] = file_sha256(f)
     return {
         "format": MANIFEST_FORMAT,
@@ -322,6 +331,8 @@ def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, che
             "target_layer_ids": list(dspec.target_layer_ids),
             "taps_declared": dspec.taps_declared,
             "trained": trained,
+            # proposals come from this many ids (draft_vocab.json); None: the full vocabulary
+            "draft_vocab_size": None if dspec.draft_vocab is None else len(dspec.draft_vocab),
             "rope": da.rope,
         },
         "mask_embedding": "mask_embedding.npy",

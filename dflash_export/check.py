@@ -153,7 +153,10 @@ def _modules(manifest: dict):
     tspec, dspec, tstate, dstate, _ = prepare_pair(target, draft)
     if list(dspec.target_layer_ids) != list(manifest["draft"]["target_layer_ids"]):
         raise DFlashError("the source checkpoints no longer describe this artifact (draft taps differ); rebuild it")
-    tmod = TargetForExport(tspec, dspec.target_layer_ids, torch.float32).eval()
+    vocab = dspec.draft_vocab if manifest["draft"].get("draft_vocab_size") else None
+    if vocab is not None and len(vocab) != manifest["draft"]["draft_vocab_size"]:
+        raise DFlashError("the source checkpoints no longer describe this artifact (draft_vocab.json differs); rebuild it")
+    tmod = TargetForExport(tspec, dspec.target_layer_ids, torch.float32, vocab).eval()
     load_weights(tmod, tstate, f"target {tspec.path}")
     dmod = DFlashDraft(dspec, torch.float32).eval()
     load_weights(dmod, dstate, f"draft {dspec.path or '(untrained)'}")

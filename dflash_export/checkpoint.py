@@ -228,6 +228,8 @@ class DraftSpec:
         mask_token_id: id whose target embedding fills masked positions (from the DRAFT config).
         target_layer_ids: tap layers; feature of id L = output of target decoder layer L.
         taps_declared: False when the ids came from the reference fallback rule.
+        draft_vocab: sorted target token ids the draft proposes from (its `draft_vocab.json`, written
+            by `train-draft`), or None for the full vocabulary.
     """
 
     path: Path | None
@@ -236,6 +238,7 @@ class DraftSpec:
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     taps_declared: bool
+    draft_vocab: tuple[int, ...] | None = None
 
 
 def load_target_spec(model_dir: Path) -> TargetSpec:
@@ -393,7 +396,38 @@ def load_draft_spec(draft_dir: Path, target: TargetSpec) -> tuple[DraftSpec, dic
         raise DFlashError(f"draft {draft_dir} has no fc.weight; it is not a DFlash draft checkpoint")
     spec = parse_draft_config(cfg, target, str(draft_dir), int(state["fc.weight"].shape[1]))
     check_draft_weights(spec, state, str(draft_dir))
-    return DraftSpec(**{**spec.__dict__, "path": draft_dir}), state
+    vocab = read_draft_vocab(draft_dir, target.vocab_size)
+    return DraftSpec(**{**spec.__dict__, "path": draft_dir, "draft_vocab": vocab}), state
+
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def read_draft_vocab(draft_dir: Path, vocab_size: int) -> tuple[int, ...] | None:
+    """Read a draft's proposal vocabulary, `draft_vocab.json` (`{"token_ids": [...]}`), if it has one.
+
+    A draft trained with a reduced softmax (see `train.loss_vocabulary`) proposes only from those ids;
+    the reference implementation ignores the file and uses the full head.
+
+    Returns:
+        sorted unique ids, or None when the file is absent.
+
+    Raises:
+        DFlashError: unreadable file, or ids that are not unique ints in [0, vocab_size).
+    """
+    path = Path(draft_dir) / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DFlashError(f"{path} is not valid JSON ({exc}); delete it to use the full vocabulary") from None
+    ids = data.get("token_ids") if isinstance(data, dict) else None
+    if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+        raise DFlashError(f"{path} must hold {{\"token_ids\": [int, ...]}} (non-empty); delete it to use the full vocabulary")
+    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= vocab_size:
+        raise DFlashError(f"{path}: token ids must be unique and in [0, {vocab_size}) (the target's vocabulary)")
+    return tuple(sorted(ids))
 
 
 def draft_weight_shapes(spec: DraftSpec, n_target_hidden: int) -> dict[str, tuple[int, ...]]:

@@ -36,7 +36,8 @@ def cmd_build(args) -> int:
         from .engine import require_tensorrt
 
         require_tensorrt(precision=args.precision, dtype=args.dtype)  # fail at once, before a long export, when TensorRT or a GPU is missing
-    manifest = build(args.target, args.draft, Path(args.out), max_seq_len=args.max_seq_len, dtype=args.dtype)
+    manifest = build(args.target, args.draft, Path(args.out), max_seq_len=args.max_seq_len, dtype=args.dtype,
+                     draft_vocab=args.draft_vocab)
     if args.engine == "trt":
         from .engine import build_engines
 
@@ -95,6 +96,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="artifacts/default", help="artifact directory (default: artifacts/default)")
     b.add_argument("--max-seq-len", type=int, default=2048, help="KV buffer capacity in tokens (default 2048)")
     b.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
+    b.add_argument("--draft-vocab", choices=["auto", "full"], default="auto",
+                   help="auto: propose from the draft's draft_vocab.json when present (faster, same output); full: whole vocabulary")
     b.add_argument("--engine", choices=["onnx", "trt"], default="onnx", help="trt: also build TensorRT engines (needs TensorRT + GPU)")
     b.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16", help="TensorRT engine precision")
     b.set_defaults(func=cmd_build)

@@ -132,7 +132,8 @@ def _export(module, args, names, dynamic_shapes, path: Path) -> None:
 
 
 def export_target(module, path: Path) -> None:
-    """Export a :class:`TargetForExport` to `path` with dynamic T (>= 1), N (>= 0) and P (>= 0).
+    """Export a :class:`TargetForExport` to `path` with dynamic T (>= 1), N (>= 0), P (>= 0) and U
+    (sampled rows: 1 + N or 0).
 
     The dummy sizes (T=3, N=4, P=5) are distinct and >= 2 so the exporter does not specialise
     any dimension to 0, 1 or to another dimension.
@@ -151,7 +152,8 @@ def export_target(module, path: Path) -> None:
     T = torch.export.Dim("new_tokens", min=1, max=1 << 20)
     N = torch.export.Dim("proposals", min=0, max=1 << 10)
     P = torch.export.Dim("past_len", min=0, max=1 << 20)
-    dyn = ({0: T}, {0: N}, None, {0: N + 1}, tuple({0: P} for _ in range(2 * a.num_layers)))
+    U = torch.export.Dim("sampled_rows", min=0, max=1 << 10)  # 1 + N when sampling, 0 when greedy
+    dyn = ({0: T}, {0: N}, None, {0: U}, tuple({0: P} for _ in range(2 * a.num_layers)))
     _export(module, args, target_io_names(a.num_layers), dyn, path)
 
 

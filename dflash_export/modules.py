@@ -184,14 +184,17 @@ class TargetForExport(nn.Module):
             1..N. They go through the TARGET lm_head (DFlash has no head of its own) and their
             argmax is appended to `input_ids`, so one call proposes and verifies.
         temperature: fp32 `[1]`; 0 means greedy (argmax), > 0 samples the posterior at T.
-        uniform: fp32 `[1 + N]` in [0, 1): one uniform number per logits row for inverse-CDF
-            sampling (ignored when greedy).
+        uniform: fp32 `[U]` in [0, 1), U = 1 + N to sample (one uniform per logits row, inverse CDF)
+            or U = 0 for greedy decoding: then no softmax/cumsum over the vocabulary runs at all
+            (7% of a 16-row verify on SmolLM2). With temperature 0 the uniforms are ignored.
         past_key_i / past_value_i: `[P, Hkv, D]` for each layer i; positions start at P.
 
     Outputs:
         next_ids: int64 `[1 + N]`: the target's token after each of the last 1 + N positions
             (posterior; sampled at `temperature`).
-        proposal_ids: int64 `[N]`: argmax of lm_head(draft_hidden).
+        proposal_ids: int64 `[N]`: argmax of lm_head(draft_hidden), taken over `draft_vocab` when the
+            draft has one (a reduced proposal vocabulary as in FR-Spec, Zhao et al., 2025: fewer head
+            rows per proposal; verification still uses the full head, so output is unchanged).
         next_embeddings: `[1 + N, d]`: embed_tokens(next_ids), the draft's next block anchor.
         logits: fp32 `[1 + N, V]` for the last 1 + N positions (prefill needs only its last row).
         taps: `[T + N, k * d]`: outputs of the tap layers (HF `hidden_states[L + 1]`; the last
@@ -199,10 +202,15 @@ class TargetForExport(nn.Module):
         key_i / value_i: `[T + N, Hkv, D]`: the new K/V rows, to be written at row P of the cache.
     """
 
-    def __init__(self, spec: TargetSpec, tap_layers: tuple[int, ...], dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, spec: TargetSpec, tap_layers: tuple[int, ...], dtype: torch.dtype = torch.float32, draft_vocab=None
+    ):
         super().__init__()
         self.spec = spec
         self.tap_layers = tuple(tap_layers)
+        # int64 [V']: the proposal vocabulary (None: all V ids)
+        vocab = None if draft_vocab is None else torch.tensor(list(draft_vocab), dtype=torch.int64)
+        self.register_buffer("draft_vocab", vocab, persistent=False)
         self.model = _TargetBody(spec)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.arch.hidden_size, spec.vocab_size, bias=False)
         inv, scale = rope_inv_freq(spec.arch, spec.family)
@@ -219,9 +227,20 @@ class TargetForExport(nn.Module):
         (a transposed copy would be constant-folded into a second stored table)."""
         return torch.matmul(self.head_weight(), h.transpose(0, 1)).transpose(0, 1).to(torch.float32)
 
+    def propose(self, draft_hidden: torch.Tensor) -> torch.Tensor:
+        """int64 `[N]` proposal ids: argmax of the head over the proposal vocabulary."""
+        h = draft_hidden.to(self.compute_dtype)
+        if self.draft_vocab is None:
+            return torch.argmax(self.logits_of(h), dim=-1)
+        # A Gather of constant head rows: onnxruntime / TensorRT fold it once at load; the file stores
+        # only the ids, never a second copy of the rows.
+        rows = torch.index_select(self.head_weight(), 0, self.draft_vocab)
+        sub = torch.matmul(rows, h.transpose(0, 1)).transpose(0, 1)
+        return torch.index_select(self.draft_vocab, 0, torch.argmax(sub, dim=-1))
+
     def forward(self, input_ids, draft_hidden, temperature, uniform, *past):
         a = self.spec.arch
-        proposal_ids = torch.argmax(self.logits_of(draft_hidden.to(self.compute_dtype)), dim=-1)
+        proposal_ids = self.propose(draft_hidden)
         ids = torch.cat([input_ids, proposal_ids], dim=0)
         h = self.model.embed_tokens(ids)
         s = ids.shape[0]
@@ -246,12 +265,17 @@ class TargetForExport(nn.Module):
         tap_features = torch.cat([taps[i] for i in self.tap_layers], dim=-1)
         logits = self.logits_of(h[input_ids.shape[0] - 1 :])
         greedy = torch.argmax(logits, dim=-1)
+        u = uniform.shape[0]  # rows to sample: 1 + N, or 0 (greedy: the branch below is empty)
         t_safe = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-        cdf = torch.cumsum(torch.softmax(logits / t_safe, dim=-1), dim=-1)
+        cdf = torch.cumsum(torch.softmax(logits[:u] / t_safe, dim=-1), dim=-1)
         # scale u by the CDF's own total: an fp32 cumsum over a large vocabulary can end short of 1
         threshold = uniform[:, None] * cdf[:, -1:]
         sampled = torch.clamp((cdf < threshold).to(torch.int64).sum(dim=-1), max=self.spec.vocab_size - 1)
-        next_ids = torch.where(temperature > 0, sampled, greedy)
+        rows = logits.shape[0]
+        torch._check(u <= rows)
+        # pad (not concat) so the exported shape stays exactly 1 + N
+        picked = torch.nn.functional.pad(torch.where(temperature > 0, sampled, greedy[:u]), (0, rows - u))
+        next_ids = torch.where(torch.arange(rows, dtype=torch.int64) < u, picked, greedy)
         next_embeddings = self.model.embed_tokens(next_ids)
         return (next_ids, proposal_ids, next_embeddings, logits, tap_features, *new_kv)
 

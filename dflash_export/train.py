@@ -224,12 +224,23 @@ def blocks_forward(draft, ctx_feats, block_emb, anchors):
     return draft.norm(h).view(k, b, d)
 
 
-def block_loss(draft, head_weight, embed, seq_ids, feats, prompt_len, n_anchors, block_size, mask_id, gamma, rng, device):
+def block_loss(
+    draft, head_weight, embed, seq_ids, feats, prompt_len, n_anchors, block_size, mask_id, gamma, rng, device,
+    label_map=None, amp_dtype=None,
+):
     """Weighted block cross-entropy for one sequence (dflash-facts section 7).
+
+    Args:
+        head_weight: fp32 `[V', d]` LM-head rows the softmax runs over: the full head (V' = V), or the
+            rows of the loss vocabulary (see `loss_vocabulary`), in which case `label_map` (int64 `[V]`,
+            full id -> row of `head_weight`, -1 outside) maps the labels.
+        amp_dtype: autocast dtype for the forward (torch.bfloat16) or None for plain fp32.
 
     Returns:
         (loss tensor or None when the response is too short, number of supervised positions).
     """
+    import contextlib
+
     import torch
 
     n = len(seq_ids)
@@ -242,14 +253,54 @@ def block_loss(draft, head_weight, embed, seq_ids, feats, prompt_len, n_anchors,
     offs = torch.arange(block_size, device=device)
     block_ids = torch.full((len(anchors), block_size), mask_id, dtype=torch.int64, device=device)
     block_ids[:, 0] = ids[anchors_t]
-    hidden = blocks_forward(draft, feats, embed(block_ids), anchors_t)
+    amp = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
     target_pos = anchors_t[:, None] + offs[None, 1:]  # [K, B-1]
     valid = target_pos < n
     labels = ids[target_pos.clamp(max=n - 1)]
-    logits = hidden[:, 1:].reshape(-1, hidden.shape[-1]) @ head_weight.t()
-    ce = torch.nn.functional.cross_entropy(logits, labels.reshape(-1), reduction="none").view(labels.shape)
+    if label_map is not None:
+        labels = label_map[labels]
+        if bool((labels < 0).any()):
+            raise DFlashError("a training label lies outside the loss vocabulary (build it from the same data)")
+    with amp:
+        hidden = blocks_forward(draft, feats, embed(block_ids), anchors_t)
+        logits = hidden[:, 1:].reshape(-1, hidden.shape[-1]) @ head_weight.t()
+    ce = torch.nn.functional.cross_entropy(logits.float(), labels.reshape(-1), reduction="none").view(labels.shape)
     weights = torch.exp(-(offs[1:].float() - 1) / gamma)[None, :] * valid
     return (ce * weights).sum() / weights.sum(), int(valid.sum())
+
+
+def loss_vocabulary(sequences: list[dict], vocab_size: int):
+    """The token ids the training softmax runs over: every id that occurs in the training sequences.
+
+    The draft only ever has to predict the target's own responses, so a softmax over the ids that occur
+    in them gives the same gradients for the correct logit at a fraction of the LM-head cost (49152 ->
+    about 6k rows for SmolLM2 on the shipped prompts, 3.5x faster training steps on a 2-core CPU). The
+    same idea as the reduced draft vocabularies of EAGLE-3 (Li et al., 2025) and FR-Spec (Zhao et al.,
+    2025). Decoding still uses the full LM head (proposals are verified anyway).
+
+    Returns:
+        (int64 `[V']` sorted ids, int64 `[vocab_size]` map full id -> index in the first, -1 outside).
+    """
+    import torch
+
+    ids = sorted({t for s in sequences for t in s["ids"]})
+    vocab = torch.tensor(ids, dtype=torch.int64)
+    label_map = torch.full((vocab_size,), -1, dtype=torch.int64)
+    label_map[vocab] = torch.arange(len(ids), dtype=torch.int64)
+    return vocab, label_map
+
+
+def _amp_dtype(choice: str, device):
+    """bf16 autocast where the hardware runs bf16 matmuls natively, else None (fp32)."""
+    import torch
+
+    if choice == "fp32":
+        return None
+    if choice == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    return torch.bfloat16 if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +389,13 @@ def train_draft(args) -> int:
     index = {s["id"]: i for i, s in enumerate(data["sequences"])}
     tstate = load_state_dict(target_dir)
     embed_w = tstate["model.embed_tokens.weight"].float().to(device)
-    head_w = (tstate.get("lm_head.weight", tstate["model.embed_tokens.weight"])).float().to(device)
+    head_w = (tstate.get("lm_head.weight", tstate["model.embed_tokens.weight"])).float()
+    vocab, label_map = None, None
+    if args.loss_vocab == "seen":
+        vocab, label_map = loss_vocabulary(seqs, head_w.shape[0])
+        head_w, label_map = head_w[vocab].contiguous(), label_map.to(device)
+    head_w = head_w.to(device)
+    amp_dtype = _amp_dtype(args.amp, device)
     embed = torch.nn.Embedding.from_pretrained(embed_w, freeze=True)
     draft = DFlashDraft(dspec).to(device)
     gen = torch.Generator().manual_seed(args.seed)
@@ -409,7 +466,8 @@ def train_draft(args) -> int:
             lo, hi = data["offsets"][i], data["offsets"][i + 1]
             feats = data["taps"][lo:hi].float().to(device)
             loss, n = block_loss(
-                draft, head_w, embed, s["ids"], feats, s["prompt_len"], args.anchors, args.block_size, mask_id, args.gamma, rng, device
+                draft, head_w, embed, s["ids"], feats, s["prompt_len"], args.anchors, args.block_size, mask_id, args.gamma, rng, device,
+                label_map=label_map, amp_dtype=amp_dtype,
             )
             if loss is None:
                 continue
@@ -425,7 +483,7 @@ def train_draft(args) -> int:
     bar.close()
     train_seconds = time.time() - t_train
     save_state(args.steps)  # lets `--resume OUT --steps MORE` continue training later
-    _write_draft(draft, cfg, out, args, {
+    _write_draft(draft, cfg, out, args, None if vocab is None else vocab.tolist(), {
         "command": " ".join(["python -m dflash_export"] + sys.argv[1:]) if sys.argv else None,
         "target": str(target_dir),
         "target_files_sha256": {f.name: file_sha256(f) for f in sorted(Path(target_dir).glob("*.safetensors"))},
@@ -443,6 +501,9 @@ def train_draft(args) -> int:
         "lr": args.lr,
         "warmup_fraction": args.warmup,
         "init": args.init,
+        "loss_vocab": args.loss_vocab,
+        "loss_vocab_size": int(head_w.shape[0]),
+        "amp": str(amp_dtype).replace("torch.", "") if amp_dtype is not None else "fp32",
         "layers": args.layers,
         "target_layer_ids": list(taps),
         "mask_token_id": mask_id,
@@ -458,10 +519,13 @@ def train_draft(args) -> int:
     return 0
 
 
-def _write_draft(draft, cfg: dict, out: Path, args, record: dict) -> None:
-    """Write config.json + model.safetensors (+ training_record.json) atomically into `out`."""
+def _write_draft(draft, cfg: dict, out: Path, args, draft_vocab: list[int] | None, record: dict) -> None:
+    """Write config.json + model.safetensors + training_record.json (+ draft_vocab.json, the ids the
+    loss ran over, from which `build` lets the draft propose) atomically into `out`."""
     import torch
     from safetensors.torch import save_file
+
+    from .checkpoint import DRAFT_VOCAB_FILE
 
     dtype = torch.float16 if args.save_dtype == "fp16" else torch.float32
     cfg = dict(cfg)
@@ -473,7 +537,13 @@ def _write_draft(draft, cfg: dict, out: Path, args, record: dict) -> None:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "training_record.json").write_text(json.dumps(record, indent=2))
-        for name in ("config.json", "model.safetensors", "training_record.json"):
+        names = ["config.json", "model.safetensors", "training_record.json"]
+        if draft_vocab is not None:
+            (tmp / DRAFT_VOCAB_FILE).write_text(json.dumps({"format": "dflash_export.draft_vocab", "token_ids": draft_vocab}))
+            names.append(DRAFT_VOCAB_FILE)
+        elif (out / DRAFT_VOCAB_FILE).exists():
+            (out / DRAFT_VOCAB_FILE).unlink()  # a full-vocabulary run replaces an earlier reduced one
+        for name in names:
             out.mkdir(parents=True, exist_ok=True)
             (tmp / name).replace(out / name)
     finally:
@@ -501,6 +571,10 @@ def register(sub) -> None:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the steps")
     p.add_argument("--init", choices=["target", "random"], default="target", help="initialise draft layers from the target's last layers")
+    p.add_argument("--loss-vocab", choices=["seen", "full"], default="seen",
+                   help="softmax over the token ids seen in the training data (default, much faster) or the full vocabulary")
+    p.add_argument("--amp", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="autocast the forward to bf16 (auto: where the CPU/GPU has native bf16 matmuls)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", default=None, help="directory with train_state.* to resume from (usually --out)")
     p.add_argument("--save-every", type=int, default=200)

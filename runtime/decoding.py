@@ -151,6 +151,11 @@ class Session:
         self.input_ids = be.alloc(np.int64, S)
         self.temperature = be.alloc(np.float32, 1)
         self.uniform = be.alloc(np.float32, mb)
+        self._sampling = False
+        # graphs exported before uniform had its own length ("sampled_rows") need 1 + N rows always
+        inputs = m.get("io", {}).get("target", {}).get("inputs", [])
+        uniform_dim = next((i["shape"][0] for i in inputs if i["name"] == "uniform"), None)
+        self._greedy_skips_sampling = uniform_dim == "sampled_rows"
         self.next_ids = be.alloc(np.int64, mb)
         self.proposal_ids = be.alloc(np.int64, mb)
         self.next_embeddings = be.alloc(self.dtype, mb, (hidden,))
@@ -168,7 +173,8 @@ class Session:
             "input_ids": self.input_ids.rows(0, n_ids),
             "draft_hidden": self.draft_hidden.rows(0, n_proposals),
             "temperature": self.temperature.rows(0, 1),
-            "uniform": self.uniform.rows(0, n_proposals + 1),
+            # greedy binds no uniforms, so the graph skips the softmax/cumsum sampling branch
+            "uniform": self.uniform.rows(0, n_proposals + 1 if self._sampling or not self._greedy_skips_sampling else 0),
         }
         outputs = {
             "next_ids": self.next_ids.rows(0, n_proposals + 1),
@@ -294,6 +300,7 @@ class Session:
         be = self.backend
         draft_s = verify_s = 0.0
         t_start = time.perf_counter()
+        self._sampling = temperature > 0
         be.write(self.temperature.rows(0, 1), np.array([temperature], np.float32))
         be.write(self.input_ids.rows(0, len(ids)), np.asarray(ids, np.int64))
         be.write(self.uniform.rows(0, 1), rng.random(1, dtype=np.float32) if temperature > 0 else np.zeros(1, np.float32))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from .errors import DFlashError
 
 # Symbolic dims of the exported graphs (dflash_export/export.py).
-TARGET_DIMS = ("new_tokens", "proposals", "past_len")
+TARGET_DIMS = ("new_tokens", "proposals", "past_len", "sampled_rows")
 DRAFT_DIMS = ("context_len", "block_size", "past_context_len")
 
 Range = tuple[int, int, int]
@@ -95,6 +95,8 @@ def dim_ranges(manifest: dict, max_block_size: int | None = None) -> dict[str, l
     - target "prefill": T in [1, S-1] (a prompt leaves room for >= 1 new token), N = 0, P = 0.
     - target "verify": T = 1 (the last committed token), N in [0, mb-1] (N = 0 in plain decoding and
       on the last step), P in [1, S-1] (the committed length; P + 1 + N <= S).
+    - sampled rows U (uniform's length, graphs exported since draft_vocab support): 0 when greedy, 1 + N
+      when sampling (1 at prefill). Older graphs tie uniform to "proposals + 1" and ignore this range.
     - draft "draft_prefill": the first draft call, C = prompt length in [1, S-1], B in [2, mb], Pc = 0.
     - draft "draft_step": C = accepted + 1 in [1, mb], B in [2, mb], Pc in [1, S-1].
     """
@@ -104,8 +106,10 @@ def dim_ranges(manifest: dict, max_block_size: int | None = None) -> dict[str, l
     top = max(1, S - 1)
     return {
         "target": [
-            ("prefill", {"new_tokens": _clamp(1, min(top, 256), top), "proposals": (0, 0, 0), "past_len": (0, 0, 0)}),
-            ("verify", {"new_tokens": (1, 1, 1), "proposals": _clamp(0, b - 1, mb - 1), "past_len": _clamp(1, S // 2, top)}),
+            ("prefill", {"new_tokens": _clamp(1, min(top, 256), top), "proposals": (0, 0, 0), "past_len": (0, 0, 0),
+                         "sampled_rows": (0, 0, 1)}),
+            ("verify", {"new_tokens": (1, 1, 1), "proposals": _clamp(0, b - 1, mb - 1), "past_len": _clamp(1, S // 2, top),
+                        "sampled_rows": _clamp(0, 0, mb)}),
         ],
         "draft": [
             ("draft_prefill", {"context_len": _clamp(1, min(top, 256), top), "block_size": _clamp(2, b, mb), "past_context_len": (0, 0, 0)}),

@@ -362,6 +362,38 @@ def test_real_draft_exact_capacity_and_reuse(ctxfree):
     assert (again.output_ids, again.steps) == (fresh.output_ids, fresh.steps)
 
 
+def test_draft_vocab_limits_proposals_never_the_output(ctxfree, tmp_path):
+    """A draft_vocab.json restricts what the draft may propose: with the mask id inside it every block
+    is accepted as before; without it the proposals all miss, and the output is still the same."""
+    import json
+    import shutil
+
+    from dflash_export.build import build
+
+    m, b, vocab_size = ctxfree.mask_id, ctxfree.block_size, rf.lm_head_matrix(ctxfree.target_dir).shape[0]
+    for keep_mask in (True, False):
+        draft = tmp_path / f"draft_{keep_mask}"
+        shutil.copytree(ctxfree.draft_dir, draft)
+        ids = [i for i in range(0, vocab_size, 2) if i != m] + ([m] if keep_mask else [])
+        (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": ids}))
+        art = tmp_path / f"art_{keep_mask}"
+        manifest = build(str(ctxfree.target_dir), str(draft), art, max_seq_len=ctxfree.max_seq_len, quiet=True)
+        assert manifest["draft"]["draft_vocab_size"] == len(ids)
+        res = runtime.load(art).generate([5, 7, m], max_new_tokens=14, stop_token_ids=[], record_steps=True)
+        assert res.output_ids == [m] * 14
+        assert all(set(s["proposed"]) <= set(ids) for s in res.steps)
+        if keep_mask:
+            assert res.acceptance_lengths == rf.expected_acceptance(14, b) == [b] * 3
+        else:
+            assert res.acceptance_lengths == rf.expected_acceptance(14, b, 0)
+    # --draft-vocab full ignores the file: the mask id is proposed and accepted again
+    full = build(str(ctxfree.target_dir), str(tmp_path / "draft_False"), tmp_path / "art_full",
+                 max_seq_len=ctxfree.max_seq_len, quiet=True, draft_vocab="full")
+    assert full["draft"]["draft_vocab_size"] is None
+    res = runtime.load(tmp_path / "art_full").generate([5, 7, m], max_new_tokens=14, stop_token_ids=[])
+    assert res.output_ids == [m] * 14 and res.acceptance_lengths == [b] * 3
+
+
 # ---- 3. sampling --------------------------------------------------------------------------------
 def test_sampling_is_deterministic_per_seed(qwen):
     sess = runtime.load(qwen.artifact)

@@ -136,6 +136,20 @@ def test_mask_id_outside_vocabulary(ckpt, tmp_path):
     build_fails(ckpt / "target", d, tmp_path / "art", r"mask_token_id 96 is outside the target vocabulary \[0, 96\)")
 
 
+@pytest.mark.parametrize("content, match", [
+    ("not json", r"draft_vocab.json is not valid JSON"),
+    ('{"token_ids": []}', r"must hold \{\"token_ids\": \[int, \.\.\.\]\} \(non-empty\)"),
+    ('{"token_ids": [1, 2, 2]}', r"token ids must be unique and in \[0, 96\)"),
+    ('{"token_ids": [1, 96]}', r"token ids must be unique and in \[0, 96\)"),
+    ('{"token_ids": [1, 2.5]}', r"must hold"),
+])
+def test_bad_draft_vocab(ckpt, tmp_path, content, match):
+    d = copy_dir(ckpt / "draft", tmp_path / "d")
+    (d / "draft_vocab.json").write_text(content)
+    msg = build_fails(ckpt / "target", d, tmp_path / "art", match)
+    assert "delete it to use the full vocabulary" in msg or "target's vocabulary" in msg
+
+
 def test_sliding_attention_draft(ckpt, tmp_path):
     d = edit_config(copy_dir(ckpt / "draft", tmp_path / "d"),
                     lambda c: c.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8))

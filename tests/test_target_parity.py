@@ -225,3 +225,47 @@ def test_sampling_inverse_cdf(case, temperature):
     # temperature 0 ignores the uniforms: greedy.
     out = case.run(anchor, past, draft_hidden=dh, temperature=0.0, uniform=u)
     np.testing.assert_array_equal(out["next_ids"], np.argmax(rows, axis=-1))
+    # greedy without uniforms (U = 0): the sampling branch is skipped, the result is the same argmax
+    out0 = case.run(anchor, past, draft_hidden=dh, temperature=0.0, uniform=np.zeros(0, np.float32))
+    np.testing.assert_array_equal(out0["next_ids"], np.argmax(rows, axis=-1))
+    np.testing.assert_array_equal(out0["proposal_ids"], chosen)
+    _close(out0["next_embeddings"], out["next_embeddings"], "greedy next_embeddings without uniforms", atol=0.0)
+
+
+def test_draft_vocab_restricts_proposals_only(tiny, tmp_path):
+    """With a proposal vocabulary, proposals are the argmax over those head rows only; everything the
+    target verifies (logits, next_ids, K/V) is unchanged, and no full copy of the head is stored."""
+    import onnxruntime as ort
+
+    from dflash_export.export import check_graph, export_target
+    from dflash_export.modules import TargetForExport, load_weights
+
+    t = tiny.target("qwen3_tied")
+    vocab = list(range(1, t.spec.vocab_size, 3))
+    module = TargetForExport(t.spec, t.taps, torch.float32, draft_vocab=vocab).eval()
+    load_weights(module, t.state, "tiny")
+    export_target(module, tmp_path / "target.onnx")
+    extra = check_graph(tmp_path / "target.onnx")["initializer_bytes"] - check_graph(t.onnx_path)["initializer_bytes"]
+    # at most the ids plus their head rows (folded by the exporter or at load), never a second full table
+    assert 0 < extra <= len(vocab) * (8 + 4 * t.spec.arch.hidden_size) + 64
+    sess = ort.InferenceSession(str(tmp_path / "target.onnx"), providers=["CPUExecutionProvider"])
+    base = Case(t)
+    rng = np.random.default_rng(5)
+    hidden = rng.standard_normal((12, t.spec.arch.hidden_size)).astype(np.float32)
+    feed = {"input_ids": np.array([3, 9, 4], np.int64), "draft_hidden": hidden, "temperature": np.zeros(1, np.float32),
+            "uniform": np.zeros(0, np.float32)}
+    for i in range(base.layers):
+        feed[f"past_key_{i}"] = feed[f"past_value_{i}"] = np.zeros((0, base.kv_heads, base.head_dim), np.float32)
+    got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
+    head = base.head_weight()
+    sub = hidden.astype(np.float64) @ head[vocab].T.astype(np.float64)
+    want = np.asarray(vocab)[np.argmax(sub, axis=-1)]
+    np.testing.assert_array_equal(got["proposal_ids"], want)
+    assert set(got["proposal_ids"].tolist()) <= set(vocab)
+    full = np.argmax(hidden.astype(np.float64) @ head.T.astype(np.float64), axis=-1)
+    assert np.any(full != want), "the fixture should make the full-vocabulary argmax differ somewhere"
+    # the full-vocabulary graph, made to propose the same ids, verifies them identically
+    plain = base.run([3, 9, 4], base.empty_past(), draft_hidden=_forced_draft_hidden(base, want), uniform=np.zeros(0, np.float32))
+    np.testing.assert_array_equal(plain["proposal_ids"], want)
+    for name in ("next_ids", "logits", "taps", "key_0", "value_2"):
+        _close(got[name], plain[name], f"draft_vocab {name}", atol=1e-5)

@@ -66,6 +66,39 @@ def test_block_loss_weights_follow_recipe(tiny_draft):
     assert block_loss(draft, head, embed, ids[:6], feats[:6], 5, 4, b, 95, 7.0, random.Random(0), torch.device("cpu")) == (None, 0)
 
 
+def test_loss_vocabulary_softmax_equals_restricted_cross_entropy(tiny_draft, monkeypatch):
+    """The reduced softmax equals full-head CE with the logits of unseen ids at -inf, and a label
+    outside the loss vocabulary is refused rather than silently mapped."""
+    from dflash_export.train import block_loss, loss_vocabulary
+    from runtime.errors import DFlashError
+
+    draft, tspec = tiny_draft
+    a, b = draft.spec.arch, draft.spec.block_size
+    torch.manual_seed(3)
+    head = torch.randn(tspec.vocab_size, a.hidden_size)
+    embed = torch.nn.Embedding(tspec.vocab_size, a.hidden_size)
+    ids = [int(i) for i in torch.randint(0, 40, (30,))]
+    feats = torch.randn(len(ids), len(draft.spec.target_layer_ids) * a.hidden_size)
+    vocab, label_map = loss_vocabulary([{"ids": ids}], tspec.vocab_size)
+    assert vocab.tolist() == sorted(set(ids)) and int(label_map[vocab[2]]) == 2 and int(label_map[95]) == -1
+    args = (embed, ids, feats, 5, 4, b, 95, 7.0)
+    got, n = block_loss(draft, head[vocab], *args, random.Random(0), torch.device("cpu"), label_map=label_map)
+    assert n == 4 * (b - 1)
+
+    unseen = torch.ones(tspec.vocab_size, dtype=torch.bool)
+    unseen[vocab] = False
+    plain_ce = torch.nn.functional.cross_entropy
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy",
+                        lambda logits, labels, **kw: plain_ce(logits.masked_fill(unseen, float("-inf")), labels, **kw))
+    want, _ = block_loss(draft, head, *args, random.Random(0), torch.device("cpu"))  # same anchors: same RNG
+    monkeypatch.undo()
+    assert math.isclose(float(got.detach()), float(want.detach()), rel_tol=1e-5)
+
+    _, narrow = loss_vocabulary([{"ids": ids[:6]}], tspec.vocab_size)
+    with pytest.raises(DFlashError, match="outside the loss vocabulary"):
+        block_loss(draft, head[vocab], *args, random.Random(0), torch.device("cpu"), label_map=narrow)
+
+
 @pytest.mark.slow
 def test_train_draft_end_to_end_and_resume(tmp_path):
     """A 3-step run on SmolLM2 with 2 prompts: released-format output, valid for build, resumable."""
@@ -91,6 +124,9 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     spec, state = load_draft_spec(out, load_target_spec(embedded_target_dir()))
     assert spec.arch.num_layers == 2 and spec.block_size == 16
     assert state["fc.weight"].dtype == torch.float16
+    # the reduced softmax ran over the ids of the generated data; the draft proposes from them
+    assert record["loss_vocab"] == "seen" and spec.draft_vocab is not None
+    assert record["loss_vocab_size"] == len(spec.draft_vocab) < 1000
     assert (out / "train_state" / "state.safetensors").is_file()
     # resume: data come from the cache, training continues from step 4 to step 6
     r2 = subprocess.run(cmd[:-4] + ["--steps", "6", "--resume", str(out), "--data-cache", str(tmp_path / "data")],
