@@ -218,6 +218,10 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
     dl, dkv, dhd = int(d["num_layers"]), int(d["num_kv_heads"]), int(d["head_dim"])
     mask_row = np.load(Path(artifact_dir) / manifest["mask_embedding"]).astype(np.float32)
     ids = rng.integers(0, vocab, size=T).astype(np.int64)
+    # the verify case is greedy as the runtime binds it: no uniforms where the graph allows it (the
+    # prefill case keeps one, so both forms of the graph are compared)
+    u_dim = next((i["shape"][0] for i in manifest["io"]["target"]["inputs"] if i["name"] == "uniform"), None)
+    greedy_rows = 0 if u_dim == "sampled_rows" else B
 
     prefill = run("target", "prefill", feed(
         "target", input_ids=ids, draft_hidden=np.zeros((0, hidden)), temperature=np.zeros(1), uniform=np.zeros(1),
@@ -227,9 +231,12 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
         "draft", context_hidden=prefill.ref["taps"], block_embeddings=block, **kv(None, 0, dl, dkv, dhd)), dmod)
     verify = run("target", "verify", feed(
         "target", input_ids=prefill.ref["next_ids"][:1], draft_hidden=dprefill.ref["draft_hidden"], temperature=np.zeros(1),
-        uniform=np.zeros(B), **kv(prefill.ref, T, tl, tkv, thd)), tmod)
+        uniform=np.zeros(greedy_rows), **kv(prefill.ref, T, tl, tkv, thd)), tmod)
     with torch.no_grad():
-        prop_logits = tmod.logits_of(torch.from_numpy(verify.feed["draft_hidden"].astype(np.float32))).numpy()
+        prop_logits = tmod.logits_of(torch.from_numpy(verify.feed["draft_hidden"].astype(np.float32)))
+        if tmod.draft_vocab is not None:  # proposals are an argmax over the draft vocabulary's rows only
+            prop_logits = prop_logits[:, tmod.draft_vocab]
+        prop_logits = prop_logits.numpy()
     verify.margins["proposal_ids"] = _margins(prop_logits)
     c = min(3, B)  # as if c - 1 proposals were accepted: the next context is c verified rows
     block2 = np.concatenate([verify.ref["next_embeddings"][c - 1 : c], np.broadcast_to(mask_row, (B - 1, hidden))])
