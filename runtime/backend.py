@@ -82,6 +82,9 @@ class Backend(ABC):
     """
 
     name: str = "abstract"
+    # whether greedy target calls may bind 0 uniforms (skipping the sampling branch); False for
+    # engines known to mishandle that empty branch (see OrtBackend)
+    greedy_without_uniforms: bool = True
 
     @abstractmethod
     def alloc(self, dtype, rows: int, row_shape: tuple[int, ...] = ()) -> Buffer:

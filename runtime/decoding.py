@@ -155,7 +155,7 @@ class Session:
         # graphs exported before uniform had its own length ("sampled_rows") need 1 + N rows always
         inputs = m.get("io", {}).get("target", {}).get("inputs", [])
         uniform_dim = next((i["shape"][0] for i in inputs if i["name"] == "uniform"), None)
-        self._greedy_skips_sampling = uniform_dim == "sampled_rows"
+        self._greedy_skips_sampling = uniform_dim == "sampled_rows" and be.greedy_without_uniforms
         self.next_ids = be.alloc(np.int64, mb)
         self.proposal_ids = be.alloc(np.int64, mb)
         self.next_embeddings = be.alloc(self.dtype, mb, (hidden,))

@@ -16,6 +16,23 @@ from .backend import ADDRESS_ALIGNMENT, Backend, Buffer, View
 from .errors import DFlashError
 
 
+def _ort_version(ort) -> tuple[int, int]:
+    try:
+        return tuple(int(x) for x in ort.__version__.split(".")[:2])
+    except ValueError:
+        return (0, 0)
+
+
+def empty_rows_supported(ort) -> bool:
+    """Whether this onnxruntime runs the target's greedy form (no uniforms: reductions over 0 rows).
+
+    onnxruntime 1.23.2 mis-broadcasts the empty sampling branch (a Where over [0] inputs fails with
+    "Can broadcast 0 by 0 or 1"); 1.32 runs it. Older versions get 1 + N uniforms, the form every
+    version runs, at the cost of the (then unused) sampling branch.
+    """
+    return _ort_version(ort) >= (1, 32)
+
+
 def _optimization_level(ort):
     """Graph optimisation level known to run these graphs on the installed onnxruntime.
 
@@ -24,11 +41,9 @@ def _optimization_level(ort):
     and runs correctly at BASIC (measured on x86_64; tests/test_py310_jetpack.py). 1.32 runs at
     ENABLE_ALL; versions in between are untested, so they get BASIC too.
     """
-    try:
-        version = tuple(int(x) for x in ort.__version__.split(".")[:2])
-    except ValueError:
-        version = (0, 0)
-    return ort.GraphOptimizationLevel.ORT_ENABLE_ALL if version >= (1, 32) else ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    if _ort_version(ort) >= (1, 32):
+        return ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
 
 
 _ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)"}
@@ -93,6 +108,7 @@ class OrtBackend(Backend):
         except ImportError:
             raise DFlashError("onnxruntime is not installed: pip install onnxruntime") from None
         self._ort = ort
+        self.greedy_without_uniforms = empty_rows_supported(ort)
         self.providers = providers or ["CPUExecutionProvider"]
         self.sessions = {}
         for graph in ("target", "draft"):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .backend import View
 from .errors import DFlashError
+from .ort_backend import empty_rows_supported
 from .profiles import max_block
 from .trt_backend import CudaMemoryBackend, gpu_info, load_cuda
 
@@ -46,6 +47,7 @@ class OrtCudaBackend(CudaMemoryBackend):
             raise DFlashError(f"the ort-cuda backend needs an NVIDIA GPU: {why}")
         super().__init__(load_cuda(), scratch_rows=max_block(manifest))
         self.device_id = device_id
+        self.greedy_without_uniforms = empty_rows_supported(ort)
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.intra_op_num_threads = threads or os.cpu_count() or 1
