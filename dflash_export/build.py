@@ -194,6 +194,7 @@ def build(
             dmod = DFlashDraft(dspec, torch_dtype).eval()
             load_weights(dmod, dstate, f"draft {dspec.path or '(untrained)'}")
             cast_for_export(tmod, torch_dtype)
+            tmod.freeze_draft_head()
             cast_for_export(dmod, torch_dtype)
             mask_row = tmod.model.embed_tokens.weight[dspec.mask_token_id].detach().float().numpy()
             del tstate, dstate

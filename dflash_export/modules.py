@@ -211,6 +211,7 @@ class TargetForExport(nn.Module):
         # int64 [V']: the proposal vocabulary (None: all V ids)
         vocab = None if draft_vocab is None else torch.tensor(list(draft_vocab), dtype=torch.int64)
         self.register_buffer("draft_vocab", vocab, persistent=False)
+        self.register_buffer("draft_head", None, persistent=False)  # set by freeze_draft_head()
         self.model = _TargetBody(spec)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.arch.hidden_size, spec.vocab_size, bias=False)
         inv, scale = rope_inv_freq(spec.arch, spec.family)
@@ -232,11 +233,17 @@ class TargetForExport(nn.Module):
         h = draft_hidden.to(self.compute_dtype)
         if self.draft_vocab is None:
             return torch.argmax(self.logits_of(h), dim=-1)
-        # A Gather of constant head rows: onnxruntime / TensorRT fold it once at load; the file stores
-        # only the ids, never a second copy of the rows.
-        rows = torch.index_select(self.head_weight(), 0, self.draft_vocab)
+        rows = self.draft_head if self.draft_head is not None else torch.index_select(self.head_weight(), 0, self.draft_vocab)
         sub = torch.matmul(rows, h.transpose(0, 1)).transpose(0, 1)
         return torch.index_select(self.draft_vocab, 0, torch.argmax(sub, dim=-1))
+
+    def freeze_draft_head(self) -> None:
+        """Store the draft vocabulary's head rows `[V', d]` as one tensor (after loading weights, before
+        export). The exported graph then holds the ids and those rows exactly once; left as a Gather of
+        the full head, the exporter folds small cases and copies the id list in large ones."""
+        if self.draft_vocab is not None:
+            with torch.no_grad():
+                self.draft_head = torch.index_select(self.head_weight(), 0, self.draft_vocab).clone()
 
     def forward(self, input_ids, draft_hidden, temperature, uniform, *past):
         a = self.spec.arch

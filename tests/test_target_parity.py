@@ -244,6 +244,7 @@ def test_draft_vocab_restricts_proposals_only(tiny, tmp_path):
     vocab = list(range(1, t.spec.vocab_size, 3))
     module = TargetForExport(t.spec, t.taps, torch.float32, draft_vocab=vocab).eval()
     load_weights(module, t.state, "tiny")
+    module.freeze_draft_head()
     export_target(module, tmp_path / "target.onnx")
     extra = check_graph(tmp_path / "target.onnx")["initializer_bytes"] - check_graph(t.onnx_path)["initializer_bytes"]
     # at most the ids plus their head rows (folded by the exporter or at load), never a second full table
