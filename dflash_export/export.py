@@ -141,7 +141,7 @@ def export_target(module, path: Path) -> None:
     spec = module.spec
     a = spec.arch
     dt = module.compute_dtype
-    t, n, p = 3, 4, 5
+    t, n, p = 3, 4, 6  # uniform gets n + 1 = 5 rows: still distinct from every other size
     args = (
         torch.randint(0, spec.vocab_size, (t,), dtype=torch.int64),
         torch.randn(n, a.hidden_size, dtype=dt),

@@ -135,6 +135,10 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     record2 = json.loads((out / "training_record.json").read_text())
     assert record2["resumed_from_step"] == 4 and record2["steps"] == 6
     assert len(json.loads((out / "train_state" / "state.json").read_text())["losses"]) == 6
+    # resuming with another loss vocabulary would silently change the objective: refused
+    r4 = subprocess.run(cmd[:-4] + ["--steps", "7", "--resume", str(out), "--loss-vocab", "full", "--data-cache", str(tmp_path / "data")],
+                        capture_output=True, text=True, timeout=900)
+    assert r4.returncode == 2 and "that run used --loss-vocab seen" in r4.stderr
     # resuming from a directory without state is a clear error
     r3 = subprocess.run(cmd[:-4] + ["--resume", str(tmp_path), "--data-cache", str(tmp_path / "data")],
                         capture_output=True, text=True, timeout=900)
