@@ -87,6 +87,8 @@ def run_bench(args) -> int:
 
     from .train import read_prompts
 
+    if args.save_verify_len and args.verify_len:
+        raise DFlashError("--save-verify-len needs a run that verifies all proposals: drop --verify-len")
     sess = runtime.load(args.artifact, backend=args.backend)
     prompts = read_prompts(Path(args.prompts))
     if args.limit:
@@ -102,7 +104,10 @@ def run_bench(args) -> int:
     for i, p in enumerate(prompts):
         ids = sess.encode(p["prompt"], chat=True)
         plain = sess.generate(ids, max_new_tokens=args.max_new_tokens, block_size=1)
-        spec = sess.generate(ids, max_new_tokens=args.max_new_tokens, block_size=b, verify_len=args.verify_len, record_steps=True)
+        # verify all proposals unless told otherwise (not the artifact's saved default): the positional
+        # acceptance behind the suggested verify_len needs full verification
+        spec = sess.generate(ids, max_new_tokens=args.max_new_tokens, block_size=b, verify_len=args.verify_len or b - 1,
+                             record_steps=True)
         row = {
             "id": p["id"],
             "category": p["category"],
@@ -130,7 +135,44 @@ def run_bench(args) -> int:
     _plot(report, out / "bench.png")
     _print_table(report)
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    if args.save_verify_len:
+        save_verify_len(Path(args.artifact), report)
+        print(f"saved decoding.verify_len = {report['suggested_verify_len']} in {Path(args.artifact) / 'manifest.json'} "
+              "(the default of generate on this artifact; pass --verify-len to override)")
     return 0
+
+
+def save_verify_len(artifact_dir: Path, report: dict) -> None:
+    """Store the bench's suggested verify length as the artifact's default (`manifest["decoding"]`).
+
+    The suggestion is a measurement of this machine and backend (verify-cost curve x the draft's
+    positional acceptance on the bench prompts), recorded with them; the manifest is replaced atomically.
+
+    Raises:
+        DFlashError: the report has no suggestion (no proposals were verified).
+    """
+    import os
+    import platform
+    import tempfile
+
+    n = int(report.get("suggested_verify_len") or 0)
+    if n < 1:
+        raise DFlashError("the bench measured no accepted proposals, so it suggests no verify length; nothing saved")
+    path = Path(artifact_dir) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["decoding"] = {
+        "verify_len": n,
+        "measured_by": "python -m dflash_export bench --save-verify-len",
+        "backend": report["backend"],
+        "host": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+        "verify_cost_ms": report["verify_cost_curve"]["verify_ms"],
+        "positional_acceptance": report["positional_acceptance"],
+    }
+    fd, tmp = tempfile.mkstemp(prefix=".manifest.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(manifest, f, indent=2)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
 
 
 def _timing(res) -> dict:
@@ -272,5 +314,7 @@ def register(sub) -> None:
     p.add_argument("--verify-len", type=int, default=None, help="proposals verified per step (default: all)")
     p.add_argument("--backend", default="ort")
     p.add_argument("--no-torch-baseline", dest="torch_baseline", action="store_false")
+    p.add_argument("--save-verify-len", action="store_true",
+                   help="store the suggested verify_len in the artifact's manifest as generate's default on it")
     p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
     p.set_defaults(func=run_bench)

@@ -110,7 +110,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--block-size", type=int, default=None, help="default: the draft's; 1 = plain decoding")
-    g.add_argument("--verify-len", type=int, default=None, help="proposals verified per step (default: block_size - 1)")
+    g.add_argument("--verify-len", type=int, default=None, help="proposals verified per step (default: the artifact's measured decoding.verify_len, else block_size - 1)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--backend", default="ort", help="ort (onnxruntime CPU), ort-cuda or trt (TensorRT engines)")

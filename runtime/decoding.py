@@ -129,6 +129,9 @@ class Session:
         self.block_size = int(m["draft"]["block_size"])
         self.mask_token_id = int(m["draft"]["mask_token_id"])
         self.stop_token_ids = tuple(int(t) for t in m.get("stop_token_ids", []))
+        # proposals verified per step when generate() is not told: the value `bench --save-verify-len`
+        # measured on this machine, else all of them
+        self.default_verify_len = m.get("decoding", {}).get("verify_len")
         # One generate at a time: the static buffers belong to the session, not to a call.
         self._lock = threading.Lock()
         self.tokenizer = None
@@ -250,7 +253,8 @@ class Session:
             seed: seed of the sampling random numbers (temperature > 0).
             record_steps: keep each step's proposals and acceptance in `result.steps`.
             verify_len: verify at most this many of the block_size - 1 proposals per step (default:
-                all). On CPUs a verify pass costs more per token than on GPUs, so checking fewer
+                the artifact's measured `decoding.verify_len` when `bench --save-verify-len` stored one,
+                else all). On CPUs a verify pass costs more per token than on GPUs, so checking fewer
                 proposals can be faster; the draft still fills the whole block it was trained on.
 
         Returns:
@@ -281,6 +285,8 @@ class Session:
                 f"the KV buffers' max_seq_len {self.max_seq_len}; shorten the request or rebuild with "
                 f"`python -m dflash_export build --max-seq-len {len(ids) + max_new_tokens}` (or larger)"
             )
+        if verify_len is None:
+            verify_len = self.default_verify_len
         if verify_len is not None and _as_int(verify_len, "verify_len") < 1:
             raise DFlashError(f"verify_len must be at least 1 (got {verify_len})")
         n_verify = b - 1 if verify_len is None else min(int(verify_len), b - 1)

@@ -491,3 +491,33 @@ def test_text_prompt_with_tokenizer(qwen, qwen_ref):
     assert res.text == " ".join(f"t{i}" for i in res.output_ids if i > 2)  # 0-2: special tokens
     res = runtime.generate(qwen.artifact, "t5 t6 t7", max_new_tokens=4, stop_token_ids=[])
     assert res.output_ids == qwen_ref([5, 6, 7])[:4]
+
+
+def test_saved_verify_len_is_the_default(qwen, qwen_rows, qwen_ref, tmp_path):
+    """`bench --save-verify-len` stores a measured verify length in the manifest; generate uses it unless
+    told otherwise, output stays exact, and a bad stored value is refused at load."""
+    import json
+    import shutil
+
+    from dflash_export.bench import save_verify_len
+
+    art = tmp_path / "art"
+    shutil.copytree(qwen.artifact, art)
+    report = {"suggested_verify_len": 2, "backend": "ort", "verify_cost_curve": {"verify_ms": {0: 1.0}}, "positional_acceptance": [0.5]}
+    save_verify_len(art, report)
+    assert json.loads((art / "manifest.json").read_text())["decoding"]["verify_len"] == 2
+    sess = runtime.load(art)
+    prompt = [3, 1, 4, 1, 5]
+    ref = qwen_ref(prompt)
+    res = sess.generate(prompt, max_new_tokens=20, stop_token_ids=[], record_steps=True)
+    assert res.output_ids == ref[:20]
+    assert max(len(s["proposed"]) for s in res.steps) == 2
+    full = sess.generate(prompt, max_new_tokens=20, stop_token_ids=[], record_steps=True, verify_len=qwen.block_size - 1)
+    assert full.output_ids == ref[:20] and max(len(s["proposed"]) for s in full.steps) == qwen.block_size - 1
+    with pytest.raises(DFlashError, match="no verify length"):
+        save_verify_len(art, {**report, "suggested_verify_len": 0})
+    m = json.loads((art / "manifest.json").read_text())
+    m["decoding"]["verify_len"] = 0
+    (art / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DFlashError, match=r"decoding.verify_len is 0, expected a positive integer"):
+        runtime.load(art)
