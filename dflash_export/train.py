@@ -89,8 +89,15 @@ def generate_dataset(
     batch: int,
     device,
     show_progress: bool = True,
+    responses_per_prompt: int = 1,
+    sample_temperature: float = 0.8,
+    seed: int = 0,
 ) -> dict:
     """Generate the target's greedy responses and record the tap features of every position.
+
+    With `responses_per_prompt` K > 1, each prompt also gets K - 1 responses sampled at
+    `sample_temperature` (seeded; ids `<id>#s<k>`): more target-distribution data from the same prompts,
+    which is what a small prompt set limits (the first response stays the greedy one).
 
     The tap features come from the generation passes themselves (prefill + one step per token), so
     no second forward over the data is needed. Results are cached in `cache/` (`sequences.json`,
@@ -115,10 +122,16 @@ def generate_dataset(
         tok.pad_token = tok.eos_token
     pad_id = tok.pad_token_id
     seqs, chunks = [], []
-    order = list(range(len(prompts)))
-    bar = tqdm(total=len(prompts), desc="generating target responses", disable=not show_progress, file=sys.stderr)
-    for start in range(0, len(order), batch):
-        rows = [prompts[i] for i in order[start : start + batch]]
+    # round 0 is greedy, rounds 1.. are sampled; each generate call stays within one round
+    calls = [(rnd, start) for rnd in range(responses_per_prompt) for start in range(0, len(prompts), batch)]
+    bar = tqdm(total=len(prompts) * responses_per_prompt, desc="generating target responses",
+               disable=not show_progress, file=sys.stderr)
+    for rnd, start in calls:
+        rows = prompts[start : start + batch]
+        sampling = {}
+        if rnd > 0:
+            torch.manual_seed(seed * 1000003 + rnd * 7919 + start)
+            sampling = {"do_sample": True, "temperature": sample_temperature, "top_k": 0, "top_p": 1.0}
         texts = [
             tok.apply_chat_template(
                 [{"role": "user", "content": r["prompt"]}], tokenize=False, add_generation_prompt=True, enable_thinking=False
@@ -130,7 +143,7 @@ def generate_dataset(
             out = model.generate(
                 **enc,
                 max_new_tokens=max_new_tokens,
-                do_sample=False,
+                **(sampling or {"do_sample": False}),
                 pad_token_id=pad_id,
                 output_hidden_states=True,
                 return_dict_in_generate=True,
@@ -158,7 +171,8 @@ def generate_dataset(
             f = feats[j, width - len(prompt_ids) : width - len(prompt_ids) + len(ids)]
             if f.shape[0] < len(ids):  # the last generated token was never fed
                 f = torch.cat([f, torch.zeros(len(ids) - f.shape[0], f.shape[1], dtype=f.dtype)], dim=0)
-            seqs.append({"id": r["id"], "category": r["category"], "prompt_len": len(prompt_ids), "ids": ids})
+            sid = r["id"] if rnd == 0 else f"{r['id']}#s{rnd}"
+            seqs.append({"id": sid, "category": r["category"], "prompt_len": len(prompt_ids), "ids": ids})
             chunks.append(f.to(torch.float16).cpu())
         bar.update(len(rows))
     bar.close()
@@ -334,13 +348,15 @@ def _init_from_target(draft, tstate, tspec, layers) -> None:
 
 def _check_train_args(args) -> None:
     """Refuse bad options before the (possibly long) data generation."""
-    for name in ("steps", "batch", "anchors", "layers", "max_new_tokens", "gen_batch"):
+    for name in ("steps", "batch", "anchors", "layers", "max_new_tokens", "gen_batch", "responses_per_prompt"):
         if getattr(args, name) < 1:
             raise DFlashError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
     if args.block_size < 2:
         raise DFlashError(f"--block-size must be at least 2 (got {args.block_size})")
     if args.max_prompts is not None and args.max_prompts < 1:
         raise DFlashError(f"--max-prompts must be at least 1 (got {args.max_prompts})")
+    if not (args.sample_temperature > 0 and math.isfinite(args.sample_temperature)):
+        raise DFlashError(f"--sample-temperature must be positive (got {args.sample_temperature})")
     if not (args.lr > 0 and math.isfinite(args.lr)) or not args.gamma > 0 or not 0 <= args.warmup < 1:
         raise DFlashError("--lr and --gamma must be positive and --warmup in [0, 1)")
     if args.device not in ("auto", "cpu", "cuda") and not args.device.startswith("cuda:"):
@@ -380,11 +396,15 @@ def train_draft(args) -> int:
         json.dumps(
             [file_sha256(f) for f in sorted(Path(target_dir).glob("*.safetensors"))]
             + [file_sha256(Path(args.prompts)), args.max_prompts, args.max_new_tokens, list(taps)]
+            # (only when used, so caches of greedy-only data keep their key)
+            + ([args.responses_per_prompt, args.sample_temperature, args.seed] if args.responses_per_prompt > 1 else [])
         ).encode()
     ).hexdigest()[:16]
     data_dir = Path(args.data_cache) if args.data_cache else cache_dir() / "train-data" / key
     t0 = time.time()
-    data = generate_dataset(target_dir, prompts, taps, data_dir, args.max_new_tokens, args.gen_batch, device)
+    data = generate_dataset(target_dir, prompts, taps, data_dir, args.max_new_tokens, args.gen_batch, device,
+                            responses_per_prompt=args.responses_per_prompt, sample_temperature=args.sample_temperature,
+                            seed=args.seed)
     gen_seconds = time.time() - t0
     seqs = [s for s in data["sequences"] if len(s["ids"]) - s["prompt_len"] >= 2]
     index = {s["id"]: i for i, s in enumerate(data["sequences"])}
@@ -498,6 +518,8 @@ def train_draft(args) -> int:
         "num_sequences": len(seqs),
         "response_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in seqs),
         "max_new_tokens": args.max_new_tokens,
+        "responses_per_prompt": args.responses_per_prompt,
+        "sample_temperature": args.sample_temperature if args.responses_per_prompt > 1 else None,
         "steps": args.steps,
         "resumed_from_step": start_step if args.resume else None,
         "batch": args.batch,
@@ -565,6 +587,9 @@ def register(sub) -> None:
     p.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length when generating data")
     p.add_argument("--gen-batch", type=int, default=16, help="prompts per batched generation call")
+    p.add_argument("--responses-per-prompt", type=int, default=1,
+                   help="1 greedy response per prompt, plus K-1 sampled ones (more data from the same prompts)")
+    p.add_argument("--sample-temperature", type=float, default=0.8, help="temperature of the sampled responses")
     p.add_argument("--data-cache", default=None, help="where generated data are cached (default: under the cache dir)")
     p.add_argument("--layers", type=int, default=2, help="draft decoder layers")
     p.add_argument("--taps", type=int, nargs="+", default=None, help="target layer ids (default: reference rule)")

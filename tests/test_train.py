@@ -139,6 +139,17 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     r4 = subprocess.run(cmd[:-4] + ["--steps", "7", "--resume", str(out), "--loss-vocab", "full", "--data-cache", str(tmp_path / "data")],
                         capture_output=True, text=True, timeout=900)
     assert r4.returncode == 2 and "that run used --loss-vocab seen" in r4.stderr
+    # sampled extra responses: 2 per prompt, the greedy ones unchanged, the sampled ones seeded
+    out2 = tmp_path / "draft2"
+    cmd2 = [c if c != str(out) else str(out2) for c in cmd[:-2]] + ["--data-cache", str(tmp_path / "data2"),
+                                                                     "--responses-per-prompt", "2", "--steps", "1"]
+    r5 = subprocess.run(cmd2, capture_output=True, text=True, timeout=900)
+    assert r5.returncode == 0, r5.stderr[-2000:]
+    seqs = json.loads((tmp_path / "data" / "sequences.json").read_text())
+    seqs2 = json.loads((tmp_path / "data2" / "sequences.json").read_text())
+    assert [s["id"] for s in seqs2] == ["a", "b", "a#s1", "b#s1"]
+    assert [s["ids"] for s in seqs2[:2]] == [s["ids"] for s in seqs]
+    assert json.loads((out2 / "training_record.json").read_text())["responses_per_prompt"] == 2
     # resuming from a directory without state is a clear error
     r3 = subprocess.run(cmd[:-4] + ["--resume", str(tmp_path), "--data-cache", str(tmp_path / "data")],
                         capture_output=True, text=True, timeout=900)
