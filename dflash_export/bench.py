@@ -153,7 +153,8 @@ def save_verify_len(artifact_dir: Path, report: dict) -> None:
     """
     import os
     import platform
-    import tempfile
+
+    from .engine import write_atomic
 
     n = int(report.get("suggested_verify_len") or 0)
     if n < 1:
@@ -168,11 +169,7 @@ def save_verify_len(artifact_dir: Path, report: dict) -> None:
         "verify_cost_ms": report["verify_cost_curve"]["verify_ms"],
         "positional_acceptance": report["positional_acceptance"],
     }
-    fd, tmp = tempfile.mkstemp(prefix=".manifest.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(manifest, f, indent=2)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(manifest, indent=2).encode())
 
 
 def _timing(res) -> dict:

@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.errors import DFlashError
+from runtime.manifest import greedy_form_exported
 
 ID_OUTPUTS = ("next_ids", "proposal_ids")
 # Outputs that are a lookup of an id output (compared on the rows where the ids agree).
@@ -219,13 +220,8 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
     mask_row = np.load(Path(artifact_dir) / manifest["mask_embedding"]).astype(np.float32)
     ids = rng.integers(0, vocab, size=T).astype(np.int64)
     # the verify case is greedy as the runtime binds it: no uniforms where the graph allows it (the
-    # prefill case keeps one, so both forms of the graph are compared)
-    u_dim = next((i["shape"][0] for i in manifest["io"]["target"]["inputs"] if i["name"] == "uniform"), None)
-    import onnxruntime
-
-    from runtime.ort_backend import empty_rows_supported
-
-    greedy_rows = 0 if u_dim == "sampled_rows" and empty_rows_supported(onnxruntime) else B
+    # prefill case keeps one, so both forms are compared; BackendRunner adds them for engines that need them)
+    greedy_rows = 0 if greedy_form_exported(manifest) else B
 
     prefill = run("target", "prefill", feed(
         "target", input_ids=ids, draft_hidden=np.zeros((0, hidden)), temperature=np.zeros(1), uniform=np.zeros(1),

@@ -258,7 +258,7 @@ def build_engines(
         for graph, tmp in tmp_files.items():
             os.replace(tmp, out / plans[graph])
         tmp_files = {}
-        _write_atomic(cache_path, bytes(memoryview(cache.serialize())))
+        write_atomic(cache_path, bytes(memoryview(cache.serialize())))
         manifest["trt"] = {
             "tensorrt_version": version,
             "gpu": {"name": gpu["name"], "compute_capability": gpu["compute_capability"]},
@@ -272,18 +272,21 @@ def build_engines(
             "profiles": profiles_to_json(ranges),
             "build": info,
         }
-        _write_atomic(out / "manifest.json", json.dumps(manifest, indent=2).encode())
+        write_atomic(out / "manifest.json", json.dumps(manifest, indent=2).encode())
     finally:
         for tmp in tmp_files.values():
             tmp.unlink(missing_ok=True)
     return manifest
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` in one rename (readers see the old or the new file, never a part);
+    mode 0644 like the rest of an artifact (mkstemp would leave 0600)."""
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(name, 0o644)
         os.replace(name, path)
     except BaseException:
         Path(name).unlink(missing_ok=True)

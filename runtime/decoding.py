@@ -29,7 +29,7 @@ import numpy as np
 
 from .backend import Backend, View
 from .errors import DFlashError
-from .manifest import DTYPES, load_manifest
+from .manifest import DTYPES, greedy_form_exported, load_manifest
 
 # Scratch buffers are sized for blocks up to this many tokens (or the draft's block size, if larger).
 MAX_BLOCK_SIZE = 64
@@ -155,10 +155,7 @@ class Session:
         self.temperature = be.alloc(np.float32, 1)
         self.uniform = be.alloc(np.float32, mb)
         self._sampling = False
-        # graphs exported before uniform had its own length ("sampled_rows") need 1 + N rows always
-        inputs = m.get("io", {}).get("target", {}).get("inputs", [])
-        uniform_dim = next((i["shape"][0] for i in inputs if i["name"] == "uniform"), None)
-        self._greedy_skips_sampling = uniform_dim == "sampled_rows" and be.greedy_without_uniforms
+        self._greedy_skips_sampling = greedy_form_exported(m) and be.greedy_without_uniforms
         self.next_ids = be.alloc(np.int64, mb)
         self.proposal_ids = be.alloc(np.int64, mb)
         self.next_embeddings = be.alloc(self.dtype, mb, (hidden,))

@@ -95,3 +95,10 @@ def load_manifest(artifact_dir: str | Path) -> dict[str, Any]:
         if not graph.is_file():
             raise DFlashError(f"{artifact_dir}: {graph.name} is missing; the artifact is incomplete, rebuild it")
     return manifest
+
+
+def greedy_form_exported(manifest: dict[str, Any]) -> bool:
+    """Whether the target graph's `uniform` has its own length (`sampled_rows`), so greedy calls may
+    bind none of it and skip the sampling branch; graphs exported before that tie it to 1 + N."""
+    inputs = manifest.get("io", {}).get("target", {}).get("inputs", [])
+    return any(i["name"] == "uniform" and i["shape"][:1] == ["sampled_rows"] for i in inputs)

@@ -28,7 +28,6 @@ def main() -> int:
     curves = []
     for art in args.artifacts:
         sess = runtime.load(art)
-        sess._sampling = False
         curves.append(verify_cost_curve(sess, past_len=args.past, reps=args.reps))
     base = curves[0]
     ns = sorted(base["verify_ms"])
