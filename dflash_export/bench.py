@@ -5,13 +5,13 @@ plain decoding (block size 1) and speculative decoding on the artifact's graphs,
 straightforward PyTorch loop (Hugging Face target + PyTorch draft). It reports per prompt and overall:
 tau (mean and histogram), tokens/s, speedup, the split of decode time into draft, verify and host
 overhead, prefill time, and the verify-cost curve (target call time against proposals verified).
-Writes `bench.json` and `bench.png`.
+Prompts are wrapped in the model's chat template as one user turn when it has one. Writes
+`bench.json` and `bench.png`; `--save-verify-len` stores the suggested verify length in the artifact.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from collections import Counter, defaultdict
@@ -24,9 +24,12 @@ from runtime.errors import DFlashError
 DEFAULT_EVAL = Path(__file__).resolve().parent.parent / "models" / "prompts" / "eval.jsonl"
 
 
-def verify_cost_curve(sess, past_len: int = 256, reps: int = 5) -> dict:
-    """Median wall time (ms) of one target call verifying n proposals (n = 0..block_size-1) at a
-    fixed past length, and of one draft call; the basis for choosing `verify_len`."""
+def verify_cost_curve(sess, past_len: int = 256, reps: int = 7) -> dict:
+    """Wall time (ms) of one target call verifying n proposals (n = 0..block_size-1) at a fixed past
+    length, and of one draft call; the basis for choosing `verify_len`.
+
+    Each point is the fastest of `reps` timed calls (after one warm-up call): other load on the machine
+    only ever adds time, so the minimum is the least disturbed estimate of a call's cost."""
     be = sess.backend
     b = sess.block_size
     past_len = min(past_len, sess.max_seq_len - b - 1)
@@ -38,13 +41,21 @@ def verify_cost_curve(sess, past_len: int = 256, reps: int = 5) -> dict:
             t0 = time.perf_counter()
             sess._target(1, n, past_len)
             times.append(time.perf_counter() - t0)
-        curve[n] = 1000 * statistics.median(times[1:])
+        curve[n] = 1000 * min(times[1:])
     times = []
     for _ in range(reps + 1):
         t0 = time.perf_counter()
         sess._draft(1, past_len, b)
         times.append(time.perf_counter() - t0)
-    return {"past_len": past_len, "verify_ms": curve, "draft_ms": 1000 * statistics.median(times[1:])}
+    return {"past_len": past_len, "verify_ms": curve, "draft_ms": 1000 * min(times[1:])}
+
+
+def curve_inversions(verify_ms: dict, tolerance: float = 0.10) -> list[tuple[int, int]]:
+    """Pairs (n, m), n < m, where verifying m proposals measured more than `tolerance` (fraction)
+    faster than verifying n. A verify of more rows never costs less, so such pairs mean the timing was
+    disturbed (a loaded machine, frequency changes) and a verify length chosen from it is unreliable."""
+    points = sorted((int(n), float(v)) for n, v in verify_ms.items())
+    return [(n, m) for i, (n, vn) in enumerate(points) for m, vm in points[i + 1 :] if vm < (1 - tolerance) * vn]
 
 
 def best_verify_len(curve: dict, acceptance_rate_by_pos: list[float]) -> tuple[int, float]:
@@ -87,9 +98,17 @@ def run_bench(args) -> int:
 
     from .train import read_prompts
 
-    if args.save_verify_len and args.verify_len:
+    if args.verify_len is not None and args.verify_len < 1:
+        raise DFlashError(f"--verify-len must be at least 1 (got {args.verify_len}); omit it to verify all proposals")
+    if args.save_verify_len and args.verify_len is not None:
         raise DFlashError("--save-verify-len needs a run that verifies all proposals: drop --verify-len")
+    if args.limit is not None and args.limit < 1:
+        raise DFlashError(f"--limit must be at least 1 (got {args.limit})")
+    if args.max_new_tokens < 1:
+        raise DFlashError(f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})")
     sess = runtime.load(args.artifact, backend=args.backend)
+    if args.save_verify_len:
+        _check_writable(Path(args.artifact))  # before the run, not after minutes of benchmarking
     prompts = read_prompts(Path(args.prompts))
     if args.limit:
         by_cat = defaultdict(list)
@@ -101,12 +120,13 @@ def run_bench(args) -> int:
     # warm-up: first calls allocate onnxruntime arenas
     sess.generate([1, 2, 3], max_new_tokens=4, stop_token_ids=[], block_size=b)
     rows = []
+    chat = bool(sess.tokenizer is not None and sess.tokenizer.chat_template)  # instruct models: one user turn
     for i, p in enumerate(prompts):
-        ids = sess.encode(p["prompt"], chat=True)
+        ids = sess.encode(p["prompt"], chat=chat)
         plain = sess.generate(ids, max_new_tokens=args.max_new_tokens, block_size=1)
         # verify all proposals unless told otherwise (not the artifact's saved default): the positional
         # acceptance behind the suggested verify_len needs full verification
-        spec = sess.generate(ids, max_new_tokens=args.max_new_tokens, block_size=b, verify_len=args.verify_len or b - 1,
+        spec = sess.generate(ids, max_new_tokens=args.max_new_tokens, block_size=b, verify_len=args.verify_len or max(b - 1, 1),
                              record_steps=True)
         row = {
             "id": p["id"],
@@ -135,7 +155,16 @@ def run_bench(args) -> int:
     _plot(report, out / "bench.png")
     _print_table(report)
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    inversions = curve_inversions(report["verify_cost_curve"]["verify_ms"])
+    if inversions:
+        n, m = inversions[0]
+        print(f"warning: the verify-cost curve is noisy ({len(inversions)} inversions, e.g. verifying {m} proposals "
+              f"measured faster than {n}); the machine was probably busy. Rerun on an idle machine before trusting "
+              "the suggested verify_len.", file=sys.stderr)
     if args.save_verify_len:
+        if inversions:
+            raise DFlashError("not saving decoding.verify_len from a noisy verify-cost curve (see the warning above); "
+                              "rerun `bench --save-verify-len` on an idle machine")
         save_verify_len(Path(args.artifact), report)
         print(f"saved decoding.verify_len = {report['suggested_verify_len']} in {Path(args.artifact) / 'manifest.json'} "
               "(the default of generate on this artifact; pass --verify-len to override)")
@@ -149,7 +178,8 @@ def save_verify_len(artifact_dir: Path, report: dict) -> None:
     positional acceptance on the bench prompts), recorded with them; the manifest is replaced atomically.
 
     Raises:
-        DFlashError: the report has no suggestion (no proposals were verified).
+        DFlashError: the report has no suggestion (no proposals were verified), or the manifest cannot
+            be read or replaced.
     """
     import os
     import platform
@@ -160,7 +190,10 @@ def save_verify_len(artifact_dir: Path, report: dict) -> None:
     if n < 1:
         raise DFlashError("the bench measured no accepted proposals, so it suggests no verify length; nothing saved")
     path = Path(artifact_dir) / "manifest.json"
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+    except OSError as exc:
+        raise DFlashError(f"cannot read {path}: {exc.strerror or exc}; nothing saved") from None
     manifest["decoding"] = {
         "verify_len": n,
         "measured_by": "python -m dflash_export bench --save-verify-len",
@@ -169,7 +202,20 @@ def save_verify_len(artifact_dir: Path, report: dict) -> None:
         "verify_cost_ms": report["verify_cost_curve"]["verify_ms"],
         "positional_acceptance": report["positional_acceptance"],
     }
-    write_atomic(path, json.dumps(manifest, indent=2).encode())
+    try:
+        write_atomic(path, json.dumps(manifest, indent=2).encode())
+    except OSError as exc:
+        raise DFlashError(f"cannot write {path}: {exc.strerror or exc}; nothing saved") from None
+
+
+def _check_writable(artifact_dir: Path) -> None:
+    """Refuse up front when the manifest could not be replaced (read-only artifact directory or file)."""
+    import os
+
+    manifest = artifact_dir / "manifest.json"
+    for target in (artifact_dir, manifest):
+        if not os.access(target, os.W_OK):
+            raise DFlashError(f"--save-verify-len: {target} is not writable; fix the permissions or drop the option")
 
 
 def _timing(res) -> dict:
@@ -306,11 +352,12 @@ def register(sub) -> None:
     p.add_argument("artifact")
     p.add_argument("--prompts", default=str(DEFAULT_EVAL), help="JSONL prompts (default: models/prompts/eval.jsonl)")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt and run (default 128)")
+    p.add_argument("--block-size", type=int, default=None, help="speculative block size (default: the draft's)")
     p.add_argument("--verify-len", type=int, default=None, help="proposals verified per step (default: all)")
-    p.add_argument("--backend", default="ort")
-    p.add_argument("--no-torch-baseline", dest="torch_baseline", action="store_false")
+    p.add_argument("--backend", default="ort", help="ort (default), ort-cuda or trt")
+    p.add_argument("--no-torch-baseline", dest="torch_baseline", action="store_false",
+                   help="skip timing the PyTorch loop (Hugging Face target + PyTorch draft)")
     p.add_argument("--save-verify-len", action="store_true",
                    help="store the suggested verify_len in the artifact's manifest as generate's default on it")
     p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")

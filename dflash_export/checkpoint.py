@@ -413,15 +413,22 @@ def read_draft_vocab(draft_dir: Path, vocab_size: int) -> tuple[int, ...] | None
         sorted unique ids, or None when the file is absent.
 
     Raises:
-        DFlashError: unreadable file, or ids that are not unique ints in [0, vocab_size).
+        DFlashError: a non-file of that name, an unreadable or invalid file, or ids that are not unique
+            ints in [0, vocab_size).
     """
     path = Path(draft_dir) / DRAFT_VOCAB_FILE
-    if not path.is_file():
+    if not path.exists():
         return None
+    if not path.is_file():  # a directory or device of that name is a mistake, not "no vocabulary"
+        raise DFlashError(f"{path} is not a regular file; remove it to use the full vocabulary")
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DFlashError(f"{path} is not valid JSON ({exc}); delete it to use the full vocabulary") from None
+    except OSError as exc:
+        raise DFlashError(f"cannot read {path}: {exc.strerror or exc}; fix its permissions or delete it") from None
+    except RecursionError:
+        raise DFlashError(f"{path} is nested too deeply to be a vocabulary file; delete it to use the full vocabulary") from None
     ids = data.get("token_ids") if isinstance(data, dict) else None
     if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
         raise DFlashError(f"{path} must hold {{\"token_ids\": [int, ...]}} (non-empty); delete it to use the full vocabulary")

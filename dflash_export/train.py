@@ -64,7 +64,7 @@ def read_prompts(path: Path) -> list[dict]:
     return rows
 
 
-def _load_target(target_dir: Path, device):
+def _load_target(target_dir: Path, device, dtype=None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -72,7 +72,7 @@ def _load_target(target_dir: Path, device):
     hf_logging.set_verbosity_error()
     tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(
-        str(target_dir), dtype=torch.float32, trust_remote_code=False, use_safetensors=True
+        str(target_dir), dtype=dtype or torch.float32, trust_remote_code=False, use_safetensors=True
     )
     model.eval().to(device)
     for p in model.parameters():
@@ -92,6 +92,7 @@ def generate_dataset(
     responses_per_prompt: int = 1,
     sample_temperature: float = 0.8,
     seed: int = 0,
+    dtype=None,
 ) -> dict:
     """Generate the target's greedy responses and record the tap features of every position.
 
@@ -100,7 +101,10 @@ def generate_dataset(
     which is what a small prompt set limits (the first response stays the greedy one).
 
     The tap features come from the generation passes themselves (prefill + one step per token), so
-    no second forward over the data is needed. Results are cached in `cache/` (`sequences.json`,
+    no second forward over the data is needed. `dtype` (default fp32) is the target's weight dtype for
+    generation: bf16 runs about 2.4x faster on CPUs with native bf16 matmuls (measured on this project's
+    2-core Zen 4, batch 128); its responses are the target's own up to near-tie argmax flips, and its
+    features carry bf16 rounding (about 0.4%), which the draft tolerates. Results are cached in `cache/` (`sequences.json`,
     `taps.safetensors`) and reused when present.
 
     Returns:
@@ -116,7 +120,7 @@ def generate_dataset(
         seqs = json.loads(seq_path.read_text())
         feats = load_file(str(taps_path))
         return {"sequences": seqs, "taps": feats["taps"], "offsets": feats["offsets"].tolist()}
-    tok, model = _load_target(target_dir, device)
+    tok, model = _load_target(target_dir, device, dtype)
     tok.padding_side = "left"
     if tok.pad_token is None:  # e.g. Llama-3 tokenizers: pad with EOS (masked out anyway)
         tok.pad_token = tok.eos_token
@@ -355,8 +359,9 @@ def _check_train_args(args) -> None:
         raise DFlashError(f"--block-size must be at least 2 (got {args.block_size})")
     if args.max_prompts is not None and args.max_prompts < 1:
         raise DFlashError(f"--max-prompts must be at least 1 (got {args.max_prompts})")
-    if not (args.sample_temperature > 0 and math.isfinite(args.sample_temperature)):
-        raise DFlashError(f"--sample-temperature must be positive (got {args.sample_temperature})")
+    if not 0.01 <= args.sample_temperature <= 100:  # (NaN fails too) below 0.01 logits / T overflow
+        raise DFlashError(f"--sample-temperature must be between 0.01 and 100 (got {args.sample_temperature}); "
+                          "the first response per prompt is already the greedy one")
     if not (args.lr > 0 and math.isfinite(args.lr)) or not args.gamma > 0 or not 0 <= args.warmup < 1:
         raise DFlashError("--lr and --gamma must be positive and --warmup in [0, 1)")
     if args.device not in ("auto", "cpu", "cuda") and not args.device.startswith("cuda:"):
@@ -392,19 +397,21 @@ def train_draft(args) -> int:
     if args.max_prompts:
         prompts = prompts[: args.max_prompts]
     out = Path(args.out).resolve()
+    gen_dtype = _amp_dtype(args.gen_dtype, device)
     key = hashlib.sha256(
         json.dumps(
             [file_sha256(f) for f in sorted(Path(target_dir).glob("*.safetensors"))]
             + [file_sha256(Path(args.prompts)), args.max_prompts, args.max_new_tokens, list(taps)]
-            # (only when used, so caches of greedy-only data keep their key)
+            # (only when used, so caches of greedy-only fp32 data keep their key)
             + ([args.responses_per_prompt, args.sample_temperature, args.seed] if args.responses_per_prompt > 1 else [])
+            + (["bf16"] if gen_dtype is not None else [])
         ).encode()
     ).hexdigest()[:16]
     data_dir = Path(args.data_cache) if args.data_cache else cache_dir() / "train-data" / key
     t0 = time.time()
     data = generate_dataset(target_dir, prompts, taps, data_dir, args.max_new_tokens, args.gen_batch, device,
                             responses_per_prompt=args.responses_per_prompt, sample_temperature=args.sample_temperature,
-                            seed=args.seed)
+                            seed=args.seed, dtype=gen_dtype)
     gen_seconds = time.time() - t0
     seqs = [s for s in data["sequences"] if len(s["ids"]) - s["prompt_len"] >= 2]
     index = {s["id"]: i for i, s in enumerate(data["sequences"])}
@@ -520,6 +527,7 @@ def train_draft(args) -> int:
         "max_new_tokens": args.max_new_tokens,
         "responses_per_prompt": args.responses_per_prompt,
         "sample_temperature": args.sample_temperature if args.responses_per_prompt > 1 else None,
+        "gen_dtype": "bfloat16" if gen_dtype is not None else "fp32",
         "steps": args.steps,
         "resumed_from_step": start_step if args.resume else None,
         "batch": args.batch,
@@ -586,7 +594,9 @@ def register(sub) -> None:
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file (default: models/prompts/train.jsonl)")
     p.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length when generating data")
-    p.add_argument("--gen-batch", type=int, default=16, help="prompts per batched generation call")
+    p.add_argument("--gen-batch", type=int, default=64, help="prompts per batched generation call")
+    p.add_argument("--gen-dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="target dtype while generating data (auto: bf16 where the CPU/GPU has native bf16 matmuls)")
     p.add_argument("--responses-per-prompt", type=int, default=1,
                    help="1 greedy response per prompt, plus K-1 sampled ones (more data from the same prompts)")
     p.add_argument("--sample-temperature", type=float, default=0.8, help="temperature of the sampled responses")

@@ -249,9 +249,9 @@ class Session:
             chat: wrap text in the model's chat template as one user turn.
             seed: seed of the sampling random numbers (temperature > 0).
             record_steps: keep each step's proposals and acceptance in `result.steps`.
-            verify_len: verify at most this many of the block_size - 1 proposals per step (default:
-                the artifact's measured `decoding.verify_len` when `bench --save-verify-len` stored one,
-                else all). On CPUs a verify pass costs more per token than on GPUs, so checking fewer
+            verify_len: verify at most this many of the block_size - 1 proposals per step, 1..block_size-1
+                (default: the artifact's measured `decoding.verify_len` when `bench --save-verify-len`
+                stored one, capped at block_size - 1, else all). On CPUs a verify pass costs more per token than on GPUs, so checking fewer
                 proposals can be faster; the draft still fills the whole block it was trained on.
 
         Returns:
@@ -283,10 +283,14 @@ class Session:
                 f"`python -m dflash_export build --max-seq-len {len(ids) + max_new_tokens}` (or larger)"
             )
         if verify_len is None:
-            verify_len = self.default_verify_len
-        if verify_len is not None and _as_int(verify_len, "verify_len") < 1:
-            raise DFlashError(f"verify_len must be at least 1 (got {verify_len})")
-        n_verify = b - 1 if verify_len is None else min(int(verify_len), b - 1)
+            # the artifact's measured default is a cap: a smaller block_size simply checks all it proposes
+            n_verify = b - 1 if self.default_verify_len is None else min(self.default_verify_len, b - 1)
+        else:
+            verify_len = _as_int(verify_len, "verify_len")
+            if not 1 <= verify_len <= max(b - 1, 1):
+                raise DFlashError(f"verify_len must be between 1 and block_size - 1 = {max(b - 1, 1)} "
+                                  f"(got {verify_len}); block_size {b} proposes {b - 1} tokens per step")
+            n_verify = min(verify_len, b - 1)
         stops = set(self.stop_token_ids if stop_token_ids is None else (int(s) for s in stop_token_ids))
         rng = np.random.default_rng(seed)
         if not self._lock.acquire(blocking=False):

@@ -84,7 +84,10 @@ def load_manifest(artifact_dir: str | Path) -> dict[str, Any]:
     if not isinstance(manifest.get("mask_embedding"), str) or Path(manifest["mask_embedding"]).name != manifest["mask_embedding"]:
         raise DFlashError(f"{path}: mask_embedding must be a file name inside the artifact; rebuild the artifact")
     decoding = manifest.get("decoding", {})
-    verify_len = decoding.get("verify_len") if isinstance(decoding, dict) else "?"
+    if not isinstance(decoding, dict):
+        raise DFlashError(f"{path}: 'decoding' is {type(decoding).__name__}, expected an object like "
+                          "{\"verify_len\": 3}; rerun `bench --save-verify-len` or delete the 'decoding' section")
+    verify_len = decoding.get("verify_len")
     if verify_len is not None and (isinstance(verify_len, bool) or not isinstance(verify_len, int) or verify_len < 1):
         raise DFlashError(f"{path}: decoding.verify_len is {verify_len!r}, expected a positive integer; rerun "
                           "`bench --save-verify-len` or delete the 'decoding' section")

@@ -150,6 +150,17 @@ def test_bad_draft_vocab(ckpt, tmp_path, content, match):
     assert "delete it to use the full vocabulary" in msg or "target's vocabulary" in msg
 
 
+def test_draft_vocab_not_a_plain_readable_file(ckpt, tmp_path):
+    """A directory of that name is an error, not "no vocabulary"; a deeply nested file gets a clear line."""
+    d = copy_dir(ckpt / "draft", tmp_path / "d")
+    (d / "draft_vocab.json").mkdir()
+    msg = build_fails(ckpt / "target", d, tmp_path / "art", r"draft_vocab.json is not a regular file; remove it")
+    (d / "draft_vocab.json").rmdir()
+    (d / "draft_vocab.json").write_text("[" * 100000 + "]" * 100000)
+    msg = build_fails(ckpt / "target", d, tmp_path / "art2", r"nested too deeply to be a vocabulary file")
+    assert "delete it to use the full vocabulary" in msg
+
+
 def test_sliding_attention_draft(ckpt, tmp_path):
     d = edit_config(copy_dir(ckpt / "draft", tmp_path / "d"),
                     lambda c: c.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8))
