@@ -99,6 +99,24 @@ def test_loss_vocabulary_softmax_equals_restricted_cross_entropy(tiny_draft, mon
         block_loss(draft, head[vocab], *args, random.Random(0), torch.device("cpu"), label_map=narrow)
 
 
+@pytest.mark.parametrize("args, match", [
+    (["--steps", "0"], "--steps must be at least 1 (got 0)"),
+    (["--gen-batch", "-1"], "--gen-batch must be at least 1"),
+    (["--sample-temperature", "1e-300"], "--sample-temperature must be between 0.01 and 100 (got 1e-300)"),
+    (["--sample-temperature", "nan"], "--sample-temperature must be between 0.01 and 100"),
+    (["--warmup", "1"], "--warmup in [0, 1)"),
+])
+def test_train_draft_bad_options_fail_first(tmp_path, capsys, args, match):
+    """Bad options are refused before any model is loaded or data generated, with nothing written."""
+    from dflash_export.cli import main
+
+    out = tmp_path / "draft"
+    assert main(["train-draft", "--out", str(out), "--data-cache", str(tmp_path / "data"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and match in err and "Traceback" not in err
+    assert not out.exists() and not (tmp_path / "data").exists()
+
+
 @pytest.mark.slow
 def test_train_draft_end_to_end_and_resume(tmp_path):
     """A 3-step run on SmolLM2 with 2 prompts: released-format output, valid for build, resumable."""
@@ -121,6 +139,8 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     assert cfg["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": [1, 27]}
     record = json.loads((out / "training_record.json").read_text())
     assert record["steps"] == 4 and record["num_sequences"] == 2 and math.isfinite(record["final_loss"])
+    from dflash_export.train import _amp_dtype  # --gen-dtype auto: bf16 exactly where the CPU has native bf16
+    assert record["gen_dtype"] == ("bfloat16" if _amp_dtype("auto", torch.device("cpu")) else "fp32")
     spec, state = load_draft_spec(out, load_target_spec(embedded_target_dir()))
     assert spec.arch.num_layers == 2 and spec.block_size == 16
     assert state["fc.weight"].dtype == torch.float16
