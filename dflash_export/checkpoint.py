@@ -417,7 +417,7 @@ def read_draft_vocab(draft_dir: Path, vocab_size: int) -> tuple[int, ...] | None
             ints in [0, vocab_size).
     """
     path = Path(draft_dir) / DRAFT_VOCAB_FILE
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():  # a dangling link is an error below, not "absent"
         return None
     if not path.is_file():  # a directory or device of that name is a mistake, not "no vocabulary"
         raise DFlashError(f"{path} is not a regular file; remove it to use the full vocabulary")

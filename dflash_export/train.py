@@ -109,17 +109,22 @@ def generate_dataset(
 
     Returns:
         {"sequences": [{"id", "category", "prompt_len", "ids"}], "taps": fp16 tensor [total, k*d],
-         "offsets": list of row offsets into taps per sequence}.
+         "offsets": list of row offsets into taps per sequence, "gen_dtype": "fp32" | "bfloat16" |
+         "unknown" (a cache written before the dtype was recorded)}.
     """
     import torch
     from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
+    from safetensors import safe_open
+
     seq_path, taps_path = cache / "sequences.json", cache / "taps.safetensors"
     if seq_path.is_file() and taps_path.is_file():
         seqs = json.loads(seq_path.read_text())
         feats = load_file(str(taps_path))
-        return {"sequences": seqs, "taps": feats["taps"], "offsets": feats["offsets"].tolist()}
+        with safe_open(str(taps_path), "pt") as f:  # caches written before gen_dtype was recorded: unknown
+            cached_dtype = (f.metadata() or {}).get("gen_dtype", "unknown")
+        return {"sequences": seqs, "taps": feats["taps"], "offsets": feats["offsets"].tolist(), "gen_dtype": cached_dtype}
     tok, model = _load_target(target_dir, device, dtype)
     tok.padding_side = "left"
     if tok.pad_token is None:  # e.g. Llama-3 tokenizers: pad with EOS (masked out anyway)
@@ -186,12 +191,14 @@ def generate_dataset(
     taps_t = torch.cat(chunks, dim=0).contiguous()
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".data-", dir=cache))
-    save_file({"taps": taps_t, "offsets": torch.tensor(offsets, dtype=torch.int64)}, str(tmp / "taps.safetensors"))
+    gen_dtype = str(dtype or torch.float32).replace("torch.", "").replace("float32", "fp32")
+    save_file({"taps": taps_t, "offsets": torch.tensor(offsets, dtype=torch.int64)}, str(tmp / "taps.safetensors"),
+              metadata={"gen_dtype": gen_dtype})
     (tmp / "sequences.json").write_text(json.dumps(seqs))
     (tmp / "taps.safetensors").replace(taps_path)
     (tmp / "sequences.json").replace(seq_path)
     shutil.rmtree(tmp, ignore_errors=True)
-    return {"sequences": seqs, "taps": taps_t, "offsets": offsets}
+    return {"sequences": seqs, "taps": taps_t, "offsets": offsets, "gen_dtype": gen_dtype}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,8 +325,18 @@ def _amp_dtype(choice: str, device):
     if choice == "bf16":
         return torch.bfloat16
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    return torch.bfloat16 if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else None
+    return torch.bfloat16 if _cpu_has_native_bf16() else None
+
+
+def _cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16 in the CPU flags (Linux /proc/cpuinfo); oneDNN's own bf16 check also
+    accepts plain AVX-512 CPUs, where bf16 matmuls are emulated and slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,7 +544,7 @@ def train_draft(args) -> int:
         "max_new_tokens": args.max_new_tokens,
         "responses_per_prompt": args.responses_per_prompt,
         "sample_temperature": args.sample_temperature if args.responses_per_prompt > 1 else None,
-        "gen_dtype": "bfloat16" if gen_dtype is not None else "fp32",
+        "gen_dtype": data["gen_dtype"],  # from the data themselves (a reused --data-cache may differ)
         "steps": args.steps,
         "resumed_from_step": start_step if args.resume else None,
         "batch": args.batch,
@@ -594,7 +611,9 @@ def register(sub) -> None:
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file (default: models/prompts/train.jsonl)")
     p.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length when generating data")
-    p.add_argument("--gen-batch", type=int, default=64, help="prompts per batched generation call")
+    p.add_argument("--gen-batch", type=int, default=64,
+                   help="prompts per batched generation call (default 64; memory grows with it: every layer's "
+                        "hidden states of every step are kept until the call ends)")
     p.add_argument("--gen-dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="target dtype while generating data (auto: bf16 where the CPU/GPU has native bf16 matmuls)")
     p.add_argument("--responses-per-prompt", type=int, default=1,

@@ -287,8 +287,10 @@ class Session:
             n_verify = b - 1 if self.default_verify_len is None else min(self.default_verify_len, b - 1)
         else:
             verify_len = _as_int(verify_len, "verify_len")
+            if b == 1 and verify_len != 1:
+                raise DFlashError(f"block_size 1 (plain decoding) verifies no proposals; omit verify_len (got {verify_len})")
             if not 1 <= verify_len <= max(b - 1, 1):
-                raise DFlashError(f"verify_len must be between 1 and block_size - 1 = {max(b - 1, 1)} "
+                raise DFlashError(f"verify_len must be between 1 and block_size - 1 = {b - 1} "
                                   f"(got {verify_len}); block_size {b} proposes {b - 1} tokens per step")
             n_verify = min(verify_len, b - 1)
         stops = set(self.stop_token_ids if stop_token_ids is None else (int(s) for s in stop_token_ids))

@@ -1,7 +1,7 @@
 """Verify-cost curves of several artifacts, measured in one process (onnxruntime, CPU).
 
-For each artifact: median ms of one target call verifying n proposals (n = 0..block_size-1) at past
-length 256, greedy as the runtime binds it, and of one draft call; then each artifact's curve as a ratio
+For each artifact: the fastest of --reps calls (run in rounds, shuffled order) of one target call verifying n
+proposals (n = 0..block_size-1) at past length 256, greedy as the runtime binds it, and of one draft call; then each artifact's curve as a ratio
 to the first one's. Used to measure graph changes (e.g. a draft vocabulary) against a baseline artifact.
 
     python scripts/verify_cost.py BASELINE_ARTIFACT OTHER_ARTIFACT [...] [--reps 7]

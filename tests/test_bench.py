@@ -57,6 +57,9 @@ def test_bench_report_matches_generate(qwen, tmp_path, capsys):
     (["--verify-len", "3", "--save-verify-len"], "--save-verify-len needs a run that verifies all proposals"),
     (["--limit", "0"], "--limit must be at least 1"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--block-size", "0"], "--block-size must be between 1 and"),
+    (["--verify-len", "8"], "--verify-len must be at most block size - 1 = 7 (got 8)"),
+    (["--block-size", "4", "--save-verify-len"], "--save-verify-len needs the draft's own block size 8"),
 ])
 def test_bench_bad_options_fail_before_running(qwen, tmp_path, capsys, args, match):
     out = tmp_path / "out"
@@ -73,11 +76,33 @@ def test_best_verify_len_and_noise_check():
     assert n == 2 and rate == pytest.approx(2.71 / 13)
     assert best_verify_len(curve, [0.0, 0.0, 0.0])[0] == 1  # nothing accepted: the cheapest verify
     assert curve_inversions(curve["verify_ms"]) == []
-    assert curve_inversions({0: 10.0, 1: 12.0, 2: 10.5, 3: 8.0}) == [(0, 3), (1, 2), (1, 3), (2, 3)]
-    assert curve_inversions({0: 10.0, 1: 9.5}) == []  # within the 10% tolerance
+    assert curve_inversions({0: 10.0, 1: 12.0, 2: 10.5, 3: 8.0}) == [(1, 2), (1, 3), (2, 3)]
+    assert curve_inversions({1: 10.0, 2: 9.5}) == []  # within the 10% tolerance
+    assert curve_inversions({0: 30.0, 1: 10.0}) == []  # n = 0 (plain decoding) is never a suggestion
+    assert curve_inversions({1: 0.30, 2: 0.26}) == []  # below the 0.05 ms floor: timer jitter
 
 
-def test_save_verify_len_unwritable_manifest(tmp_path):
+def test_noisy_curve_is_not_saved(qwen, tmp_path, capsys, monkeypatch):
+    """A curve where longer verifies measured faster (a busy machine) gives a warning, and
+    --save-verify-len refuses to store a length from it: the manifest stays as it was."""
+    import shutil
+
+    import dflash_export.bench as bench
+
+    art = tmp_path / "art"
+    shutil.copytree(qwen.artifact, art)
+    before = (art / "manifest.json").read_bytes()
+    noisy = {n: 10.0 - n for n in range(qwen.block_size)}  # 7 proposals "cheaper" than 1
+    monkeypatch.setattr(bench, "verify_cost_curve", lambda sess: {"past_len": 40, "verify_ms": noisy, "draft_ms": 1.0})
+    status = main(["bench", str(art), "--prompts", str(_prompts(tmp_path)), "--max-new-tokens", "6",
+                   "--no-torch-baseline", "--save-verify-len", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert status == 2 and "warning: the verify-cost curve is noisy" in err
+    assert "error: not saving decoding.verify_len from a noisy verify-cost curve" in err
+    assert (art / "manifest.json").read_bytes() == before
+
+
+def test_save_verify_len_unreadable_manifest(tmp_path):
     (tmp_path / "manifest.json").mkdir()  # cannot be read as a file
     report = {"suggested_verify_len": 2, "backend": "ort", "verify_cost_curve": {"verify_ms": {0: 1.0}},
               "positional_acceptance": [0.5]}

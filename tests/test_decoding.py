@@ -186,6 +186,8 @@ def test_oracle_verify_len_limits_verified_proposals(qwen, qwen_rows, qwen_ref, 
     for bad in (0, qwen.block_size):  # beyond block_size - 1 is refused, not silently capped
         with pytest.raises(DFlashError, match=rf"verify_len must be between 1 and block_size - 1 = {qwen.block_size - 1} \(got {bad}\)"):
             sess.generate(prompt, max_new_tokens=4, verify_len=bad)
+    with pytest.raises(DFlashError, match=r"block_size 1 \(plain decoding\) verifies no proposals; omit verify_len \(got 3\)"):
+        sess.generate(prompt, max_new_tokens=4, block_size=1, verify_len=3)
 
 
 def _stop_candidates(ref, block, n, where):

@@ -129,9 +129,9 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
         + json.dumps({"id": "b", "category": "code", "prompt": "Write a Python function that adds two numbers."}) + "\n"
     )
     out = tmp_path / "draft"
-    cmd = [sys.executable, "-m", "dflash_export", "train-draft", "--prompts", str(prompts), "--out", str(out),
-           "--max-new-tokens", "24", "--steps", "4", "--batch", "1", "--anchors", "4", "--save-every", "2",
-           "--data-cache", str(tmp_path / "data")]
+    cmd = [sys.executable, "-m", "dflash_export", "train-draft", "--device", "cpu", "--prompts", str(prompts),
+           "--out", str(out), "--max-new-tokens", "24", "--steps", "4", "--batch", "1", "--anchors", "4",
+           "--save-every", "2", "--data-cache", str(tmp_path / "data")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = json.loads((out / "config.json").read_text())
@@ -141,6 +141,9 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     assert record["steps"] == 4 and record["num_sequences"] == 2 and math.isfinite(record["final_loss"])
     from dflash_export.train import _amp_dtype  # --gen-dtype auto: bf16 exactly where the CPU has native bf16
     assert record["gen_dtype"] == ("bfloat16" if _amp_dtype("auto", torch.device("cpu")) else "fp32")
+    from safetensors import safe_open  # the data carry their dtype, so a reused cache is reported right
+    with safe_open(str(tmp_path / "data" / "taps.safetensors"), "pt") as f:
+        assert f.metadata()["gen_dtype"] == record["gen_dtype"]
     spec, state = load_draft_spec(out, load_target_spec(embedded_target_dir()))
     assert spec.arch.num_layers == 2 and spec.block_size == 16
     assert state["fc.weight"].dtype == torch.float16
