@@ -52,8 +52,10 @@ def test_manifest_describes_real_pair(smollm2_artifact):
     assert m["draft"]["mask_token_id"] == 16
     assert 2 in m["stop_token_ids"]  # <|im_end|>
     assert m["graph_checks"]["target"]["opset"] <= 20
-    # tied table stored once: about 135M fp32 parameters, not 163M
-    assert m["graph_checks"]["target"]["initializer_bytes"] < 140e6 * 4
+    # tied table stored once: about 135M fp32 parameters (not 163M), plus the draft vocabulary's
+    # proposal rows of the head (draft_vocab_size x 576), which build stores once more
+    extra_rows = (m["draft"]["draft_vocab_size"] or 0) * 576
+    assert m["graph_checks"]["target"]["initializer_bytes"] < (136e6 + extra_rows) * 4 < 163e6 * 4
 
 
 def test_chat_template_matches_hf(smollm2_artifact, hf_reference):
