@@ -113,18 +113,17 @@ def generate_dataset(
          "unknown" (a cache written before the dtype was recorded)}.
     """
     import torch
-    from safetensors.torch import load_file, save_file
-    from tqdm import tqdm
-
     from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tqdm import tqdm
 
     seq_path, taps_path = cache / "sequences.json", cache / "taps.safetensors"
     if seq_path.is_file() and taps_path.is_file():
         seqs = json.loads(seq_path.read_text())
-        feats = load_file(str(taps_path))
-        with safe_open(str(taps_path), "pt") as f:  # caches written before gen_dtype was recorded: unknown
-            cached_dtype = (f.metadata() or {}).get("gen_dtype", "unknown")
-        return {"sequences": seqs, "taps": feats["taps"], "offsets": feats["offsets"].tolist(), "gen_dtype": cached_dtype}
+        with safe_open(str(taps_path), "pt") as f:
+            return {"sequences": seqs, "taps": f.get_tensor("taps"), "offsets": f.get_tensor("offsets").tolist(),
+                    # caches written before the dtype was recorded: unknown
+                    "gen_dtype": (f.metadata() or {}).get("gen_dtype", "unknown")}
     tok, model = _load_target(target_dir, device, dtype)
     tok.padding_side = "left"
     if tok.pad_token is None:  # e.g. Llama-3 tokenizers: pad with EOS (masked out anyway)
@@ -191,7 +190,7 @@ def generate_dataset(
     taps_t = torch.cat(chunks, dim=0).contiguous()
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".data-", dir=cache))
-    gen_dtype = str(dtype or torch.float32).replace("torch.", "").replace("float32", "fp32")
+    gen_dtype = _dtype_name(dtype)
     save_file({"taps": taps_t, "offsets": torch.tensor(offsets, dtype=torch.int64)}, str(tmp / "taps.safetensors"),
               metadata={"gen_dtype": gen_dtype})
     (tmp / "sequences.json").write_text(json.dumps(seqs))
@@ -327,6 +326,11 @@ def _amp_dtype(choice: str, device):
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else None
     return torch.bfloat16 if _cpu_has_native_bf16() else None
+
+
+def _dtype_name(dtype) -> str:
+    """Record name of a generation/autocast dtype: None (no cast) is "fp32", torch.bfloat16 "bfloat16"."""
+    return "fp32" if dtype is None or str(dtype) == "torch.float32" else str(dtype).replace("torch.", "")
 
 
 def _cpu_has_native_bf16() -> bool:
@@ -556,7 +560,7 @@ def train_draft(args) -> int:
         "init": args.init,
         "loss_vocab": args.loss_vocab,
         "loss_vocab_size": int(head_w.shape[0]),
-        "amp": str(amp_dtype).replace("torch.", "") if amp_dtype is not None else "fp32",
+        "amp": _dtype_name(amp_dtype),
         "layers": args.layers,
         "target_layer_ids": list(taps),
         "mask_token_id": mask_id,

@@ -157,6 +157,7 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     assert r2.returncode == 0, r2.stderr[-2000:]
     record2 = json.loads((out / "training_record.json").read_text())
     assert record2["resumed_from_step"] == 4 and record2["steps"] == 6
+    assert record2["gen_dtype"] == record["gen_dtype"]  # read back from the cached data
     assert len(json.loads((out / "train_state" / "state.json").read_text())["losses"]) == 6
     # resuming with another loss vocabulary would silently change the objective: refused
     r4 = subprocess.run(cmd[:-4] + ["--steps", "7", "--resume", str(out), "--loss-vocab", "full", "--data-cache", str(tmp_path / "data")],
