@@ -370,7 +370,7 @@ def _torch_baseline(sess):
 def register(sub) -> None:
     """Add the `bench` subcommand."""
     p = sub.add_parser("bench", help="benchmark plain vs speculative decoding (and the PyTorch loop)")
-    p.add_argument("artifact")
+    p.add_argument("artifact", help="artifact directory written by build")
     p.add_argument("--prompts", default=str(DEFAULT_EVAL), help="JSONL prompts (default: models/prompts/eval.jsonl)")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt and run (default 128)")
@@ -381,5 +381,5 @@ def register(sub) -> None:
                    help="skip timing the PyTorch loop (Hugging Face target + PyTorch draft)")
     p.add_argument("--save-verify-len", action="store_true",
                    help="store the suggested verify_len in the artifact's manifest as generate's default on it")
-    p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
+    p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png (default: bench-out)")
     p.set_defaults(func=run_bench)

@@ -278,7 +278,7 @@ class Session:
             stop_token_ids = [_as_int(t, "stop token id") for t in stop_token_ids]
         if len(ids) + max_new_tokens > self.max_seq_len:
             raise DFlashError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} exceeds "
+                f"prompt ({len(ids)} token{'s' if len(ids) != 1 else ''}) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} exceeds "
                 f"the KV buffers' max_seq_len {self.max_seq_len}; shorten the request or rebuild with "
                 f"`python -m dflash_export build --max-seq-len {len(ids) + max_new_tokens}` (or larger)"
             )
