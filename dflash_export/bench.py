@@ -131,6 +131,11 @@ def run_bench(args) -> int:
     if args.save_verify_len and b != sess.block_size:
         raise DFlashError(f"--save-verify-len needs the draft's own block size {sess.block_size} (got --block-size {b}): "
                           "the saved length applies to that block")
+    out = Path(args.out)
+    try:  # before the run: an unusable --out must not cost a whole benchmark
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DFlashError(f"--out {out}: cannot create that directory ({exc.strerror or exc})") from None
     torch_ctx = _torch_baseline(sess) if args.torch_baseline else None
     # warm-up: first calls allocate onnxruntime arenas
     sess.generate([1, 2, 3], max_new_tokens=4, stop_token_ids=[], block_size=b)
@@ -164,8 +169,6 @@ def run_bench(args) -> int:
               f"spec {row['spec']['decode_tokens_per_s']:.1f} tok/s, x{row['speedup']:.2f}", file=sys.stderr, flush=True)
     curve = verify_cost_curve(sess)
     report = _summarise(rows, curve, b, args, sess)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     _plot(report, out / "bench.png")
     _print_table(report)
@@ -291,7 +294,7 @@ def _summarise(rows, curve, b, args, sess) -> dict:
         for j, v in enumerate(r["positional_acceptance"]):
             pos[j].append(v)
     pos_rate = [float(np.mean(pos[j])) for j in sorted(pos)]
-    best = best_verify_len(curve, pos_rate)
+    best = best_verify_len(curve, pos_rate) if pos_rate else (None, 0.0)  # plain decoding: nothing to suggest
     return {
         "artifact": str(args.artifact),
         "backend": args.backend,

@@ -68,6 +68,18 @@ def test_bench_bad_options_fail_before_running(qwen, tmp_path, capsys, args, mat
     assert not out.exists()
 
 
+def test_bench_out_unusable_and_plain_block(qwen, tmp_path, capsys):
+    """--out that cannot be a directory fails before the run; --block-size 1 (plain) suggests nothing."""
+    (tmp_path / "afile").write_text("x")
+    status = main(["bench", str(qwen.artifact), "--prompts", str(_prompts(tmp_path)), "--out", str(tmp_path / "afile")])
+    assert_user_error(status, capsys.readouterr().err, "--out")
+    out = tmp_path / "out"
+    assert main(["bench", str(qwen.artifact), "--prompts", str(_prompts(tmp_path)), "--max-new-tokens", "4",
+                 "--block-size", "1", "--no-torch-baseline", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["suggested_verify_len"] is None and report["positional_acceptance"] == []
+
+
 def test_best_verify_len_and_noise_check():
     """The suggestion maximises expected tokens per ms; a curve where more rows cost less is flagged."""
     curve = {"verify_ms": {0: 10.0, 1: 11.0, 2: 12.0, 3: 30.0}, "draft_ms": 1.0}

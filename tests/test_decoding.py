@@ -525,9 +525,13 @@ def test_saved_verify_len_is_the_default(qwen, qwen_rows, qwen_ref, tmp_path):
     m = json.loads((art / "manifest.json").read_text())
     m["decoding"]["verify_len"] = 0
     (art / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(DFlashError, match=r"decoding.verify_len is 0, expected a positive integer"):
+    with pytest.raises(DFlashError, match=r"decoding.verify_len is 0, expected an integer from 1 to the draft's block size - 1 = 7; delete the 'decoding'"):
+        runtime.load(art)
+    m["decoding"]["verify_len"] = 8  # beyond the block: never valid
+    (art / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DFlashError, match=r"decoding.verify_len is 8, expected an integer from 1"):
         runtime.load(art)
     m["decoding"] = [3]
     (art / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(DFlashError, match=r"'decoding' is list, expected an object like \{\"verify_len\": 3\}"):
+    with pytest.raises(DFlashError, match=r"'decoding' is an array, expected an object like \{\"verify_len\": 3\}"):
         runtime.load(art)
