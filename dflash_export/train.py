@@ -27,7 +27,9 @@ from pathlib import Path
 
 from runtime.errors import DFlashError
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "models" / "prompts" / "train.jsonl"
+PROMPTS_DIR = Path(__file__).resolve().parent.parent / "models" / "prompts"
+# the shipped training prompts (the held-out evaluation set, eval.jsonl, is never among them)
+DEFAULT_PROMPTS = tuple(PROMPTS_DIR / n for n in ("train.jsonl", "train2-code.jsonl", "train2-text.jsonl"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +200,26 @@ def generate_dataset(
     (tmp / "sequences.json").replace(seq_path)
     shutil.rmtree(tmp, ignore_errors=True)
     return {"sequences": seqs, "taps": taps_t, "offsets": offsets, "gen_dtype": gen_dtype}
+
+
+def merge_datasets(parts: list[dict]) -> dict:
+    """Concatenate datasets returned by :func:`generate_dataset` (one per prompt file).
+
+    Returns the same layout: sequences in order, `taps` fp16 [sum of rows, k*d], `offsets` shifted
+    into the joined tensor, and `gen_dtype` the common dtype or "mixed (a, b)" if the caches differ.
+    """
+    import torch
+
+    if len(parts) == 1:
+        return parts[0]
+    seqs, offsets, base = [], [0], 0
+    for part in parts:
+        seqs.extend(part["sequences"])
+        offsets.extend(base + o for o in part["offsets"][1:])
+        base += part["offsets"][-1]
+    dtypes = sorted({part["gen_dtype"] for part in parts})
+    return {"sequences": seqs, "taps": torch.cat([part["taps"] for part in parts], dim=0), "offsets": offsets,
+            "gen_dtype": dtypes[0] if len(dtypes) == 1 else f"mixed ({', '.join(dtypes)})"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,8 +393,33 @@ def _init_from_target(draft, tstate, tspec, layers) -> None:
             draft.norm.weight.copy_(tstate["model.norm.weight"])
 
 
+def _init_from_draft(draft, source: Path, tspec, dspec) -> None:
+    """Warm-start `draft` from a trained draft directory (fine-tuning on more data, a new schedule).
+
+    Raises:
+        DFlashError: `source` is not a draft for this target, or its layers, taps or block size differ
+            from this run's (`--layers`, `--taps`, `--block-size` must match it).
+    """
+    from .checkpoint import load_draft_spec
+    from .modules import load_weights
+
+    spec, state = load_draft_spec(source, tspec)
+    ours = (dspec.arch.num_layers, tuple(dspec.target_layer_ids), dspec.block_size)
+    theirs = (spec.arch.num_layers, tuple(spec.target_layer_ids), spec.block_size)
+    if ours != theirs:
+        raise DFlashError(f"--init-from {source}: that draft has (layers, taps, block size) {theirs} but this run "
+                          f"{ours}; pass --layers {theirs[0]} --taps {' '.join(map(str, theirs[1]))} --block-size {theirs[2]}")
+    load_weights(draft, state, f"--init-from {source}")
+
+
 def _check_train_args(args) -> None:
     """Refuse bad options before the (possibly long) data generation."""
+    if args.data_cache and len(args.data_cache) != len(args.prompts):
+        raise DFlashError(f"--data-cache names {len(args.data_cache)} directories for {len(args.prompts)} --prompts "
+                          "files; give one per prompt file, in the same order (or omit it)")
+    if args.init_from and args.resume:
+        raise DFlashError("--init-from and --resume exclude each other: --resume continues a run (same schedule), "
+                          "--init-from starts a new one from a trained draft's weights")
     for name in ("steps", "batch", "anchors", "layers", "max_new_tokens", "gen_batch", "responses_per_prompt"):
         if getattr(args, name) < 1:
             raise DFlashError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
@@ -414,25 +461,35 @@ def train_draft(args) -> int:
     mask_id = EMBEDDED_MASK_TOKEN_ID if args.mask_token_id is None else args.mask_token_id
     cfg = _draft_config(tspec, args.layers, taps, args.block_size, mask_id)
     dspec = parse_draft_config(cfg, tspec, "(training)", None)  # validates taps and mask id
-    prompts = read_prompts(Path(args.prompts))
-    if args.max_prompts:
-        prompts = prompts[: args.max_prompts]
+    prompt_files = [Path(f) for f in args.prompts]
+    prompt_sets = [read_prompts(f)[: args.max_prompts] for f in prompt_files]  # (None: all)
+    seen_ids: dict[str, Path] = {}
+    for f, rows in zip(prompt_files, prompt_sets):
+        for r in rows:
+            if str(r["id"]) in seen_ids:
+                raise DFlashError(f"prompt id {r['id']!r} appears in {seen_ids[str(r['id'])]} and again in {f}; "
+                                  "ids must be unique across --prompts files (they name the cached responses)")
+            seen_ids[str(r["id"])] = f
     out = Path(args.out).resolve()
     gen_dtype = _amp_dtype(args.gen_dtype, device)
-    key = hashlib.sha256(
-        json.dumps(
-            [file_sha256(f) for f in sorted(Path(target_dir).glob("*.safetensors"))]
-            + [file_sha256(Path(args.prompts)), args.max_prompts, args.max_new_tokens, list(taps)]
-            # (only when used, so caches of greedy-only fp32 data keep their key)
-            + ([args.responses_per_prompt, args.sample_temperature, args.seed] if args.responses_per_prompt > 1 else [])
-            + (["bf16"] if gen_dtype is not None else [])
-        ).encode()
-    ).hexdigest()[:16]
-    data_dir = Path(args.data_cache) if args.data_cache else cache_dir() / "train-data" / key
+    target_hashes = [file_sha256(f) for f in sorted(Path(target_dir).glob("*.safetensors"))]
     t0 = time.time()
-    data = generate_dataset(target_dir, prompts, taps, data_dir, args.max_new_tokens, args.gen_batch, device,
-                            responses_per_prompt=args.responses_per_prompt, sample_temperature=args.sample_temperature,
-                            seed=args.seed, dtype=gen_dtype)
+    parts = []
+    for i, f in enumerate(prompt_files):
+        # one cache per prompt file, so adding a file later reuses the data of the others
+        key = hashlib.sha256(
+            json.dumps(
+                target_hashes + [file_sha256(f), args.max_prompts, args.max_new_tokens, list(taps)]
+                # (only when used, so caches of greedy-only fp32 data keep their key)
+                + ([args.responses_per_prompt, args.sample_temperature, args.seed] if args.responses_per_prompt > 1 else [])
+                + (["bf16"] if gen_dtype is not None else [])
+            ).encode()
+        ).hexdigest()[:16]
+        data_dir = Path(args.data_cache[i]) if args.data_cache else cache_dir() / "train-data" / key
+        parts.append(generate_dataset(target_dir, prompt_sets[i], taps, data_dir, args.max_new_tokens, args.gen_batch,
+                                      device, responses_per_prompt=args.responses_per_prompt,
+                                      sample_temperature=args.sample_temperature, seed=args.seed, dtype=gen_dtype))
+    data = merge_datasets(parts)
     gen_seconds = time.time() - t0
     seqs = [s for s in data["sequences"] if len(s["ids"]) - s["prompt_len"] >= 2]
     index = {s["id"]: i for i, s in enumerate(data["sequences"])}
@@ -454,7 +511,9 @@ def train_draft(args) -> int:
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    if args.init == "target":
+    if args.init_from:
+        _init_from_draft(draft, Path(args.init_from), tspec, dspec)
+    elif args.init == "target":
         _init_from_target(draft, tstate, tspec, args.layers)
     del tstate
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -541,8 +600,9 @@ def train_draft(args) -> int:
         "command": " ".join(["python -m dflash_export"] + sys.argv[1:]) if sys.argv else None,
         "target": str(target_dir),
         "target_files_sha256": {f.name: file_sha256(f) for f in sorted(Path(target_dir).glob("*.safetensors"))},
-        "prompts": str(args.prompts),
-        "prompts_sha256": file_sha256(Path(args.prompts)),
+        "prompts": [str(f) for f in prompt_files],
+        "prompts_sha256": [file_sha256(f) for f in prompt_files],
+        "max_prompts_per_file": args.max_prompts,
         "num_sequences": len(seqs),
         "response_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in seqs),
         "max_new_tokens": args.max_new_tokens,
@@ -557,7 +617,7 @@ def train_draft(args) -> int:
         "gamma": args.gamma,
         "lr": args.lr,
         "warmup_fraction": args.warmup,
-        "init": args.init,
+        "init": f"draft {args.init_from}" if args.init_from else args.init,
         "loss_vocab": args.loss_vocab,
         "loss_vocab_size": int(head_w.shape[0]),
         "amp": _dtype_name(amp_dtype),
@@ -612,8 +672,10 @@ def register(sub) -> None:
     p = sub.add_parser("train-draft", help="train a DFlash draft for a target (frozen target, self-generated data)")
     p.add_argument("--target", help="target directory or known name (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output draft directory (released DFlash format)")
-    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL prompt file (default: models/prompts/train.jsonl)")
-    p.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--prompts", nargs="+", default=[str(d) for d in DEFAULT_PROMPTS], metavar="FILE",
+                   help="JSONL prompt files (default: models/prompts/train*.jsonl); each file's data are cached on "
+                        "their own, so adding a file reuses the others' data")
+    p.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts of each file")
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length when generating data")
     p.add_argument("--gen-batch", type=int, default=64,
                    help="prompts per batched generation call (default 64; memory grows with it: every layer's "
@@ -623,7 +685,8 @@ def register(sub) -> None:
     p.add_argument("--responses-per-prompt", type=int, default=1,
                    help="1 greedy response per prompt, plus K-1 sampled ones (more data from the same prompts)")
     p.add_argument("--sample-temperature", type=float, default=0.8, help="temperature of the sampled responses")
-    p.add_argument("--data-cache", default=None, help="where generated data are cached (default: under the cache dir)")
+    p.add_argument("--data-cache", nargs="+", default=None, metavar="DIR",
+                   help="where generated data are cached, one directory per --prompts file (default: under the cache dir)")
     p.add_argument("--layers", type=int, default=2, help="draft decoder layers")
     p.add_argument("--taps", type=int, nargs="+", default=None, help="target layer ids (default: reference rule)")
     p.add_argument("--block-size", type=int, default=16)
@@ -640,6 +703,8 @@ def register(sub) -> None:
     p.add_argument("--amp", choices=["auto", "bf16", "fp32"], default="auto",
                    help="autocast the forward to bf16 (auto: where the CPU/GPU has native bf16 matmuls)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-from", default=None, metavar="DRAFT",
+                   help="start from a trained draft's weights (same layers, taps and block size) with a fresh schedule")
     p.add_argument("--resume", default=None, help="directory with train_state.* to resume from (usually --out)")
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--save-dtype", choices=["fp16", "fp32"], default="fp16")

@@ -105,16 +105,53 @@ def test_loss_vocabulary_softmax_equals_restricted_cross_entropy(tiny_draft, mon
     (["--sample-temperature", "1e-300"], "--sample-temperature must be between 0.01 and 100 (got 1e-300)"),
     (["--sample-temperature", "nan"], "--sample-temperature must be between 0.01 and 100"),
     (["--warmup", "1"], "--warmup in [0, 1)"),
+    (["--data-cache", "a", "b"], "--data-cache names 2 directories for 3 --prompts files"),
+    (["--init-from", "x", "--resume", "y"], "--init-from and --resume exclude each other"),
 ])
 def test_train_draft_bad_options_fail_first(tmp_path, capsys, args, match):
     """Bad options are refused before any model is loaded or data generated, with nothing written."""
     from dflash_export.cli import main
 
     out = tmp_path / "draft"
-    assert main(["train-draft", "--out", str(out), "--data-cache", str(tmp_path / "data"), *args]) == 2
+    cache = [] if "--data-cache" in args else ["--data-cache", *(str(tmp_path / "data" / n) for n in "abc")]
+    assert main(["train-draft", "--out", str(out), *cache, *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and match in err and "Traceback" not in err
     assert not out.exists() and not (tmp_path / "data").exists()
+
+
+def test_shipped_training_prompts_are_disjoint_from_eval():
+    """The default training prompt files never contain a held-out evaluation prompt, and ids are unique."""
+    from dflash_export.train import DEFAULT_PROMPTS, PROMPTS_DIR, read_prompts
+
+    evals = {r["prompt"].strip().lower() for r in read_prompts(PROMPTS_DIR / "eval.jsonl")}
+    rows = [r for f in DEFAULT_PROMPTS for r in read_prompts(f)]
+    assert len(rows) > 1500 and len({r["id"] for r in rows}) == len(rows)
+    assert not [r["id"] for r in rows if r["prompt"].strip().lower() in evals]
+    assert {r["category"] for r in rows} == {"code", "code_completion", "math", "writing", "chat"}
+
+
+def test_duplicate_prompt_ids_across_files_refused(tmp_path, capsys):
+    from dflash_export.cli import main
+
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text(json.dumps({"id": "same", "prompt": "Hi"}) + "\n")
+    assert main(["train-draft", "--out", str(tmp_path / "d"), "--prompts", str(tmp_path / "a.jsonl"),
+                 str(tmp_path / "b.jsonl"), "--data-cache", str(tmp_path / "x"), str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert "prompt id 'same' appears in" in err and "unique across --prompts files" in err
+    assert not (tmp_path / "d").exists() and not (tmp_path / "x").exists()
+
+
+def test_merge_datasets_shifts_offsets():
+    from dflash_export.train import merge_datasets
+
+    a = {"sequences": [{"id": "a"}, {"id": "b"}], "taps": torch.arange(10.).reshape(5, 2), "offsets": [0, 2, 5], "gen_dtype": "fp32"}
+    b = {"sequences": [{"id": "c"}], "taps": torch.arange(6.).reshape(3, 2) + 100, "offsets": [0, 3], "gen_dtype": "bfloat16"}
+    m = merge_datasets([a, b])
+    assert [s["id"] for s in m["sequences"]] == ["a", "b", "c"] and m["offsets"] == [0, 2, 5, 8]
+    assert m["taps"][5:8].tolist() == b["taps"].tolist() and m["gen_dtype"] == "mixed (bfloat16, fp32)"
+    assert merge_datasets([a]) is a
 
 
 @pytest.mark.slow
@@ -174,6 +211,27 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     assert [s["id"] for s in seqs2] == ["a", "b", "a#s1", "b#s1"]
     assert [s["ids"] for s in seqs2[:2]] == [s["ids"] for s in seqs]
     assert json.loads((out2 / "training_record.json").read_text())["responses_per_prompt"] == 2
+    # two prompt files: the first file's cached data are reused as they are, the second is generated
+    prompts_c = tmp_path / "c.jsonl"
+    prompts_c.write_text(json.dumps({"id": "c", "category": "chat", "prompt": "Say hello."}) + "\n")
+    out3 = tmp_path / "draft3"
+    cmd3 = [c if c != str(out) else str(out3) for c in cmd[:-2]]
+    cmd3[cmd3.index("--prompts") + 1 : cmd3.index("--prompts") + 2] = [str(prompts), str(prompts_c)]
+    r6 = subprocess.run(cmd3 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data3"), "--steps", "1",
+                                "--init-from", str(out), "--lr", "1e-12"], capture_output=True, text=True, timeout=900)
+    assert r6.returncode == 0, r6.stderr[-2000:]
+    record3 = json.loads((out3 / "training_record.json").read_text())
+    assert record3["num_sequences"] == 3 and record3["prompts"] == [str(prompts), str(prompts_c)]
+    assert record3["init"] == f"draft {out}" and len(record3["prompts_sha256"]) == 2
+    assert json.loads((tmp_path / "data" / "sequences.json").read_text()) == seqs  # untouched
+    assert [s["id"] for s in json.loads((tmp_path / "data3" / "sequences.json").read_text())] == ["c"]
+    # --init-from: a step at lr 1e-12 leaves the source draft's weights (fp16 on disk) as they were
+    _, state3 = load_draft_spec(out3, load_target_spec(embedded_target_dir()))
+    for k, v in load_draft_spec(out, load_target_spec(embedded_target_dir()))[1].items():
+        torch.testing.assert_close(state3[k], v, atol=1e-3, rtol=0)
+    r7 = subprocess.run(cmd3 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data3"), "--steps", "1",
+                                "--init-from", str(out), "--layers", "1"], capture_output=True, text=True, timeout=900)
+    assert r7.returncode == 2 and "(layers, taps, block size) (2, (1, 27), 16) but this run (1, " in r7.stderr
     # resuming from a directory without state is a clear error
     r3 = subprocess.run(cmd[:-4] + ["--resume", str(tmp_path), "--data-cache", str(tmp_path / "data")],
                         capture_output=True, text=True, timeout=900)
