@@ -236,3 +236,40 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     r3 = subprocess.run(cmd[:-4] + ["--resume", str(tmp_path), "--data-cache", str(tmp_path / "data")],
                         capture_output=True, text=True, timeout=900)
     assert r3.returncode == 2 and "no train_state" in r3.stderr
+
+
+@pytest.mark.slow
+def test_interrupted_generation_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """A generation run killed after its first call resumes with that call's saved output: the second
+    run generates only the rest, and the data equal an uninterrupted run's."""
+    import transformers
+
+    from dflash_export.sources import embedded_target_dir
+    from dflash_export.train import generate_dataset
+
+    prompts = [{"id": f"p{i}", "category": "chat", "prompt": p} for i, p in enumerate(["Say hi.", "Name a color.", "Count to 3."])]
+    args = (embedded_target_dir(), prompts, (1, 27))
+    kw = dict(max_new_tokens=6, batch=2, device=torch.device("cpu"), show_progress=False, responses_per_prompt=2)
+    calls = []
+    real_generate = transformers.GenerationMixin.generate
+
+    def counting_generate(self, *a, **k):
+        calls.append(k["input_ids"].shape[0])
+        if len(calls) == limit:
+            raise KeyboardInterrupt
+        return real_generate(self, *a, **k)
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", counting_generate)
+    limit = 2
+    with pytest.raises(KeyboardInterrupt):
+        generate_dataset(*args, tmp_path / "resumed", **kw)
+    assert calls == [2, 1] and len(list((tmp_path / "resumed").glob(".partial-*/*.safetensors"))) == 1
+    calls.clear()
+    limit = 0  # never interrupt again
+    resumed = generate_dataset(*args, tmp_path / "resumed", **kw)
+    assert calls == [1, 2, 1]  # the first call (2 prompts, greedy) was not redone
+    assert not list((tmp_path / "resumed").glob(".partial-*"))  # removed once the set is written
+    fresh = generate_dataset(*args, tmp_path / "fresh", **kw)
+    assert [s["id"] for s in resumed["sequences"]] == ["p0", "p1", "p2", "p0#s1", "p1#s1", "p2#s1"]
+    assert resumed["sequences"] == fresh["sequences"] and resumed["offsets"] == fresh["offsets"]
+    assert torch.equal(resumed["taps"], fresh["taps"])
