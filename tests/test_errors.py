@@ -156,6 +156,9 @@ def test_draft_vocab_not_a_plain_readable_file(ckpt, tmp_path):
     (d / "draft_vocab.json").mkdir()
     msg = build_fails(ckpt / "target", d, tmp_path / "art", r"draft_vocab.json is not a regular file; remove it")
     (d / "draft_vocab.json").rmdir()
+    (d / "draft_vocab.json").symlink_to(tmp_path / "gone.json")
+    build_fails(ckpt / "target", d, tmp_path / "art1", r"draft_vocab.json is a link to .*gone.json, which does not exist; fix the link")
+    (d / "draft_vocab.json").unlink()
     (d / "draft_vocab.json").write_text("[" * 100000 + "]" * 100000)
     msg = build_fails(ckpt / "target", d, tmp_path / "art2", r"nested too deeply to be a vocabulary file")
     assert "delete it to use the full vocabulary" in msg
