@@ -653,6 +653,9 @@ def train_draft(args) -> int:
         "lr": args.lr,
         "warmup_fraction": args.warmup,
         "init": f"draft {args.init_from}" if args.init_from else args.init,
+        # (the source draft may later be replaced, so its weights are identified by their hash)
+        "init_from_sha256": ({f.name: file_sha256(f) for f in sorted(Path(args.init_from).glob("*.safetensors"))}
+                             if args.init_from else None),
         "loss_vocab": args.loss_vocab,
         "loss_vocab_size": int(head_w.shape[0]),
         "amp": _dtype_name(amp_dtype),

@@ -223,6 +223,8 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     record3 = json.loads((out3 / "training_record.json").read_text())
     assert record3["num_sequences"] == 3 and record3["prompts"] == [str(prompts), str(prompts_c)]
     assert record3["init"] == f"draft {out}" and len(record3["prompts_sha256"]) == 2
+    from dflash_export.checkpoint import file_sha256
+    assert record3["init_from_sha256"] == {"model.safetensors": file_sha256(out / "model.safetensors")}
     assert json.loads((tmp_path / "data" / "sequences.json").read_text()) == seqs  # untouched
     assert [s["id"] for s in json.loads((tmp_path / "data3" / "sequences.json").read_text())] == ["c"]
     # --init-from: a step at lr 1e-12 leaves the source draft's weights (fp16 on disk) as they were
