@@ -28,8 +28,8 @@ from pathlib import Path
 from runtime.errors import DFlashError
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "models" / "prompts"
-# the shipped training prompts (the held-out evaluation set, eval.jsonl, is never among them)
-DEFAULT_PROMPTS = tuple(PROMPTS_DIR / n for n in ("train.jsonl", "train2-code.jsonl", "train2-text.jsonl"))
+# the shipped training prompts: every train*.jsonl (the held-out evaluation set, eval.jsonl, is not one)
+DEFAULT_PROMPTS = tuple(sorted(PROMPTS_DIR.glob("train*.jsonl")))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ def read_prompts(path: Path) -> list[dict]:
             raise DFlashError(f"{path}:{i} is not valid JSON ({exc})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise DFlashError(f"{path}:{i} has no non-empty \"prompt\" string")
-        row.setdefault("id", f"line-{i}")
+        row.setdefault("id", f"{path.stem}-line-{i}")  # unique across files too
         row.setdefault("category", "uncategorized")
         rows.append(row)
     if not rows:
@@ -95,6 +95,7 @@ def generate_dataset(
     sample_temperature: float = 0.8,
     seed: int = 0,
     dtype=None,
+    fingerprint: str = "",
 ) -> dict:
     """Generate the target's greedy responses and record the tap features of every position.
 
@@ -109,6 +110,11 @@ def generate_dataset(
     features carry bf16 rounding (about 0.4%), which the draft tolerates. Results are cached in `cache/` (`sequences.json`,
     `taps.safetensors`) and reused when present. While generating, each batched call's output is also
     saved (`cache/.partial-*/`), so a run interrupted after hours resumes at the call where it stopped.
+    `fingerprint` (the caller's hash of target, prompts and settings) is stored with both and compared
+    on reuse: saved calls of other settings are regenerated, a finished cache of other settings is refused.
+
+    Raises:
+        DFlashError: `cache` holds finished data whose fingerprint differs from `fingerprint`.
 
     Returns:
         {"sequences": [{"id", "category", "prompt_len", "ids"}], "taps": fp16 tensor [total, k*d],
@@ -124,6 +130,11 @@ def generate_dataset(
     if seq_path.is_file() and taps_path.is_file():
         seqs = json.loads(seq_path.read_text())
         with safe_open(str(taps_path), "pt") as f:
+            made_for = (f.metadata() or {}).get("fingerprint")
+            if fingerprint and made_for and made_for != fingerprint:  # (caches before fingerprints: trusted)
+                raise DFlashError(f"data cache {cache} was generated with other settings (target, prompts, "
+                                  "--max-new-tokens, --taps, sampling or --gen-dtype); pass another --data-cache "
+                                  "directory or delete this one")
             return {"sequences": seqs, "taps": f.get_tensor("taps"), "offsets": f.get_tensor("offsets").tolist(),
                     # caches written before the dtype was recorded: unknown
                     "gen_dtype": (f.metadata() or {}).get("gen_dtype", "unknown")}
@@ -143,7 +154,7 @@ def generate_dataset(
     for rnd, start in calls:
         rows = prompts[start : start + batch]
         piece = pieces / f"round{rnd}-start{start}.safetensors"
-        done = _read_piece(piece, [r["id"] for r in rows])
+        done = _read_piece(piece, [r["id"] for r in rows], fingerprint)
         if done is not None:
             seqs.extend(done[0])
             chunks.extend(done[1])
@@ -198,7 +209,8 @@ def generate_dataset(
             chunks.append(f.to(torch.float16).cpu())
         pieces.mkdir(parents=True, exist_ok=True)
         save_file({f"row{j}": c for j, c in enumerate(chunks[first_new:])}, str(pieces / ".piece.tmp"),
-                  metadata={"prompt_ids": json.dumps([r["id"] for r in rows]), "sequences": json.dumps(seqs[first_new:])})
+                  metadata={"prompt_ids": json.dumps([r["id"] for r in rows]), "sequences": json.dumps(seqs[first_new:]),
+                            "fingerprint": fingerprint})
         (pieces / ".piece.tmp").replace(piece)
         bar.update(len(rows))
     bar.close()
@@ -210,18 +222,19 @@ def generate_dataset(
     tmp = Path(tempfile.mkdtemp(prefix=".data-", dir=cache))
     gen_dtype = _dtype_name(dtype)
     save_file({"taps": taps_t, "offsets": torch.tensor(offsets, dtype=torch.int64)}, str(tmp / "taps.safetensors"),
-              metadata={"gen_dtype": gen_dtype})
+              metadata={"gen_dtype": gen_dtype, "fingerprint": fingerprint})
     (tmp / "sequences.json").write_text(json.dumps(seqs))
     (tmp / "taps.safetensors").replace(taps_path)
     (tmp / "sequences.json").replace(seq_path)
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(pieces, ignore_errors=True)
+    for left in cache.glob(".partial-*"):  # also those of interrupted runs with another --gen-batch/dtype
+        shutil.rmtree(left, ignore_errors=True)
     return {"sequences": seqs, "taps": taps_t, "offsets": offsets, "gen_dtype": gen_dtype}
 
 
-def _read_piece(path: Path, prompt_ids: list) -> tuple[list[dict], list] | None:
+def _read_piece(path: Path, prompt_ids: list, fingerprint: str) -> tuple[list[dict], list] | None:
     """One generate call's saved output (sequences, fp16 feature rows), or None if absent, unreadable
-    or made for other prompts (then the call runs again)."""
+    or made for other prompts or settings (then the call runs again)."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -229,7 +242,7 @@ def _read_piece(path: Path, prompt_ids: list) -> tuple[list[dict], list] | None:
     try:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
-            if json.loads(meta.get("prompt_ids", "null")) != prompt_ids:
+            if json.loads(meta.get("prompt_ids", "null")) != prompt_ids or meta.get("fingerprint", "") != fingerprint:
                 return None
             seqs = json.loads(meta["sequences"])
             return seqs, [f.get_tensor(f"row{j}") for j in range(len(seqs))]
@@ -238,7 +251,8 @@ def _read_piece(path: Path, prompt_ids: list) -> tuple[list[dict], list] | None:
 
 
 def merge_datasets(parts: list[dict]) -> dict:
-    """Concatenate datasets returned by :func:`generate_dataset` (one per prompt file).
+    """Concatenate datasets returned by :func:`generate_dataset` (one per prompt file). The parts'
+    `taps` are released as they are copied (set to None).
 
     Returns the same layout: sequences in order, `taps` fp16 [sum of rows, k*d], `offsets` shifted
     into the joined tensor, and `gen_dtype` the common dtype or "mixed (a, b)" if the caches differ.
@@ -248,12 +262,15 @@ def merge_datasets(parts: list[dict]) -> dict:
     if len(parts) == 1:
         return parts[0]
     seqs, offsets, base = [], [0], 0
+    taps = torch.empty(sum(part["offsets"][-1] for part in parts), parts[0]["taps"].shape[1], dtype=parts[0]["taps"].dtype)
     for part in parts:
         seqs.extend(part["sequences"])
         offsets.extend(base + o for o in part["offsets"][1:])
+        taps[base : base + part["offsets"][-1]] = part["taps"]
+        part["taps"] = None  # free each part once copied: peak memory is the data plus one part, not twice the data
         base += part["offsets"][-1]
     dtypes = sorted({part["gen_dtype"] for part in parts})
-    return {"sequences": seqs, "taps": torch.cat([part["taps"] for part in parts], dim=0), "offsets": offsets,
+    return {"sequences": seqs, "taps": taps, "offsets": offsets,
             "gen_dtype": dtypes[0] if len(dtypes) == 1 else f"mixed ({', '.join(dtypes)})"}
 
 
@@ -428,30 +445,38 @@ def _init_from_target(draft, tstate, tspec, layers) -> None:
             draft.norm.weight.copy_(tstate["model.norm.weight"])
 
 
-def _init_from_draft(draft, source: Path, tspec, dspec) -> None:
-    """Warm-start `draft` from a trained draft directory (fine-tuning on more data, a new schedule).
+def _load_init_draft(source: Path, tspec, dspec) -> dict:
+    """Load the weights of `--init-from` (a trained draft to fine-tune on more data with a new schedule),
+    before any data are generated so a wrong source fails first.
+
+    Returns:
+        {"weights": state dict (names without "model."), "sha256": {file name: sha256} of its weights}.
 
     Raises:
-        DFlashError: `source` is not a draft for this target, or its layers, taps or block size differ
-            from this run's (`--layers`, `--taps`, `--block-size` must match it).
+        DFlashError: `source` is not a valid draft checkpoint for this target's shapes, or its layers, taps,
+            block size or mask token id differ from this run's options.
     """
-    from .checkpoint import load_draft_spec
-    from .modules import load_weights
+    from .checkpoint import file_sha256, load_draft_spec
 
     spec, state = load_draft_spec(source, tspec)
-    ours = (dspec.arch.num_layers, tuple(dspec.target_layer_ids), dspec.block_size)
-    theirs = (spec.arch.num_layers, tuple(spec.target_layer_ids), spec.block_size)
+    ours = (dspec.arch.num_layers, tuple(dspec.target_layer_ids), dspec.block_size, dspec.mask_token_id)
+    theirs = (spec.arch.num_layers, tuple(spec.target_layer_ids), spec.block_size, spec.mask_token_id)
     if ours != theirs:
-        raise DFlashError(f"--init-from {source}: that draft has (layers, taps, block size) {theirs} but this run "
-                          f"{ours}; pass --layers {theirs[0]} --taps {' '.join(map(str, theirs[1]))} --block-size {theirs[2]}")
-    load_weights(draft, state, f"--init-from {source}")
+        raise DFlashError(f"--init-from {source}: that draft has (layers, taps, block size, mask id) {theirs} but this "
+                          f"run {ours}; pass --layers {theirs[0]} --taps {' '.join(map(str, theirs[1]))} "
+                          f"--block-size {theirs[2]} --mask-token-id {theirs[3]}")
+    return {"weights": state, "sha256": {f.name: file_sha256(f) for f in sorted(Path(source).glob("*.safetensors"))}}
 
 
 def _check_train_args(args) -> None:
     """Refuse bad options before the (possibly long) data generation."""
     if args.data_cache and len(args.data_cache) != len(args.prompts):
-        raise DFlashError(f"--data-cache names {len(args.data_cache)} directories for {len(args.prompts)} --prompts "
-                          "files; give one per prompt file, in the same order (or omit it)")
+        files = " ".join(str(f) for f in args.prompts)
+        raise DFlashError(f"--data-cache names {len(args.data_cache)} "
+                          f"director{'y' if len(args.data_cache) == 1 else 'ies'} for {len(args.prompts)} --prompts "
+                          f"files ({files}); give one directory per prompt file, in the same order (or omit it)")
+    if args.data_cache and len({Path(d).resolve() for d in args.data_cache}) < len(args.data_cache):
+        raise DFlashError("--data-cache names the same directory twice; each --prompts file needs its own")
     if args.init_from and args.resume:
         raise DFlashError("--init-from and --resume exclude each other: --resume continues a run (same schedule), "
                           "--init-from starts a new one from a trained draft's weights")
@@ -480,7 +505,7 @@ def train_draft(args) -> int:
     from tqdm import tqdm
 
     from .checkpoint import build_target_layer_ids, file_sha256, load_state_dict, load_target_spec, parse_draft_config
-    from .modules import DFlashDraft
+    from .modules import DFlashDraft, load_weights
     from .sources import EMBEDDED_MASK_TOKEN_ID, cache_dir, resolve_target
 
     t_start = time.time()
@@ -496,6 +521,7 @@ def train_draft(args) -> int:
     mask_id = EMBEDDED_MASK_TOKEN_ID if args.mask_token_id is None else args.mask_token_id
     cfg = _draft_config(tspec, args.layers, taps, args.block_size, mask_id)
     dspec = parse_draft_config(cfg, tspec, "(training)", None)  # validates taps and mask id
+    init_state = _load_init_draft(Path(args.init_from), tspec, dspec) if args.init_from else None
     prompt_files = [Path(f) for f in args.prompts]
     prompt_sets = [read_prompts(f)[: args.max_prompts] for f in prompt_files]  # (None: all)
     seen_ids: dict[str, Path] = {}
@@ -523,8 +549,10 @@ def train_draft(args) -> int:
         data_dir = Path(args.data_cache[i]) if args.data_cache else cache_dir() / "train-data" / key
         parts.append(generate_dataset(target_dir, prompt_sets[i], taps, data_dir, args.max_new_tokens, args.gen_batch,
                                       device, responses_per_prompt=args.responses_per_prompt,
-                                      sample_temperature=args.sample_temperature, seed=args.seed, dtype=gen_dtype))
+                                      sample_temperature=args.sample_temperature, seed=args.seed, dtype=gen_dtype,
+                                      fingerprint=key))
     data = merge_datasets(parts)
+    del parts
     gen_seconds = time.time() - t0
     seqs = [s for s in data["sequences"] if len(s["ids"]) - s["prompt_len"] >= 2]
     index = {s["id"]: i for i, s in enumerate(data["sequences"])}
@@ -546,8 +574,8 @@ def train_draft(args) -> int:
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    if args.init_from:
-        _init_from_draft(draft, Path(args.init_from), tspec, dspec)
+    if init_state is not None:
+        load_weights(draft, init_state["weights"], f"--init-from {args.init_from}")
     elif args.init == "target":
         _init_from_target(draft, tstate, tspec, args.layers)
     del tstate
@@ -654,8 +682,7 @@ def train_draft(args) -> int:
         "warmup_fraction": args.warmup,
         "init": f"draft {args.init_from}" if args.init_from else args.init,
         # (the source draft may later be replaced, so its weights are identified by their hash)
-        "init_from_sha256": ({f.name: file_sha256(f) for f in sorted(Path(args.init_from).glob("*.safetensors"))}
-                             if args.init_from else None),
+        "init_from_sha256": init_state["sha256"] if init_state else None,
         "loss_vocab": args.loss_vocab,
         "loss_vocab_size": int(head_w.shape[0]),
         "amp": _dtype_name(amp_dtype),

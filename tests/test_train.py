@@ -105,7 +105,9 @@ def test_loss_vocabulary_softmax_equals_restricted_cross_entropy(tiny_draft, mon
     (["--sample-temperature", "1e-300"], "--sample-temperature must be between 0.01 and 100 (got 1e-300)"),
     (["--sample-temperature", "nan"], "--sample-temperature must be between 0.01 and 100"),
     (["--warmup", "1"], "--warmup in [0, 1)"),
-    (["--data-cache", "a", "b"], "--data-cache names 2 directories for 3 --prompts files"),
+    (["--data-cache", "a", "b"], "--data-cache names 2 directories for 3 --prompts files (/"),
+    (["--data-cache", "a"], "--data-cache names 1 directory for 3 --prompts files"),
+    (["--prompts", "x.jsonl", "y.jsonl", "--data-cache", "a", "./a"], "--data-cache names the same directory twice"),
     (["--init-from", "x", "--resume", "y"], "--init-from and --resume exclude each other"),
 ])
 def test_train_draft_bad_options_fail_first(tmp_path, capsys, args, match):
@@ -148,10 +150,12 @@ def test_merge_datasets_shifts_offsets():
 
     a = {"sequences": [{"id": "a"}, {"id": "b"}], "taps": torch.arange(10.).reshape(5, 2), "offsets": [0, 2, 5], "gen_dtype": "fp32"}
     b = {"sequences": [{"id": "c"}], "taps": torch.arange(6.).reshape(3, 2) + 100, "offsets": [0, 3], "gen_dtype": "bfloat16"}
+    assert merge_datasets([a]) is a
+    want = torch.cat([a["taps"], b["taps"]])
     m = merge_datasets([a, b])
     assert [s["id"] for s in m["sequences"]] == ["a", "b", "c"] and m["offsets"] == [0, 2, 5, 8]
-    assert m["taps"][5:8].tolist() == b["taps"].tolist() and m["gen_dtype"] == "mixed (bfloat16, fp32)"
-    assert merge_datasets([a]) is a
+    assert torch.equal(m["taps"], want) and m["gen_dtype"] == "mixed (bfloat16, fp32)"
+    assert a["taps"] is None and b["taps"] is None  # released as copied
 
 
 @pytest.mark.slow
@@ -231,9 +235,14 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     _, state3 = load_draft_spec(out3, load_target_spec(embedded_target_dir()))
     for k, v in load_draft_spec(out, load_target_spec(embedded_target_dir()))[1].items():
         torch.testing.assert_close(state3[k], v, atol=1e-3, rtol=0)
-    r7 = subprocess.run(cmd3 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data3"), "--steps", "1",
+    r7 = subprocess.run(cmd3 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data7"), "--steps", "1",
                                 "--init-from", str(out), "--layers", "1"], capture_output=True, text=True, timeout=900)
-    assert r7.returncode == 2 and "(layers, taps, block size) (2, (1, 27), 16) but this run (1, " in r7.stderr
+    assert r7.returncode == 2 and "(layers, taps, block size, mask id) (2, (1, 27), 16, 16) but this run (1, " in r7.stderr
+    assert not (tmp_path / "data7").exists()  # refused before generating anything
+    # a finished cache made with other settings is refused, not silently reused
+    r8 = subprocess.run(cmd3 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data3"), "--steps", "1",
+                                "--max-new-tokens", "20"], capture_output=True, text=True, timeout=900)
+    assert r8.returncode == 2 and f"data cache {tmp_path / 'data'} was generated with other settings" in r8.stderr
     # resuming from a directory without state is a clear error
     r3 = subprocess.run(cmd[:-4] + ["--resume", str(tmp_path), "--data-cache", str(tmp_path / "data")],
                         capture_output=True, text=True, timeout=900)
@@ -266,6 +275,11 @@ def test_interrupted_generation_resumes_where_it_stopped(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         generate_dataset(*args, tmp_path / "resumed", **kw)
     assert calls == [2, 1] and len(list((tmp_path / "resumed").glob(".partial-*/*.safetensors"))) == 1
+    calls.clear()
+    limit = 1  # saved calls of other settings are not reused: the first call runs again
+    with pytest.raises(KeyboardInterrupt):
+        generate_dataset(*args, tmp_path / "resumed", **kw, fingerprint="other settings")
+    assert calls == [2]
     calls.clear()
     limit = 0  # never interrupt again
     resumed = generate_dataset(*args, tmp_path / "resumed", **kw)
