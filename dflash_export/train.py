@@ -372,7 +372,7 @@ def loss_vocabulary(sequences: list[dict], vocab_size: int):
 
     The draft only ever has to predict the target's own responses, so a softmax over the ids that occur
     in them gives the same gradients for the correct logit at a fraction of the LM-head cost (49152 ->
-    about 6k rows for SmolLM2 on the shipped prompts; with bf16 autocast 4.1x the positions per second on a
+    6k to 19k rows for SmolLM2, growing with the data; with bf16 autocast 4.1x the positions per second on a
     2-core CPU, `scripts/train_speed.py`). The
     same idea as the reduced draft vocabularies of EAGLE-3 (Li et al., 2025) and FR-Spec (Zhao et al.,
     2025). Decoding still uses the full LM head (proposals are verified anyway).
@@ -769,7 +769,7 @@ def register(sub) -> None:
                    help="autocast the forward to bf16 (auto: where the CPU/GPU has native bf16 matmuls)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-from", default=None, metavar="DRAFT",
-                   help="start from a trained draft's weights (same layers, taps and block size) with a fresh schedule")
+                   help="start from a trained draft's weights (same layers, taps, block size and mask id) with a fresh schedule")
     p.add_argument("--resume", default=None, help="directory with train_state.* to resume from (usually --out)")
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--save-dtype", choices=["fp16", "fp32"], default="fp16")
