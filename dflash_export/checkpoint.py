@@ -417,11 +417,11 @@ def read_draft_vocab(draft_dir: Path, vocab_size: int) -> tuple[int, ...] | None
             ints in [0, vocab_size).
     """
     path = Path(draft_dir) / DRAFT_VOCAB_FILE
-    if not path.exists() and not path.is_symlink():  # a dangling link is an error below, not "absent"
-        return None
-    if path.is_symlink() and not path.exists():
+    if not path.exists():
+        if not path.is_symlink():
+            return None
         raise DFlashError(f"{path} is a link to {os.path.realpath(path)}, which does not exist; fix the link, "
-                          "or remove it to use the full vocabulary")
+                          "or remove it to use the full vocabulary")  # a dangling link: a mistake, not "absent"
     if not path.is_file():  # a directory or device of that name is a mistake, not "no vocabulary"
         raise DFlashError(f"{path} is not a regular file; remove it to use the full vocabulary")
     try:

@@ -130,14 +130,15 @@ def generate_dataset(
     if seq_path.is_file() and taps_path.is_file():
         seqs = json.loads(seq_path.read_text())
         with safe_open(str(taps_path), "pt") as f:
-            made_for = (f.metadata() or {}).get("fingerprint")
+            meta = f.metadata() or {}
+            made_for = meta.get("fingerprint")
             if fingerprint and made_for and made_for != fingerprint:  # (caches before fingerprints: trusted)
                 raise DFlashError(f"data cache {cache} was generated with other settings (target, prompts, "
                                   "--max-new-tokens, --taps, sampling or --gen-dtype); pass another --data-cache "
                                   "directory or delete this one")
             return {"sequences": seqs, "taps": f.get_tensor("taps"), "offsets": f.get_tensor("offsets").tolist(),
                     # caches written before the dtype was recorded: unknown
-                    "gen_dtype": (f.metadata() or {}).get("gen_dtype", "unknown")}
+                    "gen_dtype": meta.get("gen_dtype", "unknown")}
     tok, model = _load_target(target_dir, device, dtype)
     tok.padding_side = "left"
     if tok.pad_token is None:  # e.g. Llama-3 tokenizers: pad with EOS (masked out anyway)
@@ -533,14 +534,16 @@ def train_draft(args) -> int:
             seen_ids[str(r["id"])] = f
     out = Path(args.out).resolve()
     gen_dtype = _amp_dtype(args.gen_dtype, device)
-    target_hashes = [file_sha256(f) for f in sorted(Path(target_dir).glob("*.safetensors"))]
+    # hashed once: for cache keys and the record (a multi-GB target takes a while)
+    target_sha = {f.name: file_sha256(f) for f in sorted(Path(target_dir).glob("*.safetensors"))}
+    prompts_sha = [file_sha256(f) for f in prompt_files]
     t0 = time.time()
     parts = []
     for i, f in enumerate(prompt_files):
         # one cache per prompt file, so adding a file later reuses the data of the others
         key = hashlib.sha256(
             json.dumps(
-                target_hashes + [file_sha256(f), args.max_prompts, args.max_new_tokens, list(taps)]
+                list(target_sha.values()) + [prompts_sha[i], args.max_prompts, args.max_new_tokens, list(taps)]
                 # (only when used, so caches of greedy-only fp32 data keep their key)
                 + ([args.responses_per_prompt, args.sample_temperature, args.seed] if args.responses_per_prompt > 1 else [])
                 + (["bf16"] if gen_dtype is not None else [])
@@ -662,9 +665,9 @@ def train_draft(args) -> int:
     _write_draft(draft, cfg, out, args, None if vocab is None else vocab.tolist(), {
         "command": " ".join(["python -m dflash_export"] + sys.argv[1:]) if sys.argv else None,
         "target": str(target_dir),
-        "target_files_sha256": {f.name: file_sha256(f) for f in sorted(Path(target_dir).glob("*.safetensors"))},
+        "target_files_sha256": target_sha,
         "prompts": [str(f) for f in prompt_files],
-        "prompts_sha256": [file_sha256(f) for f in prompt_files],
+        "prompts_sha256": prompts_sha,
         "max_prompts_per_file": args.max_prompts,
         "num_sequences": len(seqs),
         "response_tokens": sum(len(s["ids"]) - s["prompt_len"] for s in seqs),
