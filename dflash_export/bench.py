@@ -131,6 +131,13 @@ def run_bench(args) -> int:
     if args.save_verify_len and b != sess.block_size:
         raise DFlashError(f"--save-verify-len needs the draft's own block size {sess.block_size} (got --block-size {b}): "
                           "the saved length applies to that block")
+    chat = bool(sess.tokenizer is not None and sess.tokenizer.chat_template)  # instruct models: one user turn
+    encoded = [sess.encode(p["prompt"], chat=chat) for p in prompts]
+    too_long = [f"{p['id']} ({len(ids)})" for p, ids in zip(prompts, encoded) if len(ids) + args.max_new_tokens > sess.max_seq_len]
+    if too_long:  # checked up front: one long prompt must not end the run after the others have been timed
+        raise DFlashError(f"{len(too_long)} prompt(s) plus --max-new-tokens {args.max_new_tokens} exceed the artifact's "
+                          f"max_seq_len {sess.max_seq_len}: {', '.join(too_long[:5])}{' ...' if len(too_long) > 5 else ''} "
+                          "(prompt tokens in brackets); drop them, lower --max-new-tokens or rebuild with a larger --max-seq-len")
     out = Path(args.out)
     try:  # before the run: an unusable --out must not cost a whole benchmark
         out.mkdir(parents=True, exist_ok=True)
@@ -140,9 +147,7 @@ def run_bench(args) -> int:
     # warm-up: first calls allocate onnxruntime arenas
     sess.generate([1, 2, 3], max_new_tokens=4, stop_token_ids=[], block_size=b)
     rows = []
-    chat = bool(sess.tokenizer is not None and sess.tokenizer.chat_template)  # instruct models: one user turn
-    for i, p in enumerate(prompts):
-        ids = sess.encode(p["prompt"], chat=chat)
+    for i, (p, ids) in enumerate(zip(prompts, encoded)):
         plain = sess.generate(ids, max_new_tokens=args.max_new_tokens, block_size=1)
         # verify all proposals unless told otherwise (not the artifact's saved default): the positional
         # acceptance behind the suggested verify_len needs full verification
@@ -169,8 +174,11 @@ def run_bench(args) -> int:
               f"spec {row['spec']['decode_tokens_per_s']:.1f} tok/s, x{row['speedup']:.2f}", file=sys.stderr, flush=True)
     curve = verify_cost_curve(sess)
     report = _summarise(rows, curve, b, args, sess)
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
-    _plot(report, out / "bench.png")
+    # written whole: a kill mid-write must not leave a truncated bench.json beside an older bench.png
+    (out / ".bench.json.tmp").write_text(json.dumps(report, indent=2))
+    _plot(report, out / ".bench.tmp.png")
+    (out / ".bench.json.tmp").replace(out / "bench.json")
+    (out / ".bench.tmp.png").replace(out / "bench.png")
     _print_table(report)
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
     inversions = curve_inversions(report["verify_cost_curve"]["verify_ms"])

@@ -71,12 +71,15 @@ class _StageTimer:
             print(f"{self.title}: done in {time.perf_counter() - self.t0:.1f}s", file=sys.stderr, flush=True)
 
 
-def check_output_dir(out: Path, overwrite: bool = True) -> None:
-    """Refuse an output location the atomic rename cannot serve, before any work is done.
+def check_output_dir(out: Path, overwrite: bool = True, markers: tuple[str, ...] = ("manifest.json",),
+                     kind: str = "dflash_export artifact") -> None:
+    """Refuse an output location the atomic rename cannot serve, before any work is done. A directory
+    that exists may only be replaced if it holds one of `markers` (an earlier output of the same
+    command, `kind`) or nothing: never a user's other files.
 
     Raises:
-        DFlashError: `out` is a file, a mount point, a non-artifact directory with files, or its
-            parent is not writable.
+        DFlashError: `out` is a file, a mount point, an existing directory without `overwrite`, a
+            non-empty directory without any of `markers`, or its parent is not writable.
     """
     if out.exists() and not out.is_dir():
         raise DFlashError(f"--out {out} is a file; choose a directory path")
@@ -84,12 +87,12 @@ def check_output_dir(out: Path, overwrite: bool = True) -> None:
         raise DFlashError(f"{out} exists; remove it or pass --overwrite")
     if out.is_dir() and os.path.ismount(out):
         raise DFlashError(f"--out {out} is a mount point, which cannot be replaced atomically; use a subdirectory of it")
-    if out.is_dir() and not (out / "manifest.json").is_file() and any(out.iterdir()):
-        raise DFlashError(f"{out} exists and is not a dflash_export artifact; choose another --out")
+    if out.is_dir() and not any((out / m).exists() for m in markers) and any(out.iterdir()):
+        raise DFlashError(f"{out} exists and is not a {kind}; choose another --out")
     parent = out.parent
     while not parent.exists():
         parent = parent.parent
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise DFlashError(f"cannot write to {parent}; choose a writable --out")
 
 

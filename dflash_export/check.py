@@ -525,7 +525,7 @@ def run_check(
     manifest = load_manifest(artifact_dir)
     if backend == "trt":
         if not manifest.get("trt"):
-            raise DFlashError(f"{artifact_dir} has no TensorRT engines to check; build them with `python -m dflash_export.engine {artifact_dir}`")
+            raise DFlashError(f"{artifact_dir} has no TensorRT engines to check; build them with `python -m dflash_export engine {artifact_dir}`")
         precision = manifest["trt"]["precision"]
     else:
         precision = manifest["dtype"]

@@ -92,6 +92,16 @@ def load_state_dict(model_dir: Path) -> dict[str, "Any"]:
     return state
 
 
+def share_permissions(path: Path) -> None:
+    """Give `path` (a file, or a directory and everything under it) the modes a shared model or
+    cache wants, 0755 directories and 0644 files: `mkdtemp` and safetensors' writer leave 0700/0600,
+    which locks other users (and containers running as another uid) out of a cache or a draft."""
+    path = Path(path)
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if not p.is_symlink():
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+
+
 def file_sha256(path: Path) -> str:
     """SHA-256 hex digest of a file, read in 1 MiB chunks."""
     import hashlib
@@ -250,6 +260,9 @@ def load_target_spec(model_dir: Path) -> TargetSpec:
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
     archs = cfg.get("architectures") or []
+    if "DFlashDraftModel" in archs:  # its model_type is the target family's, so it would pass below
+        raise DFlashError(f"{model_dir} is a DFlash draft, not a target; pass the target model as --target "
+                          "(and the draft as --draft where the command takes one)")
     family = next((SUPPORTED_TARGETS[a] for a in archs if a in SUPPORTED_TARGETS), None)
     if family is None:
         family = {"qwen3": "qwen3", "llama": "llama"}.get(cfg.get("model_type", ""))
@@ -389,6 +402,10 @@ def load_draft_spec(draft_dir: Path, target: TargetSpec) -> tuple[DraftSpec, dic
             weights whose shapes contradict the config (head layout mismatch).
     """
     draft_dir = Path(draft_dir)
+    if not (draft_dir / "config.json").exists() and (draft_dir / "train_state" / "state.safetensors").is_file():
+        raise DFlashError(f"draft {draft_dir} holds only a train-draft resume state (the training did not finish); "
+                          f"continue it with `python -m dflash_export train-draft --resume {draft_dir} --out {draft_dir} ...` "
+                          "and the run's other options")
     cfg = read_config(draft_dir)
     state = load_state_dict(draft_dir)
     state = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()}
@@ -495,6 +512,10 @@ def check_draft_weights(spec: DraftSpec, state: dict[str, Any], where: str) -> N
                 f"(heads {spec.arch.num_heads}, kv heads {spec.arch.num_kv_heads}, head_dim {spec.arch.head_dim}); "
                 "config and weights disagree"
             )
+    bad = [k for k in expected if state[k].is_floating_point() and not bool(state[k].isfinite().all())]
+    if bad:  # e.g. a diverged training run: it would export and propose garbage without any error
+        raise DFlashError(f"draft {where}: weights {bad[:4]}{' ...' if len(bad) > 4 else ''} hold NaN or infinite "
+                          "values; the checkpoint is broken (a diverged training run?): retrain it, e.g. with a lower --lr")
 
 
 def hf_cache_dirs() -> list[Path]:

@@ -4,7 +4,7 @@ Needs TensorRT (10.x or 11.x) and an NVIDIA GPU; never torch. Run it where the e
 (TensorRT engines are tied to the TensorRT version and the GPU that built them):
 
     python -m dflash_export build --target T --out DIR --engine trt [--precision fp16]   # export + engines
-    python -m dflash_export.engine DIR [--precision fp16]                              # engines for an existing DIR
+    python -m dflash_export engine DIR [--precision fp16]                              # engines for an existing DIR
 
 Profiles: one list per graph from `runtime.profiles.shape_ranges` (the same function the runtime
 and the tests use): target "prefill" and "verify", draft "draft_prefill" and "draft_step", up to
@@ -48,12 +48,14 @@ PRECISIONS = ("fp16", "bf16", "fp32")
 TIMING_CACHE = "timing.cache"
 
 
-def require_tensorrt(precision: str | None = None, dtype: str | None = None):
+def require_tensorrt(precision: str | None = None, dtype: str | None = None, exporting: bool = True):
     """Fail at once, naming everything missing, when engines cannot be built here.
 
     Args:
         precision, dtype: when given, also refuse a precision/ONNX dtype pair that this TensorRT
             cannot build (see :func:`precision_plan`) before any export starts.
+        exporting: called by `build --engine trt` (the advice is to export here and build engines on
+            the device) rather than by `engine DIR` (the advice is to run it on the device).
 
     Returns:
         (tensorrt module, {"name", "compute_capability"} of the GPU).
@@ -74,8 +76,10 @@ def require_tensorrt(precision: str | None = None, dtype: str | None = None):
         raise DFlashError(
             "building TensorRT engines needs TensorRT and an NVIDIA GPU on this machine; missing: "
             + "; ".join(missing)
-            + ". Export here without --engine trt, copy the artifact to the device, and run "
-            "`python -m dflash_export.engine DIR` there (see docs/jetson.md)"
+            + (". Export here without --engine trt, copy the artifact to the device, and run "
+               "`python -m dflash_export engine DIR` there (see docs/jetson.md)" if exporting else
+               ". Run this command on the device that will run the engines (e.g. the Jetson; see docs/jetson.md); "
+               "here the artifact's ONNX graphs run with --backend ort")
         )
     if precision is not None and dtype is not None:
         precision_plan(str(trt.__version__), dtype, precision)
@@ -213,7 +217,7 @@ def build_engines(
     out = Path(artifact_dir)
     manifest = load_manifest(out)
     if trt is None or gpu is None:
-        real_trt, real_gpu = require_tensorrt()
+        real_trt, real_gpu = require_tensorrt(exporting=False)
         trt, gpu = trt or real_trt, gpu or real_gpu
     version = str(trt.__version__)
     plan = precision_plan(version, manifest["dtype"], precision)
@@ -317,7 +321,7 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m dflash_export.engine DIR [--precision ...]`; exit status 2 on a user error."""
+    """`python -m dflash_export engine DIR [--precision ...]` (also `python -m dflash_export.engine`); exit status 2 on a user error."""
     p = argparse.ArgumentParser(prog="python -m dflash_export.engine", description=__doc__.splitlines()[0])
     _add_args(p)
     args = p.parse_args(argv)

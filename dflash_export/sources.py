@@ -16,7 +16,7 @@ from typing import Any
 
 from runtime.errors import DFlashError
 
-from .checkpoint import TargetSpec, build_target_layer_ids, resolve_hub_snapshot
+from .checkpoint import TargetSpec, build_target_layer_ids, resolve_hub_snapshot, share_permissions
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -158,6 +158,7 @@ def embedded_target_dir() -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.to_json_file(str(tmp / "generation_config.json"))
         tok.save_pretrained(tmp)
+        share_permissions(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -26,6 +27,8 @@ import time
 from pathlib import Path
 
 from runtime.errors import DFlashError
+
+from .checkpoint import share_permissions
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "models" / "prompts"
 # the shipped training prompts: every train*.jsonl (the held-out evaluation set, eval.jsonl, is not one)
@@ -39,12 +42,15 @@ def read_prompts(path: Path) -> list[dict]:
     """Read a JSONL prompt file: one {"id", "category", "prompt"} object a line.
 
     Raises:
-        DFlashError: missing file, bad JSON, or a line without "prompt".
+        DFlashError: missing file, bad JSON, a line without "prompt", an "id" that is not a string or
+            integer, ends in "#s<N>" (reserved for sampled responses) or is used twice in the file.
     """
     path = Path(path)
+    if path.is_dir():
+        raise DFlashError(f"prompt file {path} is a directory; pass the JSONL files in it")
     if not path.is_file():
         raise DFlashError(f"prompt file {path} does not exist")
-    rows = []
+    rows, ids = [], set()
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -58,7 +64,16 @@ def read_prompts(path: Path) -> list[dict]:
             raise DFlashError(f"{path}:{i} is not valid JSON ({exc})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise DFlashError(f"{path}:{i} has no non-empty \"prompt\" string")
-        row.setdefault("id", f"{path.stem}-line-{i}")  # unique across files too
+        row.setdefault("id", f"{path.stem}-line-{i}")  # unique across files too (unless two share a stem)
+        if isinstance(row["id"], bool) or not isinstance(row["id"], (str, int)):
+            raise DFlashError(f"{path}:{i}: \"id\" must be a string or an integer (got {row['id']!r})")
+        if re.search(r"#s\d+$", str(row["id"])):
+            raise DFlashError(f"{path}:{i}: prompt id {row['id']!r} ends like a sampled response's id (<id>#s<N>, "
+                              "reserved by --responses-per-prompt); rename it")
+        if str(row["id"]) in ids:
+            raise DFlashError(f"{path}:{i}: prompt id {row['id']!r} is used twice in this file; ids name the cached "
+                              "responses, so each must be unique")
+        ids.add(str(row["id"]))
         row.setdefault("category", "uncategorized")
         rows.append(row)
     if not rows:
@@ -114,7 +129,8 @@ def generate_dataset(
     on reuse: saved calls of other settings are regenerated, a finished cache of other settings is refused.
 
     Raises:
-        DFlashError: `cache` holds finished data whose fingerprint differs from `fingerprint`.
+        DFlashError: `cache` holds finished data whose fingerprint differs from `fingerprint`, or damaged
+            data; a prompt plus `max_new_tokens` exceeds the target's context (the prompt's id is named).
 
     Returns:
         {"sequences": [{"id", "category", "prompt_len", "ids"}], "taps": fp16 tensor [total, k*d],
@@ -128,17 +144,7 @@ def generate_dataset(
 
     seq_path, taps_path = cache / "sequences.json", cache / "taps.safetensors"
     if seq_path.is_file() and taps_path.is_file():
-        seqs = json.loads(seq_path.read_text())
-        with safe_open(str(taps_path), "pt") as f:
-            meta = f.metadata() or {}
-            made_for = meta.get("fingerprint")
-            if fingerprint and made_for and made_for != fingerprint:  # (caches before fingerprints: trusted)
-                raise DFlashError(f"data cache {cache} was generated with other settings (target, prompts, "
-                                  "--max-new-tokens, --taps, sampling or --gen-dtype); pass another --data-cache "
-                                  "directory or delete this one")
-            return {"sequences": seqs, "taps": f.get_tensor("taps"), "offsets": f.get_tensor("offsets").tolist(),
-                    # caches written before the dtype was recorded: unknown
-                    "gen_dtype": meta.get("gen_dtype", "unknown")}
+        return _read_finished_cache(cache, fingerprint)
     tok, model = _load_target(target_dir, device, dtype)
     tok.padding_side = "left"
     if tok.pad_token is None:  # e.g. Llama-3 tokenizers: pad with EOS (masked out anyway)
@@ -152,85 +158,136 @@ def generate_dataset(
     # each call's output is kept until the whole set is written, so an interrupted run resumes where it
     # stopped (calls are seeded one by one, so the resumed data equal an uninterrupted run's)
     pieces = cache / f".partial-batch{batch}-{_dtype_name(dtype)}"
-    for rnd, start in calls:
-        rows = prompts[start : start + batch]
-        piece = pieces / f"round{rnd}-start{start}.safetensors"
-        done = _read_piece(piece, [r["id"] for r in rows], fingerprint)
-        if done is not None:
-            seqs.extend(done[0])
-            chunks.extend(done[1])
+    try:
+        for rnd, start in calls:
+            rows = prompts[start : start + batch]
+            piece = pieces / f"round{rnd}-start{start}.safetensors"
+            done = _read_piece(piece, [r["id"] for r in rows], fingerprint)
+            if done is not None:
+                seqs.extend(done[0])
+                chunks.extend(done[1])
+                bar.update(len(rows))
+                continue
+            first_new = len(seqs)
+            sampling = {}
+            if rnd > 0:
+                torch.manual_seed(seed * 1000003 + rnd * 7919 + start)
+                sampling = {"do_sample": True, "temperature": sample_temperature, "top_k": 0, "top_p": 1.0}
+            # instruct targets answer one user turn; a base model (no chat template) continues the raw prompt,
+            # as bench and generate --chat treat it
+            texts = [
+                tok.apply_chat_template(
+                    [{"role": "user", "content": r["prompt"]}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+                ) if tok.chat_template else r["prompt"]
+                for r in rows
+            ]
+            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template).to(device)
+            context = getattr(model.config, "max_position_embeddings", None)
+            for r, n in zip(rows, enc["attention_mask"].sum(dim=1).tolist()):
+                if context and n + max_new_tokens > context:
+                    raise DFlashError(f"prompt {r['id']!r} is {n} tokens with the chat template; with --max-new-tokens "
+                                      f"{max_new_tokens} that exceeds the target's context of {context} tokens: shorten "
+                                      "or drop that prompt, or lower --max-new-tokens")
+            with torch.no_grad():
+                out = model.generate(
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    **(sampling or {"do_sample": False}),
+                    pad_token_id=pad_id,
+                    output_hidden_states=True,
+                    return_dict_in_generate=True,
+                )
+            width = enc["input_ids"].shape[1]
+            # hidden_states[step][layer]: step 0 = prefill [b, width, d], later steps [b, 1, d]
+            per_layer = []
+            for layer in taps:
+                idx = layer + 1  # HF hidden_states[L + 1] is the output of decoder layer L
+                per_layer.append(torch.cat([step[idx] for step in out.hidden_states], dim=1))
+            feats = torch.cat(per_layer, dim=-1)  # [b, width + steps, k*d]
+            for j, r in enumerate(rows):
+                mask = enc["attention_mask"][j].bool()
+                prompt_ids = enc["input_ids"][j][mask].tolist()
+                gen = out.sequences[j, width:].tolist()
+                resp = []
+                for t in gen:
+                    if t == pad_id and t not in (tok.eos_token_id,):
+                        break
+                    resp.append(t)
+                    if t == tok.eos_token_id:
+                        break
+                ids = prompt_ids + resp
+                # features exist for every fed token: the prompt and all generated tokens but the last
+                f = feats[j, width - len(prompt_ids) : width - len(prompt_ids) + len(ids)]
+                if f.shape[0] < len(ids):  # the last generated token was never fed
+                    f = torch.cat([f, torch.zeros(len(ids) - f.shape[0], f.shape[1], dtype=f.dtype)], dim=0)
+                sid = r["id"] if rnd == 0 else f"{r['id']}#s{rnd}"
+                seqs.append({"id": sid, "category": r["category"], "prompt_len": len(prompt_ids), "ids": ids})
+                chunks.append(f.to(torch.float16).cpu())
+            pieces.mkdir(parents=True, exist_ok=True)
+            save_file({f"row{j}": c for j, c in enumerate(chunks[first_new:])}, str(pieces / ".piece.tmp"),
+                      metadata={"prompt_ids": json.dumps([r["id"] for r in rows]), "sequences": json.dumps(seqs[first_new:]),
+                                "fingerprint": fingerprint})
+            (pieces / ".piece.tmp").replace(piece)
             bar.update(len(rows))
-            continue
-        first_new = len(seqs)
-        sampling = {}
-        if rnd > 0:
-            torch.manual_seed(seed * 1000003 + rnd * 7919 + start)
-            sampling = {"do_sample": True, "temperature": sample_temperature, "top_k": 0, "top_p": 1.0}
-        texts = [
-            tok.apply_chat_template(
-                [{"role": "user", "content": r["prompt"]}], tokenize=False, add_generation_prompt=True, enable_thinking=False
-            )
-            for r in rows
-        ]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        with torch.no_grad():
-            out = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                **(sampling or {"do_sample": False}),
-                pad_token_id=pad_id,
-                output_hidden_states=True,
-                return_dict_in_generate=True,
-            )
-        width = enc["input_ids"].shape[1]
-        # hidden_states[step][layer]: step 0 = prefill [b, width, d], later steps [b, 1, d]
-        per_layer = []
-        for layer in taps:
-            idx = layer + 1  # HF hidden_states[L + 1] is the output of decoder layer L
-            per_layer.append(torch.cat([step[idx] for step in out.hidden_states], dim=1))
-        feats = torch.cat(per_layer, dim=-1)  # [b, width + steps, k*d]
-        for j, r in enumerate(rows):
-            mask = enc["attention_mask"][j].bool()
-            prompt_ids = enc["input_ids"][j][mask].tolist()
-            gen = out.sequences[j, width:].tolist()
-            resp = []
-            for t in gen:
-                if t == pad_id and t not in (tok.eos_token_id,):
-                    break
-                resp.append(t)
-                if t == tok.eos_token_id:
-                    break
-            ids = prompt_ids + resp
-            # features exist for every fed token: the prompt and all generated tokens but the last
-            f = feats[j, width - len(prompt_ids) : width - len(prompt_ids) + len(ids)]
-            if f.shape[0] < len(ids):  # the last generated token was never fed
-                f = torch.cat([f, torch.zeros(len(ids) - f.shape[0], f.shape[1], dtype=f.dtype)], dim=0)
-            sid = r["id"] if rnd == 0 else f"{r['id']}#s{rnd}"
-            seqs.append({"id": sid, "category": r["category"], "prompt_len": len(prompt_ids), "ids": ids})
-            chunks.append(f.to(torch.float16).cpu())
-        pieces.mkdir(parents=True, exist_ok=True)
-        save_file({f"row{j}": c for j, c in enumerate(chunks[first_new:])}, str(pieces / ".piece.tmp"),
-                  metadata={"prompt_ids": json.dumps([r["id"] for r in rows]), "sequences": json.dumps(seqs[first_new:]),
-                            "fingerprint": fingerprint})
-        (pieces / ".piece.tmp").replace(piece)
-        bar.update(len(rows))
+    except KeyboardInterrupt:
+        bar.close()
+        kept = len(list(pieces.glob("round*.safetensors"))) if pieces.is_dir() else 0
+        print(f"\ndata generation interrupted: {kept} of {len(calls)} generate calls are saved in {pieces}; rerun the "
+              "same command (same --gen-batch and --gen-dtype) to continue from there", file=sys.stderr)
+        raise
     bar.close()
     offsets = [0]
     for c in chunks:
         offsets.append(offsets[-1] + c.shape[0])
     taps_t = torch.cat(chunks, dim=0).contiguous()
     cache.mkdir(parents=True, exist_ok=True)
+    for left in cache.glob(".data-*"):  # a write killed before its cleanup could run (GBs each)
+        shutil.rmtree(left, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=".data-", dir=cache))
     gen_dtype = _dtype_name(dtype)
-    save_file({"taps": taps_t, "offsets": torch.tensor(offsets, dtype=torch.int64)}, str(tmp / "taps.safetensors"),
-              metadata={"gen_dtype": gen_dtype, "fingerprint": fingerprint})
-    (tmp / "sequences.json").write_text(json.dumps(seqs))
-    (tmp / "taps.safetensors").replace(taps_path)
-    (tmp / "sequences.json").replace(seq_path)
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save_file({"taps": taps_t, "offsets": torch.tensor(offsets, dtype=torch.int64)}, str(tmp / "taps.safetensors"),
+                  metadata={"gen_dtype": gen_dtype, "fingerprint": fingerprint})
+        (tmp / "sequences.json").write_text(json.dumps(seqs))
+        share_permissions(tmp)
+        (tmp / "taps.safetensors").replace(taps_path)
+        (tmp / "sequences.json").replace(seq_path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     for left in cache.glob(".partial-*"):  # also those of interrupted runs with another --gen-batch/dtype
         shutil.rmtree(left, ignore_errors=True)
     return {"sequences": seqs, "taps": taps_t, "offsets": offsets, "gen_dtype": gen_dtype}
+
+
+def _read_finished_cache(cache: Path, fingerprint: str) -> dict:
+    """Load a finished data cache (`sequences.json` + `taps.safetensors`), checked against `fingerprint`
+    and for internal consistency (one feature row per token of every sequence).
+
+    Raises:
+        DFlashError: the cache was made with other settings, or its files are damaged or disagree.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    damaged = f"; delete {cache} to regenerate it"
+    try:
+        seqs = json.loads((cache / "sequences.json").read_text())
+        with safe_open(str(cache / "taps.safetensors"), "pt") as f:
+            meta = f.metadata() or {}
+            made_for = meta.get("fingerprint")
+            if fingerprint and made_for and made_for != fingerprint:  # (caches before fingerprints: trusted)
+                raise DFlashError(f"data cache {cache} was generated with other settings (target, prompts, "
+                                  "--max-prompts, --max-new-tokens, --taps, sampling or --gen-dtype); pass another "
+                                  "--data-cache directory or delete this one")
+            taps, offsets = f.get_tensor("taps"), f.get_tensor("offsets").tolist()
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:  # (JSONDecodeError is a ValueError)
+        raise DFlashError(f"data cache {cache} is damaged ({type(exc).__name__}: {exc}){damaged}") from None
+    ok = (isinstance(seqs, list) and len(offsets) == len(seqs) + 1 and offsets[-1] == taps.shape[0]
+          and all(isinstance(s, dict) and isinstance(s.get("ids"), list) and offsets[i + 1] - offsets[i] == len(s["ids"])
+                  for i, s in enumerate(seqs)))
+    if not ok:
+        raise DFlashError(f"data cache {cache}: sequences.json and taps.safetensors disagree (another run's files?){damaged}")
+    # caches written before the dtype was recorded: unknown
+    return {"sequences": seqs, "taps": taps, "offsets": offsets, "gen_dtype": meta.get("gen_dtype", "unknown")}
 
 
 def _read_piece(path: Path, prompt_ids: list, fingerprint: str) -> tuple[list[dict], list] | None:
@@ -446,27 +503,57 @@ def _init_from_target(draft, tstate, tspec, layers) -> None:
             draft.norm.weight.copy_(tstate["model.norm.weight"])
 
 
-def _load_init_draft(source: Path, tspec, dspec) -> dict:
-    """Load the weights of `--init-from` (a trained draft to fine-tune on more data with a new schedule),
-    before any data are generated so a wrong source fails first.
+def _load_init_draft(source: Path, tspec) -> dict:
+    """Load `--init-from` (a trained draft to fine-tune on more data with a new schedule), before any
+    data are generated so a wrong source fails first.
 
     Returns:
-        {"weights": state dict (names without "model."), "sha256": {file name: sha256} of its weights}.
+        {"weights": state dict (names without "model."), "sha256": {file name: sha256} of its weights,
+         "shape": {"layers", "taps", "block_size", "mask_token_id"} of the draft (the run's defaults),
+         "config": its config.json, the base of the trained draft's (head layout, MLP width and RoPE may
+         differ from a fresh draft's; `auto_map` is dropped, its modeling file is not copied)}.
 
     Raises:
-        DFlashError: `source` is not a valid draft checkpoint for this target's shapes, or its layers, taps,
-            block size or mask token id differ from this run's options.
+        DFlashError: `source` is not a valid draft checkpoint for this target (see `load_draft_spec`).
     """
     from .checkpoint import file_sha256, load_draft_spec
 
+    from .checkpoint import read_config
+
     spec, state = load_draft_spec(source, tspec)
-    ours = (dspec.arch.num_layers, tuple(dspec.target_layer_ids), dspec.block_size, dspec.mask_token_id)
-    theirs = (spec.arch.num_layers, tuple(spec.target_layer_ids), spec.block_size, spec.mask_token_id)
-    if ours != theirs:
-        raise DFlashError(f"--init-from {source}: that draft has (layers, taps, block size, mask id) {theirs} but this "
-                          f"run {ours}; pass --layers {theirs[0]} --taps {' '.join(map(str, theirs[1]))} "
-                          f"--block-size {theirs[2]} --mask-token-id {theirs[3]}")
-    return {"weights": state, "sha256": {f.name: file_sha256(f) for f in sorted(Path(source).glob("*.safetensors"))}}
+    config = {k: v for k, v in read_config(source).items() if k not in ("auto_map", "torch_dtype", "dflash_export")}
+    config["dflash_export"] = {"trained": True}
+    shape = {"layers": spec.arch.num_layers, "taps": list(spec.target_layer_ids), "block_size": spec.block_size,
+             "mask_token_id": spec.mask_token_id}
+    return {"weights": state, "shape": shape, "config": config,
+            "sha256": {f.name: file_sha256(f) for f in sorted(Path(source).glob("*.safetensors"))}}
+
+
+def _check_resume(rdir: Path, meta: dict, settings: dict, args, amp_dtype) -> None:
+    """Refuse a `--resume` whose saved run differs from this one in the draft's shape or meaning, loss
+    vocabulary or compute dtype, or is already at `--steps` (checked before any data generation).
+
+    Raises:
+        DFlashError: naming the option and the saved run's value.
+    """
+    for key, now in settings.items():
+        before = meta.get("settings", {}).get(key, now)  # (states written before settings were stored: weights' shapes only)
+        if before != now:
+            shown = " ".join(map(str, before)) if isinstance(before, list) else before
+            raise DFlashError(f"--resume {rdir}: that run used --{key.replace('_', '-')} {shown} (this one "
+                              f"{' '.join(map(str, now)) if isinstance(now, list) else now}); drop the option or pass the same")
+    if meta.get("loss_vocab", "full") != args.loss_vocab:  # (states before this option: full)
+        raise DFlashError(f"--resume {rdir}: that run used --loss-vocab {meta.get('loss_vocab', 'full')}; pass the same to resume it")
+    # the resolved autocast dtype, not the option: "auto" may mean bf16 on one machine and fp32 on another
+    before = meta.get("amp_dtype")
+    if before is None and meta.get("amp", args.amp) != args.amp:  # (states before the dtype was stored: the option)
+        raise DFlashError(f"--resume {rdir}: that run used --amp {meta['amp']}; pass the same to resume it")
+    if before is not None and before != _dtype_name(amp_dtype):
+        raise DFlashError(f"--resume {rdir}: that run computed in {before}, this one would in {_dtype_name(amp_dtype)} "
+                          f"(--amp {args.amp} here); pass --amp {'fp32' if before == 'fp32' else 'bf16'} to resume it")
+    if meta["step"] >= args.steps:
+        raise DFlashError(f"--resume {rdir}: that run is already at step {meta['step']}; pass --steps above it "
+                          "to train longer (the cosine schedule stretches to the new length)")
 
 
 def _check_train_args(args) -> None:
@@ -482,9 +569,9 @@ def _check_train_args(args) -> None:
         raise DFlashError("--init-from and --resume exclude each other: --resume continues a run (same schedule), "
                           "--init-from starts a new one from a trained draft's weights")
     for name in ("steps", "batch", "anchors", "layers", "max_new_tokens", "gen_batch", "responses_per_prompt"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise DFlashError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
-    if args.block_size < 2:
+    if args.block_size is not None and args.block_size < 2:
         raise DFlashError(f"--block-size must be at least 2 (got {args.block_size})")
     if args.max_prompts is not None and args.max_prompts < 1:
         raise DFlashError(f"--max-prompts must be at least 1 (got {args.max_prompts})")
@@ -493,16 +580,58 @@ def _check_train_args(args) -> None:
                           "the first response per prompt is already the greedy one")
     if not (args.lr > 0 and math.isfinite(args.lr)) or not args.gamma > 0 or not 0 <= args.warmup < 1:
         raise DFlashError("--lr and --gamma must be positive and --warmup in [0, 1)")
-    if args.device not in ("auto", "cpu", "cuda") and not args.device.startswith("cuda:"):
-        raise DFlashError(f"--device must be auto, cpu or cuda[:N] (got {args.device!r})")
-    if args.resume and not (Path(args.resume) / "train_state" / "state.json").is_file():
-        raise DFlashError(f"--resume {args.resume}: no train_state/state.safetensors + state.json there (written every --save-every steps)")
+    if args.threads is not None and args.threads < 1:
+        raise DFlashError(f"--threads must be at least 1 (got {args.threads}); omit it to use torch's default")
+    _check_device(args.device)
+    if args.resume and not (Path(args.resume) / "train_state" / "state.safetensors").is_file():
+        raise DFlashError(f"--resume {args.resume}: no train_state/state.safetensors there (written every --save-every steps)")
+    if args.taps and len(set(args.taps)) < len(args.taps):
+        raise DFlashError(f"--taps names a layer twice ({' '.join(map(str, args.taps))}); give distinct target layer ids")
+    if len({Path(f).resolve() for f in args.prompts}) < len(args.prompts):
+        raise DFlashError("--prompts names the same file twice; give each prompt file once")
+    from .build import check_output_dir
+
+    # an earlier train-draft output (or its resume state) may be replaced, never a directory of other files
+    check_output_dir(Path(args.out), markers=("training_record.json", "train_state"), kind="train-draft output "
+                     "(it holds other files, e.g. a model or the target; train-draft would overwrite them)")
+    for d in args.data_cache or []:  # probed now: an unusable path must fail before an hour of generation
+        d = Path(d)
+        if d.exists() and not d.is_dir():
+            raise DFlashError(f"--data-cache {d} is a file; pass a directory")
+        base = d
+        while not base.exists():
+            base = base.parent
+        try:  # (nothing is left behind: the directory itself is only created when data are written)
+            Path(tempfile.mkdtemp(prefix=".probe-", dir=base)).rmdir()
+        except OSError as exc:
+            raise DFlashError(f"--data-cache {d}: cannot create directories under {base} ({exc.strerror or exc}); "
+                              "pass another directory") from None
+
+
+def _check_device(device: str) -> None:
+    """Refuse a `--device` torch cannot use here, naming the devices that exist.
+
+    Raises:
+        DFlashError: not auto/cpu/cuda[:N], CUDA requested without a CUDA build or GPU, or no GPU N.
+    """
+    if device in ("auto", "cpu"):
+        return
+    index = device[len("cuda:"):] if device.startswith("cuda:") else ("" if device == "cuda" else None)
+    if index is None or (index and not index.isdigit()):
+        raise DFlashError(f"--device must be auto, cpu or cuda[:N] (got {device!r})")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DFlashError(f"--device {device}: this torch build sees no CUDA GPU; use --device cpu (or auto)")
+    if index and int(index) >= torch.cuda.device_count():
+        raise DFlashError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s), cuda:0.."
+                          f"cuda:{torch.cuda.device_count() - 1}")
 
 
 def train_draft(args) -> int:
     """Run `train-draft` (see module docstring). Returns the exit status."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     from tqdm import tqdm
 
     from .checkpoint import build_target_layer_ids, file_sha256, load_state_dict, load_target_spec, parse_draft_config
@@ -518,21 +647,62 @@ def train_draft(args) -> int:
         torch.set_num_threads(args.threads)
     target_dir, _ = resolve_target(args.target)
     tspec = load_target_spec(target_dir)
-    taps = tuple(args.taps) if args.taps else tuple(build_target_layer_ids(tspec.arch.num_layers, args.layers))
+    n_target = tspec.arch.num_layers
+    out = Path(args.out).resolve()
+    if not args.resume and (out / "train_state" / "state.safetensors").is_file():
+        raise DFlashError(f"{out} holds a train-draft state (an earlier run's); pass --resume {args.out}"
+                          f"{' instead of --init-from' if args.init_from else ''} to continue it, or delete it (or choose "
+                          "another --out) to start over")
+    # a run that continues (--resume) or fine-tunes (--init-from) takes the draft's shape from its source
+    # unless told otherwise; a contradiction is refused below
+    resumed = _read_resume_state(Path(args.resume)) if args.resume else None
+    init_state = _load_init_draft(Path(args.init_from), tspec) if args.init_from else None
+    source = (resumed[1].get("settings") if resumed else None) or (init_state["shape"] if init_state else {})
+    for key, default in (("layers", 2), ("taps", None), ("block_size", 16), ("mask_token_id", EMBEDDED_MASK_TOKEN_ID)):
+        if getattr(args, key) is None:
+            setattr(args, key, source.get(key, default))
+    if not any((Path(target_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise DFlashError(f"target {target_dir} has no tokenizer files (tokenizer.json / tokenizer_config.json); "
+                          "train-draft needs the target's tokenizer to generate its data: copy them into that directory")
+    if args.layers > n_target:
+        raise DFlashError(f"--layers {args.layers} exceeds the target's {n_target} layers; a draft is a few layers (2-5)")
+    if args.taps and not all(0 <= t < n_target for t in args.taps):
+        raise DFlashError(f"--taps {' '.join(map(str, args.taps))}: the target has layers 0..{n_target - 1}")
+    taps = tuple(args.taps) if args.taps else tuple(build_target_layer_ids(n_target, args.layers))
+    if len(set(taps)) < len(taps):
+        raise DFlashError(f"the default taps for {args.layers} draft layers over {n_target} target layers repeat a layer "
+                          f"{list(taps)}; pass distinct --taps (one per draft layer) or fewer --layers")
     mask_id = EMBEDDED_MASK_TOKEN_ID if args.mask_token_id is None else args.mask_token_id
     cfg = _draft_config(tspec, args.layers, taps, args.block_size, mask_id)
     dspec = parse_draft_config(cfg, tspec, "(training)", None)  # validates taps and mask id
-    init_state = _load_init_draft(Path(args.init_from), tspec, dspec) if args.init_from else None
+    # (a source's own config keeps what a fresh one would change: head layout, MLP width, RoPE)
+    source_cfg = init_state["config"] if init_state else (resumed[1].get("config") if resumed else None)
+    # what a resumed run must share with the run it continues: the draft's shape and meaning (--steps may
+    # grow, and --lr may drop after a divergence)
+    settings = {"layers": args.layers, "taps": list(taps), "block_size": args.block_size, "mask_token_id": mask_id}
+    if init_state is not None and init_state["shape"] != settings:
+        theirs = init_state["shape"]
+        raise DFlashError(f"--init-from {args.init_from}: that draft has --layers {theirs['layers']} --taps "
+                          f"{' '.join(map(str, theirs['taps']))} --block-size {theirs['block_size']} --mask-token-id "
+                          f"{theirs['mask_token_id']}, this run --layers {args.layers} --taps {' '.join(map(str, taps))} "
+                          f"--block-size {args.block_size} --mask-token-id {mask_id}; drop those options to use the draft's")
+    amp_dtype = _amp_dtype(args.amp, device)
+    if resumed is not None:
+        _check_resume(Path(args.resume), resumed[1], settings, args, amp_dtype)
+    if source_cfg is not None:  # same shape settings (checked above): its config is this run's
+        cfg = source_cfg
+        dspec = parse_draft_config(cfg, tspec, "(training)", None)
     prompt_files = [Path(f) for f in args.prompts]
     prompt_sets = [read_prompts(f)[: args.max_prompts] for f in prompt_files]  # (None: all)
     seen_ids: dict[str, Path] = {}
     for f, rows in zip(prompt_files, prompt_sets):
         for r in rows:
             if str(r["id"]) in seen_ids:
+                why = ("; lines without an \"id\" get <file stem>-line-N, so give the files different names or add ids"
+                       if str(r["id"]).startswith(f"{f.stem}-line-") else "")
                 raise DFlashError(f"prompt id {r['id']!r} appears in {seen_ids[str(r['id'])]} and again in {f}; "
-                                  "ids must be unique across --prompts files (they name the cached responses)")
+                                  f"ids must be unique across --prompts files (they name the cached responses){why}")
             seen_ids[str(r["id"])] = f
-    out = Path(args.out).resolve()
     gen_dtype = _amp_dtype(args.gen_dtype, device)
     # hashed once: for cache keys and the record (a multi-GB target takes a while)
     target_sha = {f.name: file_sha256(f) for f in sorted(Path(target_dir).glob("*.safetensors"))}
@@ -557,8 +727,12 @@ def train_draft(args) -> int:
     data = merge_datasets(parts)
     del parts
     gen_seconds = time.time() - t0
-    seqs = [s for s in data["sequences"] if len(s["ids"]) - s["prompt_len"] >= 2]
-    index = {s["id"]: i for i, s in enumerate(data["sequences"])}
+    # (by position: a sampled response's id "<id>#s<k>" may equal a user's prompt id)
+    usable = [i for i, s in enumerate(data["sequences"]) if len(s["ids"]) - s["prompt_len"] >= 2]
+    seqs = [data["sequences"][i] for i in usable]
+    if not seqs:
+        raise DFlashError(f"no training data: every response is shorter than 2 tokens (--max-new-tokens "
+                          f"{args.max_new_tokens}); raise --max-new-tokens or use other prompts")
     tstate = load_state_dict(target_dir)
     embed_w = tstate["model.embed_tokens.weight"].float().to(device)
     head_w = (tstate.get("lm_head.weight", tstate["model.embed_tokens.weight"])).float()
@@ -567,7 +741,6 @@ def train_draft(args) -> int:
         vocab, label_map = loss_vocabulary(seqs, head_w.shape[0])
         head_w, label_map = head_w[vocab].contiguous(), label_map.to(device)
     head_w = head_w.to(device)
-    amp_dtype = _amp_dtype(args.amp, device)
     embed = torch.nn.Embedding.from_pretrained(embed_w, freeze=True)
     draft = DFlashDraft(dspec).to(device)
     gen = torch.Generator().manual_seed(args.seed)
@@ -592,26 +765,24 @@ def train_draft(args) -> int:
         return args.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
     start_step, losses = 0, []
-    if args.resume:
+    if resumed is not None:
         rdir = Path(args.resume)
-        state_file, meta_file = rdir / "train_state" / "state.safetensors", rdir / "train_state" / "state.json"
-        if not state_file.is_file() or not meta_file.is_file():
-            raise DFlashError(f"--resume {rdir}: no train_state/state.safetensors + state.json there (written every --save-every steps)")
-        st = load_file(str(state_file))
-        draft.load_state_dict({k[len("model.") :]: v for k, v in st.items() if k.startswith("model.")})
-        meta = json.loads(meta_file.read_text())
+        st, meta = resumed
+        weights = {k[len("model.") :]: v for k, v in st.items() if k.startswith("model.")}
+        own = draft.state_dict()
+        if set(weights) != set(own) or any(tuple(weights[k].shape) != tuple(own[k].shape) for k in own):
+            raise DFlashError(f"--resume {rdir}: its weights do not fit a draft with --layers {args.layers} --taps "
+                              f"{' '.join(map(str, taps))} --block-size {args.block_size}; pass that run's options")
+        draft.load_state_dict(weights)
         opt_state = opt.state_dict()
         names = [n for n, _ in draft.named_parameters()]
         for i, n in enumerate(names):
             if f"exp_avg.{n}" in st:
                 opt_state["state"][i] = {"step": torch.tensor(float(meta["step"])), "exp_avg": st[f"exp_avg.{n}"], "exp_avg_sq": st[f"exp_avg_sq.{n}"]}
         opt.load_state_dict(opt_state)
-        for key, now in (("loss_vocab", args.loss_vocab), ("amp", args.amp)):
-            before = meta.get(key, "full" if key == "loss_vocab" else now)  # states before these options: full
-            if before != now:
-                raise DFlashError(f"--resume {rdir}: that run used --{key.replace('_', '-')} {before}; pass the same to resume it")
         start_step, losses = meta["step"], meta.get("losses", [])
         rng.setstate(tuple(meta["rng"][:1]) + (tuple(meta["rng"][1]),) + tuple(meta["rng"][2:]))
+        del resumed, st, weights
 
     def save_state(step):
         out.mkdir(parents=True, exist_ok=True)
@@ -623,42 +794,67 @@ def train_draft(args) -> int:
                 tensors[f"exp_avg.{n}"] = s["exp_avg"].cpu().contiguous()
                 tensors[f"exp_avg_sq.{n}"] = s["exp_avg_sq"].cpu().contiguous()
         rs = rng.getstate()
+        meta = json.dumps({"step": step, "losses": losses, "rng": [rs[0], list(rs[1]), rs[2]], "loss_vocab": args.loss_vocab,
+                           "amp": args.amp, "amp_dtype": _dtype_name(amp_dtype), "settings": settings,
+                           "config": cfg})
         # a subdirectory, so checkpoint loaders that read every *.safetensors at the top level ignore it
         sdir = out / "train_state"
         sdir.mkdir(exist_ok=True)
-        save_file(tensors, str(sdir / ".state.tmp"))
-        (sdir / ".state.tmp").replace(sdir / "state.safetensors")
-        (sdir / "state.json").write_text(json.dumps({"step": step, "losses": losses, "rng": [rs[0], list(rs[1]), rs[2]],
-                                                   "loss_vocab": args.loss_vocab, "amp": args.amp}))
+        # one file, replaced whole, holds weights, moments and step: a kill at any point leaves a consistent state
+        # (state.json is a readable copy only)
+        try:
+            save_file(tensors, str(sdir / ".state.tmp"), metadata={"dflash_export.train_state": meta})
+            share_permissions(sdir / ".state.tmp")
+            (sdir / ".state.tmp").replace(sdir / "state.safetensors")
+            (sdir / ".state.json.tmp").write_text(meta)
+            (sdir / ".state.json.tmp").replace(sdir / "state.json")
+        finally:
+            for tmp in (sdir / ".state.tmp", sdir / ".state.json.tmp"):
+                tmp.unlink(missing_ok=True)
 
     draft.train()
     bar = tqdm(range(start_step, args.steps), desc="training draft", file=sys.stderr, initial=start_step, total=args.steps)
     t_train = time.time()
-    for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        opt.zero_grad(set_to_none=True)
-        total, count = 0.0, 0
-        for _ in range(args.batch):
-            s = seqs[rng.randrange(len(seqs))]
-            i = index[s["id"]]
-            lo, hi = data["offsets"][i], data["offsets"][i + 1]
-            feats = data["taps"][lo:hi].float().to(device)
-            loss, n = block_loss(
-                draft, head_w, embed, s["ids"], feats, s["prompt_len"], args.anchors, args.block_size, mask_id, args.gamma, rng, device,
-                label_map=label_map, amp_dtype=amp_dtype,
-            )
-            if loss is None:
-                continue
-            (loss / args.batch).backward()
-            total += float(loss.detach())
-            count += 1
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        losses.append(total / max(count, 1))
-        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", lr=f"{lr_at(step):.1e}")
-        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-            save_state(step + 1)
+    updating = False
+    try:
+        for step in bar:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            opt.zero_grad(set_to_none=True)
+            total, count = 0.0, 0
+            for _ in range(args.batch):
+                pick = rng.randrange(len(seqs))
+                s, i = seqs[pick], usable[pick]
+                lo, hi = data["offsets"][i], data["offsets"][i + 1]
+                feats = data["taps"][lo:hi].float().to(device)
+                loss, n = block_loss(
+                    draft, head_w, embed, s["ids"], feats, s["prompt_len"], args.anchors, args.block_size, mask_id, args.gamma, rng, device,
+                    label_map=label_map, amp_dtype=amp_dtype,
+                )
+                if loss is None:
+                    continue
+                (loss / args.batch).backward()
+                total += float(loss.detach())
+                count += 1
+            if not math.isfinite(total):  # stop before the update: the weights (and any saved state) stay finite
+                raise DFlashError(f"training diverged at step {step + 1} (loss {total}); lower --lr (now {args.lr}) "
+                                  + (f"and resume from the last saved state with --resume {out}" if step >= args.save_every else ""))
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            updating = True
+            opt.step()
+            updating = False
+            losses.append(total / max(count, 1))
+            bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}", lr=f"{lr_at(step):.1e}")
+            if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+                save_state(step + 1)
+    except KeyboardInterrupt:
+        bar.close()
+        # (not mid-update: a half-applied AdamW step is no state to resume from)
+        if len(losses) > start_step and not updating:
+            save_state(len(losses))
+            print(f"\ntraining interrupted after step {len(losses)}; its state is saved: rerun the same command with "
+                  f"--resume {args.out}{' instead of --init-from' if args.init_from else ''} to continue", file=sys.stderr)
+        raise
     bar.close()
     train_seconds = time.time() - t_train
     save_state(args.steps)  # lets `--resume OUT --steps MORE` continue training later
@@ -704,6 +900,31 @@ def train_draft(args) -> int:
     return 0
 
 
+def _read_resume_state(rdir: Path) -> tuple[dict, dict]:
+    """Read `rdir/train_state/state.safetensors` (weights, AdamW moments and, since the state is one
+    file, the step metadata; older states keep that in `state.json` beside it).
+
+    Returns:
+        (tensors, metadata dict with "step", "losses", "rng", ...).
+
+    Raises:
+        DFlashError: the state is missing, unreadable or torn.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    state_file = rdir / "train_state" / "state.safetensors"
+    try:
+        with safe_open(str(state_file), "pt") as f:
+            raw = (f.metadata() or {}).get("dflash_export.train_state")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = json.loads(raw if raw is not None else (rdir / "train_state" / "state.json").read_text())
+        meta["step"], meta["rng"]  # noqa: B018 (present in every state this project writes)
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+        raise DFlashError(f"--resume {rdir}: its train_state is unreadable ({type(exc).__name__}: {exc}); "
+                          "start over without --resume") from None
+    return tensors, meta
+
+
 def _write_draft(draft, cfg: dict, out: Path, args, draft_vocab: list[int] | None, record: dict) -> None:
     """Write config.json + model.safetensors + training_record.json (+ draft_vocab.json, the ids the
     loss ran over, from which `build` lets the draft propose) atomically into `out`."""
@@ -716,12 +937,15 @@ def _write_draft(draft, cfg: dict, out: Path, args, draft_vocab: list[int] | Non
     cfg = dict(cfg)
     cfg["torch_dtype"] = "float16" if dtype == torch.float16 else "float32"
     out.parent.mkdir(parents=True, exist_ok=True)
+    for left in out.parent.glob(f".{out.name}.tmp-*"):  # of a run killed (SIGKILL) while writing
+        shutil.rmtree(left, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in draft.state_dict().items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "training_record.json").write_text(json.dumps(record, indent=2))
+        share_permissions(tmp)
         names = ["config.json", "model.safetensors", "training_record.json"]
         if draft_vocab is not None:
             (tmp / DRAFT_VOCAB_FILE).write_text(json.dumps({"format": "dflash_export.draft_vocab", "token_ids": draft_vocab}))
@@ -744,38 +968,39 @@ def register(sub) -> None:
                    help="JSONL prompt files (default: models/prompts/train*.jsonl); each file's data are cached on "
                         "their own, so adding a file reuses the others' data")
     p.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts of each file")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="response length when generating data")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="response length when generating data (default %(default)s)")
     p.add_argument("--gen-batch", type=int, default=64,
                    help="prompts per batched generation call (default 64; memory grows with it: every layer's "
                         "hidden states of every step are kept until the call ends)")
     p.add_argument("--gen-dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="target dtype while generating data (auto: bf16 where the CPU/GPU has native bf16 matmuls)")
     p.add_argument("--responses-per-prompt", type=int, default=1,
-                   help="1 greedy response per prompt, plus K-1 sampled ones (more data from the same prompts)")
-    p.add_argument("--sample-temperature", type=float, default=0.8, help="temperature of the sampled responses")
+                   help="1 greedy response per prompt, plus K-1 sampled ones (more data from the same prompts; default %(default)s)")
+    p.add_argument("--sample-temperature", type=float, default=0.8, help="temperature of the sampled responses (default %(default)s)")
     p.add_argument("--data-cache", nargs="+", default=None, metavar="DIR",
                    help="where generated data are cached, one directory per --prompts file (default: under the cache dir)")
-    p.add_argument("--layers", type=int, default=2, help="draft decoder layers")
+    # (None: from --init-from's draft or the --resume state, else the default named in the help)
+    p.add_argument("--layers", type=int, default=None, help="draft decoder layers (default 2, or the --init-from/--resume source's)")
     p.add_argument("--taps", type=int, nargs="+", default=None, help="target layer ids (default: reference rule)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--mask-token-id", type=int, default=None, help="default: 16 (SmolLM2 <empty_output>)")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch", type=int, default=4, help="sequences per optimizer step")
-    p.add_argument("--anchors", type=int, default=16, help="anchor blocks per sequence")
-    p.add_argument("--gamma", type=float, default=7.0, help="loss decay exp(-(k-1)/gamma)")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the steps")
-    p.add_argument("--init", choices=["target", "random"], default="target", help="initialise draft layers from the target's last layers")
+    p.add_argument("--block-size", type=int, default=None, help="default 16, or the --init-from/--resume source's")
+    p.add_argument("--mask-token-id", type=int, default=None, help="default 16 (SmolLM2 <empty_output>), or the --init-from/--resume source's")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (default %(default)s)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per optimizer step (default %(default)s)")
+    p.add_argument("--anchors", type=int, default=16, help="anchor blocks per sequence (default %(default)s)")
+    p.add_argument("--gamma", type=float, default=7.0, help="loss decay exp(-(k-1)/gamma) (default %(default)s)")
+    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default %(default)s)")
+    p.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the steps (default %(default)s)")
+    p.add_argument("--init", choices=["target", "random"], default="target", help="initialise draft layers from the target's last layers, or randomly (default %(default)s)")
     p.add_argument("--loss-vocab", choices=["seen", "full"], default="seen",
                    help="softmax over the token ids seen in the training data (default, much faster) or the full vocabulary")
     p.add_argument("--amp", choices=["auto", "bf16", "fp32"], default="auto",
                    help="autocast the forward to bf16 (auto: where the CPU/GPU has native bf16 matmuls)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of anchors, sampling and init (default %(default)s)")
     p.add_argument("--init-from", default=None, metavar="DRAFT",
-                   help="start from a trained draft's weights (same layers, taps, block size and mask id) with a fresh schedule")
-    p.add_argument("--resume", default=None, help="directory with train_state.* to resume from (usually --out)")
-    p.add_argument("--save-every", type=int, default=200)
-    p.add_argument("--save-dtype", choices=["fp16", "fp32"], default="fp16")
+                   help="start from a trained draft's weights with a fresh schedule; its layers, taps, block size and mask id are the defaults")
+    p.add_argument("--resume", default=None, help="a run's --out whose train_state/ to continue (usually --out itself)")
+    p.add_argument("--save-every", type=int, default=200, help="save the resume state every N steps (default %(default)s)")
+    p.add_argument("--save-dtype", choices=["fp16", "fp32"], default="fp16", help="dtype of the saved draft weights (default %(default)s)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.set_defaults(func=train_draft)

@@ -159,7 +159,7 @@ def select_profile(profiles: list[Profile], shapes: dict[str, Shape], graph: str
         f"the {graph} engine has no optimization profile for shapes {desc}"
         + (f", past {list(past)}" if past is not None else "")
         + f" (profiles: {[p.name for p in profiles]}). The engines cover prompts up to max_seq_len - 1 and blocks "
-        "up to their max block: use a smaller block, or rebuild the engines (`python -m dflash_export.engine DIR "
+        "up to their max block: use a smaller block, or rebuild the engines (`python -m dflash_export engine DIR "
         "--max-block N`, or `build --max-seq-len N` for longer requests)"
     )
 

@@ -32,7 +32,7 @@ H2D, D2H, D2D = 1, 2, 3
 # CUdevice_attribute values (CUDA driver API).
 _CC_MAJOR, _CC_MINOR = 75, 76
 
-REBUILD_HINT = "rebuild them on this device: `python -m dflash_export.engine {dir}` (the ONNX graphs are in the artifact)"
+REBUILD_HINT = "rebuild them on this device: `python -m dflash_export engine {dir}` (the ONNX graphs are in the artifact)"
 
 
 # ---- what is installed -------------------------------------------------------------------------
@@ -265,7 +265,7 @@ class TrtBackend(CudaMemoryBackend):
         if not section:
             raise DFlashError(
                 f"{artifact_dir} has no TensorRT engines; build them on the device: "
-                f"`python -m dflash_export.engine {artifact_dir}` (or `build ... --engine trt`)"
+                f"`python -m dflash_export engine {artifact_dir}` (or `build ... --engine trt`)"
             )
         trt = trt or import_tensorrt()
         if gpu is None:

@@ -60,6 +60,8 @@ def test_bench_report_matches_generate(qwen, tmp_path, capsys):
     (["--block-size", "0"], "--block-size must be between 1 and"),
     (["--verify-len", "8"], "--verify-len must be at most block size - 1 = 7 (got 8)"),
     (["--block-size", "4", "--save-verify-len"], "--save-verify-len needs the draft's own block size 8"),
+    # every prompt is checked before the first is timed, and the offenders are named with their lengths
+    (["--max-new-tokens", "100000"], "3 prompt(s) plus --max-new-tokens 100000 exceed the artifact's max_seq_len"),
 ])
 def test_bench_bad_options_fail_before_running(qwen, tmp_path, capsys, args, match):
     out = tmp_path / "out"
@@ -71,7 +73,8 @@ def test_bench_bad_options_fail_before_running(qwen, tmp_path, capsys, args, mat
 def test_bench_out_unusable_and_plain_block(qwen, tmp_path, capsys):
     """--out that cannot be a directory fails before the run; --block-size 1 (plain) suggests nothing."""
     (tmp_path / "afile").write_text("x")
-    status = main(["bench", str(qwen.artifact), "--prompts", str(_prompts(tmp_path)), "--out", str(tmp_path / "afile")])
+    status = main(["bench", str(qwen.artifact), "--prompts", str(_prompts(tmp_path)), "--max-new-tokens", "4",
+                   "--out", str(tmp_path / "afile")])
     assert_user_error(status, capsys.readouterr().err, "--out")
     out = tmp_path / "out"
     assert main(["bench", str(qwen.artifact), "--prompts", str(_prompts(tmp_path)), "--max-new-tokens", "4",

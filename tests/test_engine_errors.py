@@ -101,6 +101,7 @@ def test_build_engine_trt_fails_before_exporting(monkeypatch, tmp_path, capsys):
     assert main(["build", "--engine", "trt", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "TensorRT" in err and "GPU" in err
+    assert "Export here without --engine trt" in err and "`python -m dflash_export engine DIR` there" in err
     assert not out.exists()
 
 
@@ -171,7 +172,7 @@ def test_fp32_onnx_values_finds_fc_and_norms(tmp_path):
 def test_trt_backend_errors_without_engines_or_tensorrt(monkeypatch, tmp_path):
     import runtime
 
-    with pytest.raises(DFlashError, match=r"no TensorRT engines.*python -m dflash_export.engine"):
+    with pytest.raises(DFlashError, match=r"no TensorRT engines.*python -m dflash_export engine"):
         runtime.load(_minimal_artifact(tmp_path / "plain"), backend="trt")
     _no_tensorrt(monkeypatch)
     built = {"tensorrt_version": "10.3.0.30", "gpu": {"name": "Orin", "compute_capability": "8.7"},
@@ -237,4 +238,6 @@ def test_engine_command_without_tensorrt(monkeypatch, tmp_path, capsys):
     assert main([str(art), "--precision", "fp16"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: building TensorRT engines needs TensorRT and an NVIDIA GPU")
+    # the advice fits the command: run `engine` on the device (not build's "export here without --engine trt")
+    assert "Run this command on the device that will run the engines" in err and "without --engine trt" not in err
     assert (art / "manifest.json").read_bytes() == before and not (art / "target.plan").exists()

@@ -195,6 +195,24 @@ def test_truncated_safetensors(ckpt, tmp_path, which):
     assert str(f) in msg
 
 
+def test_non_finite_draft_weights_refused(ckpt, tmp_path):
+    """A diverged training run's NaN weights would export and propose garbage silently: refused."""
+    import numpy as np
+
+    d = copy_dir(ckpt / "draft", tmp_path / "d")
+    rf._patch_safetensors(d / "model.safetensors", lambda s: {**s, "fc.weight": np.full_like(s["fc.weight"], np.nan)})
+    build_fails(ckpt / "target", d, tmp_path / "art", r"weights \['fc.weight'\] hold NaN or infinite values; .* lower --lr")
+
+
+def test_draft_passed_as_target_or_unfinished_training(ckpt, tmp_path):
+    build_fails(ckpt / "draft", ckpt / "draft", tmp_path / "art", "is a DFlash draft, not a target; pass the target model as --target")
+    unfinished = tmp_path / "run"
+    (unfinished / "train_state").mkdir(parents=True)
+    shutil.copy(ckpt / "draft" / "model.safetensors", unfinished / "train_state" / "state.safetensors")
+    build_fails(ckpt / "target", unfinished, tmp_path / "art",
+                f"holds only a train-draft resume state .* train-draft --resume {unfinished} --out {unfinished}")
+
+
 def test_pickled_weights_refused(ckpt, tmp_path):
     t = copy_dir(ckpt / "target", tmp_path / "t")
     (t / "model.safetensors").rename(t / "pytorch_model.bin")

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from runtime.errors import DFlashError
 from tiny_models import make_draft, make_target
 
 
@@ -109,6 +111,11 @@ def test_loss_vocabulary_softmax_equals_restricted_cross_entropy(tiny_draft, mon
     (["--data-cache", "a"], "--data-cache names 1 directory for 3 --prompts files"),
     (["--prompts", "x.jsonl", "y.jsonl", "--data-cache", "a", "./a"], "--data-cache names the same directory twice"),
     (["--init-from", "x", "--resume", "y"], "--init-from and --resume exclude each other"),
+    (["--threads", "0"], "--threads must be at least 1 (got 0)"),
+    (["--taps", "3", "3"], "--taps names a layer twice (3 3)"),
+    (["--prompts", "x.jsonl", "./x.jsonl", "--data-cache", "a", "b"], "--prompts names the same file twice"),
+    (["--device", "cuda:x"], "--device must be auto, cpu or cuda[:N] (got 'cuda:x')"),
+    (["--resume", "."], "--resume .: no train_state/state.safetensors there"),
 ])
 def test_train_draft_bad_options_fail_first(tmp_path, capsys, args, match):
     """Bad options are refused before any model is loaded or data generated, with nothing written."""
@@ -120,6 +127,73 @@ def test_train_draft_bad_options_fail_first(tmp_path, capsys, args, match):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and match in err and "Traceback" not in err
     assert not out.exists() and not (tmp_path / "data").exists()
+
+
+def test_train_draft_refuses_unusable_paths_before_work(tmp_path, capsys):
+    """--out holding other files (a model, the target) is never overwritten; a --data-cache that is a
+    file, or lies under one, fails before the target is loaded. Nothing is written or removed."""
+    from dflash_export.cli import main
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "config.json").write_text("{}")
+    assert main(["train-draft", "--out", str(theirs), "--data-cache", *(str(tmp_path / n) for n in "abc")]) == 2
+    err = capsys.readouterr().err
+    assert f"{theirs} exists and is not a train-draft output" in err and "Traceback" not in err
+    assert [f.name for f in theirs.iterdir()] == ["config.json"] and (theirs / "config.json").read_text() == "{}"
+    (tmp_path / "afile").write_text("x")
+    for cache, match in ((tmp_path / "afile", "is a file; pass a directory"), (tmp_path / "afile" / "sub", "cannot create directories under")):
+        assert main(["train-draft", "--out", str(tmp_path / "d"), "--data-cache", str(tmp_path / "a"), str(tmp_path / "b"), str(cache)]) == 2
+        err = capsys.readouterr().err
+        assert f"--data-cache {cache}" in err and match in err and "Traceback" not in err
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["afile", "theirs"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_train_draft_cuda_without_gpu_refused(tmp_path, capsys):
+    from dflash_export.cli import main
+
+    assert main(["train-draft", "--out", str(tmp_path / "d"), "--device", "cuda",
+                 "--data-cache", *(str(tmp_path / n) for n in "abc")]) == 2
+    assert "--device cuda: this torch build sees no CUDA GPU; use --device cpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lines, match", [
+    ([{"id": {"x": 1}, "prompt": "Hi"}], ":1: \"id\" must be a string or an integer"),
+    ([{"id": "a", "prompt": "Hi"}, {"id": "a", "prompt": "Yo"}], ":2: prompt id 'a' is used twice in this file"),
+    ([{"id": "a#s1", "prompt": "Hi"}], ":1: prompt id 'a#s1' ends like a sampled response's id"),
+])
+def test_read_prompts_refuses_bad_ids(tmp_path, lines, match):
+    from dflash_export.train import read_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.raises(DFlashError, match=re.escape(str(path) + match)):
+        read_prompts(path)
+    with pytest.raises(DFlashError, match="is a directory; pass the JSONL files in it"):
+        read_prompts(tmp_path)
+
+
+def test_damaged_data_cache_is_named(tmp_path):
+    """A finished cache that cannot be read, or whose two files disagree, is refused with the fix (delete
+    it), before the target is loaded (the target path here does not even exist)."""
+    from safetensors.torch import save_file
+
+    from dflash_export.train import generate_dataset
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "sequences.json").write_text(json.dumps([{"id": "a", "prompt_len": 1, "ids": [1, 2, 3]}]))
+    (cache / "taps.safetensors").write_bytes(b"\x05\x00\x00")
+    call = (tmp_path / "no-target", [{"id": "a", "category": "c", "prompt": "x"}], (0,), cache, 4, 1, torch.device("cpu"))
+    with pytest.raises(DFlashError, match=f"data cache {re.escape(str(cache))} is damaged .*; delete {re.escape(str(cache))} to regenerate it"):
+        generate_dataset(*call, show_progress=False)
+    save_file({"taps": torch.zeros(4, 2, dtype=torch.float16), "offsets": torch.tensor([0, 4])}, str(cache / "taps.safetensors"))
+    with pytest.raises(DFlashError, match="sequences.json and taps.safetensors disagree"):  # 3 tokens, 4 rows
+        generate_dataset(*call, show_progress=False)
+    (cache / "sequences.json").write_text("[{")
+    with pytest.raises(DFlashError, match="is damaged \\(JSONDecodeError"):
+        generate_dataset(*call, show_progress=False)
 
 
 def test_shipped_training_prompts_are_disjoint_from_eval():
@@ -204,6 +278,22 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     r4 = subprocess.run(cmd[:-4] + ["--steps", "7", "--resume", str(out), "--loss-vocab", "full", "--data-cache", str(tmp_path / "data")],
                         capture_output=True, text=True, timeout=900)
     assert r4.returncode == 2 and "that run used --loss-vocab seen" in r4.stderr
+    # the state is one file: its metadata hold step, losses and RNG (state.json is a readable copy)
+    from safetensors import safe_open
+    with safe_open(str(out / "train_state" / "state.safetensors"), "pt") as f:
+        assert f.metadata()["dflash_export.train_state"] == (out / "train_state" / "state.json").read_text()
+    # a resumed run keeps the draft's shape and meaning, and must go past the saved step
+    for extra, match in ((["--steps", "7", "--block-size", "8"], "that run used --block-size 16 (this one 8)"),
+                         (["--steps", "6"], "that run is already at step 6; pass --steps above it")):
+        r9 = subprocess.run(cmd[:-4] + extra + ["--resume", str(out), "--data-cache", str(tmp_path / "data")],
+                            capture_output=True, text=True, timeout=900)
+        assert r9.returncode == 2 and match in r9.stderr, r9.stderr[-2000:]
+    # a diverging run stops with the fix, and writes no NaN draft
+    out_nan = tmp_path / "nan"
+    r10 = subprocess.run([c if c != str(out) else str(out_nan) for c in cmd[:-4]] + ["--steps", "3", "--lr", "1e30", "--data-cache",
+                                                                                     str(tmp_path / "data")], capture_output=True, text=True, timeout=900)
+    assert r10.returncode == 2 and "training diverged at step" in r10.stderr and "lower --lr (now 1e+30)" in r10.stderr, r10.stderr[-2000:]
+    assert not (out_nan / "config.json").exists()
     # sampled extra responses: 2 per prompt, the greedy ones unchanged, the sampled ones seeded
     out2 = tmp_path / "draft2"
     cmd2 = [c if c != str(out) else str(out2) for c in cmd[:-2]] + ["--data-cache", str(tmp_path / "data2"),
@@ -235,12 +325,13 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     _, state3 = load_draft_spec(out3, load_target_spec(embedded_target_dir()))
     for k, v in load_draft_spec(out, load_target_spec(embedded_target_dir()))[1].items():
         torch.testing.assert_close(state3[k], v, atol=1e-3, rtol=0)
-    r7 = subprocess.run(cmd3 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data7"), "--steps", "1",
+    cmd7 = [c if c != str(out3) else str(tmp_path / "draft7") for c in cmd3]  # (out3 holds a state now: refused)
+    r7 = subprocess.run(cmd7 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data7"), "--steps", "1",
                                 "--init-from", str(out), "--layers", "1"], capture_output=True, text=True, timeout=900)
-    assert r7.returncode == 2 and "(layers, taps, block size, mask id) (2, (1, 27), 16, 16) but this run (1, " in r7.stderr
+    assert r7.returncode == 2 and "that draft has --layers 2 --taps 1 27 --block-size 16 --mask-token-id 16, this run --layers 1 " in r7.stderr
     assert not (tmp_path / "data7").exists()  # refused before generating anything
     # a finished cache made with other settings is refused, not silently reused
-    r8 = subprocess.run(cmd3 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data3"), "--steps", "1",
+    r8 = subprocess.run(cmd7 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data3"), "--steps", "1",
                                 "--max-new-tokens", "20"], capture_output=True, text=True, timeout=900)
     assert r8.returncode == 2 and f"data cache {tmp_path / 'data'} was generated with other settings" in r8.stderr
     # resuming from a directory without state is a clear error
@@ -289,3 +380,50 @@ def test_interrupted_generation_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert [s["id"] for s in resumed["sequences"]] == ["p0", "p1", "p2", "p0#s1", "p1#s1", "p2#s1"]
     assert resumed["sequences"] == fresh["sequences"] and resumed["offsets"] == fresh["offsets"]
     assert torch.equal(resumed["taps"], fresh["taps"])
+
+
+def test_tiny_train_inherits_shape_saves_on_interrupt_and_resumes(tmp_path, tmp_path_factory, capsys, monkeypatch):
+    """On a tiny base model (no chat template): --init-from lends the draft's shape (block 8, mask 95)
+    unless contradicted; Ctrl-C during training saves the state; a plain rerun is refused rather than
+    overwriting it; --resume continues with the saved shape."""
+    import runtime_fixtures as rf
+
+    import dflash_export.train as train_mod
+    from dflash_export.cli import main
+
+    ck = rf.checkpoints("qwen3", tmp_path_factory)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in (("a", "t5 t6 t7"), ("b", "t9 t3"))))
+    out = tmp_path / "run"
+    base = ["train-draft", "--target", str(ck / "target"), "--prompts", str(prompts), "--data-cache", str(tmp_path / "data"),
+            "--max-new-tokens", "12", "--batch", "1", "--anchors", "2", "--device", "cpu", "--gen-dtype", "fp32",
+            "--amp", "fp32", "--save-every", "100", "--out", str(out)]
+    assert main(base + ["--init-from", str(ck / "draft"), "--taps", "0", "2", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert ("that draft has --layers 2 --taps 1 3 --block-size 8 --mask-token-id 95, this run --layers 2 --taps 0 2 "
+            "--block-size 8 --mask-token-id 95; drop those options") in err
+    assert not (tmp_path / "data").exists() and not out.exists()  # refused before generating
+
+    real_loss, calls = train_mod.block_loss, []
+
+    def interrupting_loss(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_loss(*a, **k)
+
+    monkeypatch.setattr(train_mod, "block_loss", interrupting_loss)
+    assert main(base + ["--init-from", str(ck / "draft"), "--steps", "6"]) == 130
+    err = capsys.readouterr().err
+    assert f"training interrupted after step 3; its state is saved: rerun the same command with --resume {out} instead of --init-from" in err
+    assert not (out / "config.json").exists()
+    assert json.loads((out / "train_state" / "state.json").read_text())["step"] == 3
+    monkeypatch.undo()
+    assert main(base + ["--init-from", str(ck / "draft"), "--steps", "6"]) == 2
+    assert f"holds a train-draft state (an earlier run's); pass --resume {out} instead of --init-from" in capsys.readouterr().err
+    assert main(base + ["--resume", str(out), "--steps", "6"]) == 0, capsys.readouterr().err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["block_size"] == 8 and cfg["dflash_config"] == {"mask_token_id": 95, "target_layer_ids": [1, 3]}
+    record = json.loads((out / "training_record.json").read_text())
+    assert record["resumed_from_step"] == 3 and record["steps"] == 6 and len(record["loss_curve"]) == 1
+    assert oct((out / "model.safetensors").stat().st_mode & 0o777) == "0o644"  # shareable, not mkdtemp's 0600

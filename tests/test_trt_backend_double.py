@@ -408,7 +408,7 @@ def test_artifact_without_engines_is_refused(tmp_path_factory, doubles):
     import runtime
     from runtime.errors import DFlashError
 
-    with pytest.raises(DFlashError, match=r"no TensorRT engines.*dflash_export.engine"):
+    with pytest.raises(DFlashError, match=r"no TensorRT engines.*dflash_export engine"):
         runtime.load(tiny_artifact(tmp_path_factory), backend="trt")
 
 
