@@ -72,14 +72,16 @@ class _StageTimer:
 
 
 def check_output_dir(out: Path, overwrite: bool = True, markers: tuple[str, ...] = ("manifest.json",),
-                     kind: str = "dflash_export artifact") -> None:
+                     kind: str = "dflash_export artifact", allowed: tuple[str, ...] | None = None) -> None:
     """Refuse an output location the atomic rename cannot serve, before any work is done. A directory
     that exists may only be replaced if it holds one of `markers` (an earlier output of the same
-    command, `kind`) or nothing: never a user's other files.
+    command, `kind`) and, when `allowed` is given, no entry outside it, or nothing: never a user's
+    other files.
 
     Raises:
         DFlashError: `out` is a file, a mount point, an existing directory without `overwrite`, a
-            non-empty directory without any of `markers`, or its parent is not writable.
+            non-empty directory without any of `markers` or with entries outside `allowed`, or its
+            parent is not writable.
     """
     if out.exists() and not out.is_dir():
         raise DFlashError(f"--out {out} is a file; choose a directory path")
@@ -87,8 +89,11 @@ def check_output_dir(out: Path, overwrite: bool = True, markers: tuple[str, ...]
         raise DFlashError(f"{out} exists; remove it or pass --overwrite")
     if out.is_dir() and os.path.ismount(out):
         raise DFlashError(f"--out {out} is a mount point, which cannot be replaced atomically; use a subdirectory of it")
-    if out.is_dir() and not any((out / m).exists() for m in markers) and any(out.iterdir()):
-        raise DFlashError(f"{out} exists and is not a {kind}; choose another --out")
+    if out.is_dir() and any(out.iterdir()):
+        others = sorted(p.name for p in out.iterdir() if allowed is not None and p.name not in allowed)
+        if others or not any((out / m).exists() for m in markers):
+            raise DFlashError(f"{out} exists and is not a {kind}{f' (it holds {others[:3]})' if others else ''}; "
+                              "choose another --out")
     parent = out.parent
     while not parent.exists():
         parent = parent.parent

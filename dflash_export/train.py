@@ -21,8 +21,10 @@ import math
 import random
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +32,8 @@ from runtime.errors import DFlashError
 
 from .checkpoint import share_permissions
 
+# what train-draft writes into --out: an existing --out holding anything else is refused
+TRAIN_OUTPUT_FILES = ("config.json", "model.safetensors", "training_record.json", "draft_vocab.json", "train_state")
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "models" / "prompts"
 # the shipped training prompts: every train*.jsonl (the held-out evaluation set, eval.jsonl, is not one)
 DEFAULT_PROMPTS = tuple(sorted(PROMPTS_DIR.glob("train*.jsonl")))
@@ -283,7 +287,8 @@ def _read_finished_cache(cache: Path, fingerprint: str) -> dict:
         raise DFlashError(f"data cache {cache} is damaged ({type(exc).__name__}: {exc}){damaged}") from None
     ok = (isinstance(seqs, list) and len(offsets) == len(seqs) + 1 and offsets[-1] == taps.shape[0]
           and all(isinstance(s, dict) and isinstance(s.get("ids"), list) and offsets[i + 1] - offsets[i] == len(s["ids"])
-                  for i, s in enumerate(seqs)))
+                  and isinstance(s.get("prompt_len"), int) and 0 <= s["prompt_len"] <= len(s["ids"])
+                  and all(type(t) is int and t >= 0 for t in s["ids"]) for i, s in enumerate(seqs)))
     if not ok:
         raise DFlashError(f"data cache {cache}: sequences.json and taps.safetensors disagree (another run's files?){damaged}")
     # caches written before the dtype was recorded: unknown
@@ -580,6 +585,8 @@ def _check_train_args(args) -> None:
                           "the first response per prompt is already the greedy one")
     if not (args.lr > 0 and math.isfinite(args.lr)) or not args.gamma > 0 or not 0 <= args.warmup < 1:
         raise DFlashError("--lr and --gamma must be positive and --warmup in [0, 1)")
+    if args.save_every < 0:
+        raise DFlashError(f"--save-every must be 0 (only at the end) or more (got {args.save_every})")
     if args.threads is not None and args.threads < 1:
         raise DFlashError(f"--threads must be at least 1 (got {args.threads}); omit it to use torch's default")
     _check_device(args.device)
@@ -592,8 +599,8 @@ def _check_train_args(args) -> None:
     from .build import check_output_dir
 
     # an earlier train-draft output (or its resume state) may be replaced, never a directory of other files
-    check_output_dir(Path(args.out), markers=("training_record.json", "train_state"), kind="train-draft output "
-                     "(it holds other files, e.g. a model or the target; train-draft would overwrite them)")
+    check_output_dir(Path(args.out), markers=("training_record.json", "train_state/state.safetensors"),
+                     kind="train-draft output, whose files train-draft would overwrite", allowed=TRAIN_OUTPUT_FILES)
     for d in args.data_cache or []:  # probed now: an unusable path must fail before an hour of generation
         d = Path(d)
         if d.exists() and not d.is_dir():
@@ -727,6 +734,10 @@ def train_draft(args) -> int:
     data = merge_datasets(parts)
     del parts
     gen_seconds = time.time() - t0
+    top = max((max(s["ids"]) for s in data["sequences"] if s["ids"]), default=0)
+    if top >= tspec.vocab_size:
+        raise DFlashError(f"the training data hold token id {top}, outside the target's vocabulary ({tspec.vocab_size}): "
+                          "a --data-cache of another target or damaged; delete it to regenerate")
     # (by position: a sampled response's id "<id>#s<k>" may equal a user's prompt id)
     usable = [i for i, s in enumerate(data["sequences"]) if len(s["ids"]) - s["prompt_len"] >= 2]
     seqs = [data["sequences"][i] for i in usable]
@@ -807,6 +818,7 @@ def train_draft(args) -> int:
             share_permissions(sdir / ".state.tmp")
             (sdir / ".state.tmp").replace(sdir / "state.safetensors")
             (sdir / ".state.json.tmp").write_text(meta)
+            share_permissions(sdir / ".state.json.tmp")
             (sdir / ".state.json.tmp").replace(sdir / "state.json")
         finally:
             for tmp in (sdir / ".state.tmp", sdir / ".state.json.tmp"):
@@ -815,6 +827,15 @@ def train_draft(args) -> int:
     draft.train()
     bar = tqdm(range(start_step, args.steps), desc="training draft", file=sys.stderr, initial=start_step, total=args.steps)
     t_train = time.time()
+    # Ctrl-C stops at the next step boundary, where the state is consistent and is saved; a second one stops at once
+    stop_requested = []
+
+    def on_sigint(signum, frame):
+        if stop_requested:
+            raise KeyboardInterrupt
+        stop_requested.append(signum)
+
+    old_handler = signal.signal(signal.SIGINT, on_sigint) if threading.current_thread() is threading.main_thread() else None
     updating = False
     try:
         for step in bar:
@@ -836,17 +857,23 @@ def train_draft(args) -> int:
                 (loss / args.batch).backward()
                 total += float(loss.detach())
                 count += 1
-            if not math.isfinite(total):  # stop before the update: the weights (and any saved state) stay finite
-                raise DFlashError(f"training diverged at step {step + 1} (loss {total}); lower --lr (now {args.lr}) "
-                                  + (f"and resume from the last saved state with --resume {out}" if step >= args.save_every else ""))
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
             updating = True
-            opt.step()
-            updating = False
+            if math.isfinite(total):  # (a non-finite loss skips the update: the weights stay as they were)
+                opt.step()
             losses.append(total / max(count, 1))
+            updating = False
+            # a non-finite loss, or weights beyond fp16's range (a huge --lr blows them up while the loss is
+            # still finite), mean the run diverged: stop rather than write or save a broken draft
+            peak = max(float(p.detach().abs().max()) for p in draft.parameters())
+            if not math.isfinite(total) or not peak < 65504:
+                raise DFlashError(f"training diverged at step {step + 1} (loss {total:.4g}, largest weight {peak:.3g}); "
+                                  f"lower --lr (now {args.lr}) and train again")
             bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}", lr=f"{lr_at(step):.1e}")
             if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
                 save_state(step + 1)
+            if stop_requested:
+                raise KeyboardInterrupt
     except KeyboardInterrupt:
         bar.close()
         # (not mid-update: a half-applied AdamW step is no state to resume from)
@@ -854,7 +881,13 @@ def train_draft(args) -> int:
             save_state(len(losses))
             print(f"\ntraining interrupted after step {len(losses)}; its state is saved: rerun the same command with "
                   f"--resume {args.out}{' instead of --init-from' if args.init_from else ''} to continue", file=sys.stderr)
+        else:
+            print(f"\ntraining interrupted during an update; the last saved state (if any) is in {out / 'train_state'}",
+                  file=sys.stderr)
         raise
+    finally:
+        if old_handler is not None:
+            signal.signal(signal.SIGINT, old_handler)
     bar.close()
     train_seconds = time.time() - t_train
     save_state(args.steps)  # lets `--resume OUT --steps MORE` continue training later
@@ -942,16 +975,20 @@ def _write_draft(draft, cfg: dict, out: Path, args, draft_vocab: list[int] | Non
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in draft.state_dict().items()}
+        bad = [k for k, v in state.items() if not bool(v.isfinite().all())]
+        if bad:  # e.g. weights blown up to ~1e30 by a huge --lr: finite in fp32, inf in fp16
+            raise DFlashError(f"the trained weights {bad[:3]}{' ...' if len(bad) > 3 else ''} are not finite in "
+                              f"{args.save_dtype}: the run diverged; lower --lr (now {args.lr}) and train again")
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "training_record.json").write_text(json.dumps(record, indent=2))
-        share_permissions(tmp)
         names = ["config.json", "model.safetensors", "training_record.json"]
         if draft_vocab is not None:
             (tmp / DRAFT_VOCAB_FILE).write_text(json.dumps({"format": "dflash_export.draft_vocab", "token_ids": draft_vocab}))
             names.append(DRAFT_VOCAB_FILE)
         elif (out / DRAFT_VOCAB_FILE).exists():
             (out / DRAFT_VOCAB_FILE).unlink()  # a full-vocabulary run replaces an earlier reduced one
+        share_permissions(tmp)
         for name in names:
             out.mkdir(parents=True, exist_ok=True)
             (tmp / name).replace(out / name)

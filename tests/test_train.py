@@ -7,6 +7,7 @@ import json
 import math
 import random
 import re
+import signal
 import subprocess
 import sys
 
@@ -116,6 +117,7 @@ def test_loss_vocabulary_softmax_equals_restricted_cross_entropy(tiny_draft, mon
     (["--prompts", "x.jsonl", "./x.jsonl", "--data-cache", "a", "b"], "--prompts names the same file twice"),
     (["--device", "cuda:x"], "--device must be auto, cpu or cuda[:N] (got 'cuda:x')"),
     (["--resume", "."], "--resume .: no train_state/state.safetensors there"),
+    (["--save-every", "-1"], "--save-every must be 0 (only at the end) or more (got -1)"),
 ])
 def test_train_draft_bad_options_fail_first(tmp_path, capsys, args, match):
     """Bad options are refused before any model is loaded or data generated, with nothing written."""
@@ -191,6 +193,11 @@ def test_damaged_data_cache_is_named(tmp_path):
     save_file({"taps": torch.zeros(4, 2, dtype=torch.float16), "offsets": torch.tensor([0, 4])}, str(cache / "taps.safetensors"))
     with pytest.raises(DFlashError, match="sequences.json and taps.safetensors disagree"):  # 3 tokens, 4 rows
         generate_dataset(*call, show_progress=False)
+    for bad in ({"id": "a", "ids": [1, 2, 3, 4]}, {"id": "a", "prompt_len": 9, "ids": [1, 2, 3, 4]},
+                {"id": "a", "prompt_len": 1, "ids": [1, "2", 3, 4]}):  # 4 rows now: lengths agree, the rest does not
+        (cache / "sequences.json").write_text(json.dumps([bad]))
+        with pytest.raises(DFlashError, match="sequences.json and taps.safetensors disagree"):
+            generate_dataset(*call, show_progress=False)
     (cache / "sequences.json").write_text("[{")
     with pytest.raises(DFlashError, match="is damaged \\(JSONDecodeError"):
         generate_dataset(*call, show_progress=False)
@@ -406,17 +413,17 @@ def test_tiny_train_inherits_shape_saves_on_interrupt_and_resumes(tmp_path, tmp_
 
     real_loss, calls = train_mod.block_loss, []
 
-    def interrupting_loss(*a, **k):
+    def interrupting_loss(*a, **k):  # Ctrl-C in the middle of step 3: the step finishes, then the state is saved
         calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)
         return real_loss(*a, **k)
 
     monkeypatch.setattr(train_mod, "block_loss", interrupting_loss)
     assert main(base + ["--init-from", str(ck / "draft"), "--steps", "6"]) == 130
     err = capsys.readouterr().err
     assert f"training interrupted after step 3; its state is saved: rerun the same command with --resume {out} instead of --init-from" in err
-    assert not (out / "config.json").exists()
+    assert not (out / "config.json").exists() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert json.loads((out / "train_state" / "state.json").read_text())["step"] == 3
     monkeypatch.undo()
     assert main(base + ["--init-from", str(ck / "draft"), "--steps", "6"]) == 2
@@ -426,4 +433,12 @@ def test_tiny_train_inherits_shape_saves_on_interrupt_and_resumes(tmp_path, tmp_
     assert cfg["block_size"] == 8 and cfg["dflash_config"] == {"mask_token_id": 95, "target_layer_ids": [1, 3]}
     record = json.loads((out / "training_record.json").read_text())
     assert record["resumed_from_step"] == 3 and record["steps"] == 6 and len(record["loss_curve"]) == 1
-    assert oct((out / "model.safetensors").stat().st_mode & 0o777) == "0o644"  # shareable, not mkdtemp's 0600
+    for f in ("model.safetensors", "draft_vocab.json", "train_state/state.safetensors", "train_state/state.json"):
+        assert oct((out / f).stat().st_mode & 0o777) == "0o644", f  # shareable, not mkdtemp's 0600
+    # a run whose weights blow up (loss still finite after one huge step) stops, and writes no draft
+    assert main(base[:-1] + [str(tmp_path / "div"), "--taps", "1", "3", "--steps", "3", "--lr", "1e30"]) == 2
+    assert "training diverged at step 1 (loss " in capsys.readouterr().err and not (tmp_path / "div").exists()
+    # an --out holding anything train-draft does not write is refused, even beside a training record
+    (out / "notes.txt").write_text("mine")
+    assert main(base + ["--resume", str(out), "--steps", "7"]) == 2
+    assert "is not a train-draft output, whose files train-draft would overwrite (it holds ['notes.txt'])" in capsys.readouterr().err
