@@ -28,12 +28,12 @@ from .checkpoint import (
     TargetSpec,
     file_sha256,
     load_draft_spec,
-    load_state_dict,
     load_target_spec,
     parse_draft_config,
     safetensors_files,
 )
 from .sources import random_draft_config, resolve_draft, resolve_target
+from .weights import WeightSource, bind_weights, check_weight_names, empty_module
 
 
 @dataclass
@@ -108,18 +108,22 @@ def random_draft_state(spec: DraftSpec, seed: int = 0) -> dict:
     from .modules import DFlashDraft
 
     gen = torch.Generator().manual_seed(seed)
-    module = DFlashDraft(spec)
+    module = empty_module(lambda: DFlashDraft(spec))  # names and shapes only, in state-dict order
     state = {}
     for k, v in module.state_dict().items():
-        state[k] = torch.ones_like(v) if k.endswith("norm.weight") else torch.randn(v.shape, generator=gen) * 0.02
+        state[k] = torch.ones(v.shape) if k.endswith("norm.weight") else torch.randn(v.shape, generator=gen) * 0.02
     return state
 
 
-def prepare_pair(target: str | None, draft: str | None) -> tuple[TargetSpec, DraftSpec, dict, dict, str | None]:
+def prepare_pair(target: str | None, draft: str | None) -> tuple[TargetSpec, DraftSpec, WeightSource, dict, str | None]:
     """Resolve and validate the target and draft before anything is exported.
 
+    The target's weights are not loaded: its :class:`WeightSource` knows every tensor's name, shape
+    and dtype (from the safetensors headers) and reads a tensor when asked. The draft (small, and
+    checked for non-finite values) is loaded.
+
     Returns:
-        (target spec, draft spec, target state dict, draft state dict, known target name).
+        (target spec, draft spec, target weight source, draft state dict, known target name).
 
     Raises:
         DFlashError: any validation failure (see checkpoint.py).
@@ -140,8 +144,43 @@ def prepare_pair(target: str | None, draft: str | None) -> tuple[TargetSpec, Dra
             rope_inv_freq(arch, family)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise DFlashError(f"{what}: RoPE parameters {arch.rope} are incomplete or invalid ({exc!r})") from None
-    tstate = load_state_dict(tspec.path)
-    return tspec, dspec, tstate, dstate, name
+    tsource = WeightSource(f"target {tspec.path}", files=safetensors_files(tspec.path))
+    from .modules import TargetForExport
+
+    empty = empty_module(lambda: TargetForExport(tspec, dspec.target_layer_ids))  # names and shapes only
+    check_weight_names({k: tuple(p.shape) for k, p in empty.named_parameters()}, tsource, tsource.where,
+                       tied=empty.lm_head is None)
+    return tspec, dspec, tsource, dstate, name
+
+
+def target_export_module(tspec: TargetSpec, dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
+    """The target's export module in `dtype` (norms fp32) with streamed weights.
+
+    Returns:
+        (TargetForExport, {initializer name: reader}) for `export.export_target`.
+    """
+    from .modules import TargetForExport, cast_for_export
+
+    module = empty_module(lambda: TargetForExport(tspec, dspec.target_layer_ids, dtype, dspec.draft_vocab)).eval()
+    cast_for_export(module, dtype)
+    readers = bind_weights(module, source, f"target {tspec.path}")
+    head_rows = module.freeze_draft_head(readers.get(module.head_weight_name()))
+    if head_rows is not None:
+        readers["draft_head"] = head_rows
+    return module, readers
+
+
+def draft_export_module(dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
+    """The draft's export module in `dtype` (fc and norms fp32) with streamed weights.
+
+    Returns:
+        (DFlashDraft, {initializer name: reader}) for `export.export_draft`.
+    """
+    from .modules import DFlashDraft, cast_for_export
+
+    module = empty_module(lambda: DFlashDraft(dspec, dtype)).eval()
+    cast_for_export(module, dtype)
+    return module, bind_weights(module, source, source.where)
 
 
 def build(
@@ -174,8 +213,7 @@ def build(
     """
     import torch
 
-    from .export import check_graph, draft_io_names, export_draft, export_target, target_io_names
-    from .modules import DFlashDraft, TargetForExport, cast_for_export, load_weights
+    from .export import check_graph, export_draft, export_target
 
     if dtype not in ("fp32", "fp16"):
         raise DFlashError(f"--dtype must be fp32 or fp16 (got {dtype!r})")
@@ -187,29 +225,26 @@ def build(
     check_output_dir(out, overwrite)
     t_start = time.perf_counter()
     # Validation prints nothing, so bad input gives exactly one error line.
-    tspec, dspec, tstate, dstate, name = prepare_pair(target, draft)
+    tspec, dspec, tsource, dstate, name = prepare_pair(target, draft)
     if draft_vocab == "full":
         dspec = replace(dspec, draft_vocab=None)
-    stage = Stage(total=6, quiet=quiet)
+    stage = Stage(total=5, quiet=quiet)
     stage.report(f"validated target and draft in {time.perf_counter() - t_start:.1f}s")
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        with stage("loading weights into export modules"):
-            tmod = TargetForExport(tspec, dspec.target_layer_ids, torch_dtype, dspec.draft_vocab).eval()
-            load_weights(tmod, tstate, f"target {tspec.path}")
-            dmod = DFlashDraft(dspec, torch_dtype).eval()
-            load_weights(dmod, dstate, f"draft {dspec.path or '(untrained)'}")
-            cast_for_export(tmod, torch_dtype)
-            tmod.freeze_draft_head()
-            cast_for_export(dmod, torch_dtype)
-            mask_row = tmod.model.embed_tokens.weight[dspec.mask_token_id].detach().float().numpy()
-            del tstate, dstate
-        with stage("exporting target.onnx"):
-            export_target(tmod, tmp / "target.onnx")
+        # the draft first: its weights (held in memory) are freed before the target streams
         with stage("exporting draft.onnx"):
-            export_draft(dmod, tmp / "draft.onnx")
+            dsource = WeightSource(f"draft {dspec.path or '(untrained)'}", tensors=dstate)
+            dmod, dreaders = draft_export_module(dspec, dsource, torch_dtype)
+            export_draft(dmod, tmp / "draft.onnx", dreaders, progress=not quiet)
+            del dstate, dsource, dmod, dreaders
+        with stage("exporting target.onnx (weights are read as they are written)"):
+            tmod, treaders = target_export_module(tspec, dspec, tsource, torch_dtype)
+            export_target(tmod, tmp / "target.onnx", treaders, progress=not quiet)
+            mask_row = tsource.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy()
+            del tmod, treaders
         with stage("checking graphs (TensorRT 10 operators, duplicate weights)"):
             checks = {g: check_graph(tmp / f"{g}.onnx") for g in ("target", "draft")}
         with stage("writing tokenizer and manifest"):

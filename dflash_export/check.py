@@ -10,7 +10,13 @@ target VERIFY (last token + the draft's block hidden states, on the prefill's K/
 (a few verified rows on the first draft call's K/V). Both sides get exactly the same inputs (in
 the graph's dtype); the artifact side runs through the runtime backend the decoding loop uses
 (buffers, in-place K/V rows, profiles), inside Polygraphy's `Comparator` next to a runner of the
-PyTorch modules, and `SimpleCompareFunc` applies the tolerances.
+PyTorch modules' recorded outputs, and `SimpleCompareFunc` applies the tolerances.
+
+Memory: the PyTorch side runs first and is freed before any graph loads, so the two never share memory.
+The reference keeps the target's weights as stored (bf16 for most checkpoints) and upcasts each weight
+to fp32 as it is used (the LM head a block of rows at a time); onnxruntime then loads one graph at a
+time in a low-memory mode (`OrtBackend(low_memory=True)`). Peak RSS stays near one copy of the fp16
+weights plus the fixed cost of torch (`scripts/export_memory.py --check` measures it).
 
 Per output it prints the max absolute error, the max relative error (over elements whose
 reference magnitude is at least the effective atol) and the cosine similarity. An output passes
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import sys
 import time
@@ -145,23 +152,81 @@ def _verify_sources(manifest: dict) -> tuple[str, str | None]:
 
 
 def _modules(manifest: dict):
+    """The fp32 reference modules, rebuilt from the recorded source checkpoints.
+
+    The target keeps its weights as stored (bf16 for most checkpoints: the model's size once, not
+    twice) and computes in fp32: each weight is upcast when it is used (exact for bf16 and fp16).
+    """
     import torch
 
     from .build import prepare_pair
-    from .modules import DFlashDraft, TargetForExport, load_weights
+    from .modules import DFlashDraft
+    from .weights import WeightSource, empty_module, load_module_weights
 
     target, draft = _verify_sources(manifest)
-    tspec, dspec, tstate, dstate, _ = prepare_pair(target, draft)
+    tspec, dspec, tsource, dstate, _ = prepare_pair(target, draft)
     if list(dspec.target_layer_ids) != list(manifest["draft"]["target_layer_ids"]):
         raise DFlashError("the source checkpoints no longer describe this artifact (draft taps differ); rebuild it")
     vocab = dspec.draft_vocab if manifest["draft"].get("draft_vocab_size") else None
     if vocab is not None and len(vocab) != manifest["draft"]["draft_vocab_size"]:
         raise DFlashError("the source checkpoints no longer describe this artifact (draft_vocab.json differs); rebuild it")
-    tmod = TargetForExport(tspec, dspec.target_layer_ids, torch.float32, vocab).eval()
-    load_weights(tmod, tstate, f"target {tspec.path}")
-    dmod = DFlashDraft(dspec, torch.float32).eval()
-    load_weights(dmod, dstate, f"draft {dspec.path or '(untrained)'}")
+    ReferenceTarget = _reference_target_class()
+    tmod = empty_module(lambda: ReferenceTarget(tspec, dspec.target_layer_ids, torch.float32, vocab)).eval()
+    load_module_weights(tmod, tsource, f"target {tspec.path}")
+    tmod.model.embed_tokens.register_forward_hook(lambda module, args, out: out.to(torch.float32))
+    upcast_weights_on_use(tmod, skip=("model.embed_tokens.weight", tmod.head_weight_name()))  # upcast by rows
+    dmod = empty_module(lambda: DFlashDraft(dspec, torch.float32)).eval()
+    dsource = WeightSource(f"draft {dspec.path or '(untrained)'}", tensors=dstate)
+    upcast_weights_on_use(load_module_weights(dmod, dsource, dsource.where))
     return tmod, dmod
+
+
+def _reference_target_class():
+    import torch
+
+    from .modules import TargetForExport
+
+    class ReferenceTarget(TargetForExport):
+        """The target module computing in fp32 over an LM head / embedding kept as stored (bf16): the
+        head is upcast a block of rows at a time, never as a whole fp32 copy (1.2 GB for Qwen3-8B)."""
+
+        rows_per_block = 8192
+
+        def head_rows_fp32(self, rows: torch.Tensor | None = None):
+            w = self.head_weight() if rows is None else torch.index_select(self.head_weight(), 0, rows)
+            for start in range(0, w.shape[0], self.rows_per_block):
+                yield w[start:start + self.rows_per_block].to(torch.float32)
+
+        def logits_of(self, h):
+            return torch.cat([torch.matmul(h.to(torch.float32), blk.T) for blk in self.head_rows_fp32()], dim=-1)
+
+        def propose(self, draft_hidden):
+            if self.draft_vocab is None:
+                return torch.argmax(self.logits_of(draft_hidden), dim=-1)
+            h = draft_hidden.to(torch.float32)
+            sub = torch.cat([torch.matmul(h, blk.T) for blk in self.head_rows_fp32(self.draft_vocab)], dim=-1)
+            return torch.index_select(self.draft_vocab, 0, torch.argmax(sub, dim=-1))
+
+    return ReferenceTarget
+
+
+def upcast_weights_on_use(module, skip: tuple[str, ...] = ()):
+    """Make every non-fp32 parameter of `module` (except `skip`) read as fp32 (a parametrization: the
+    stored tensor stays as it is and each use makes a transient fp32 copy), so a bf16 checkpoint
+    gives the fp32 reference without an fp32 copy of the whole model."""
+    import torch
+    from torch.nn.utils import parametrize
+
+    class Fp32(torch.nn.Module):
+        def forward(self, w):
+            return w.to(torch.float32)
+
+    for name, p in list(module.named_parameters()):
+        if p.dtype != torch.float32 and name not in skip:
+            owner, _, leaf = name.rpartition(".")
+            parametrize.register_parametrization(module.get_submodule(owner) if owner else module, leaf, Fp32(),
+                                                 unsafe=True)
+    return module
 
 
 def _run_module(module, feed: dict) -> dict[str, np.ndarray]:
@@ -418,6 +483,8 @@ def compare(manifest: dict, cases: list[Case], backend, backend_name: str, tol: 
     results: list[OutputResult] = []
     for graph in ("target", "draft"):
         gcases = [c for c in cases if c.graph == graph]
+        if not gcases:
+            continue
         if modules is not None:
             ref_runner = TorchRunner(manifest, graph, modules[0] if graph == "target" else modules[1], f"pytorch-fp32-{graph}")
         else:
@@ -493,10 +560,16 @@ def _id_result(case: Case, name: str, out: np.ndarray, want: np.ndarray, tol: To
     return OutputResult(case.name, name, tuple(want.shape), None, None, None, bad == 0, note)
 
 
-def make_backend(name: str, artifact_dir: Path, manifest: dict):
-    """The runtime backend `name` for the check (the same classes `runtime.load` uses)."""
+def make_backend(name: str, artifact_dir: Path, manifest: dict, graphs: tuple[str, ...] = ("target", "draft")):
+    """The runtime backend `name` for the check (the same classes `runtime.load` uses); onnxruntime on
+    the CPU loads only `graphs`, in its low-memory mode, so checking a large graph holds its weights
+    about once."""
     from runtime.decoding import _make_backend
 
+    if name == "ort":
+        from runtime.ort_backend import OrtBackend
+
+        return OrtBackend(Path(artifact_dir), manifest, low_memory=True, graphs=graphs)
     return _make_backend(name, Path(artifact_dir), manifest, None)
 
 
@@ -536,20 +609,26 @@ def run_check(
         min_cosine=base.min_cosine if min_cosine is None else float(min_cosine),
         id_margin=base.id_margin if id_margin is None else float(id_margin),
     )
-    be = make_backend(backend, artifact_dir, manifest)  # fail early when the backend is unavailable
-    try:
-        modules = None
-        if reference is not None:
-            cases = load_reference(Path(reference), manifest)
-        else:
-            modules = _modules(manifest)
-            cases = reference_cases(artifact_dir, manifest, prompt_len, seed, modules)
-            if save_reference_to is not None:
-                save_reference(Path(save_reference_to), cases, manifest)
-        results = compare(manifest, cases, be, backend, tol, modules, verbose)
-    finally:
-        if hasattr(be, "close"):
-            be.close()
+    if reference is not None:
+        cases = load_reference(Path(reference), manifest)
+    else:
+        # the PyTorch modules run first and are freed before the graphs load: the two never share memory
+        cases = reference_cases(artifact_dir, manifest, prompt_len, seed)
+        if save_reference_to is not None:
+            save_reference(Path(save_reference_to), cases, manifest)
+        gc.collect()
+    # onnxruntime loads one graph at a time (the other engines need both for their shared buffers)
+    parts = [("target",), ("draft",)] if backend == "ort" else [("target", "draft")]
+    results = []
+    for graphs in parts:
+        be = make_backend(backend, artifact_dir, manifest, graphs)
+        try:
+            results += compare(manifest, [c for c in cases if c.graph in graphs], be, backend, tol, None, verbose)
+        finally:
+            if hasattr(be, "close"):
+                be.close()
+            del be
+            gc.collect()
     return CheckReport(str(artifact_dir), backend, precision, tol, results, round(time.perf_counter() - t0, 1))
 
 

@@ -8,17 +8,19 @@ parser's list (`trt10_onnx_ops.tsv`, shipped with the package) and no weight may
 
 from __future__ import annotations
 
-import hashlib
+import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from runtime.errors import DFlashError
 
 OPSET = 20
-# Above this many bytes of initializers the graph stores weights as external data (protobuf's 2 GiB cap).
-EXTERNAL_DATA_THRESHOLD = 512 << 20
+# Above this many bytes of initializers the graph stores its weights as external data, written one tensor at
+# a time (protobuf caps a file at 2 GiB, and serializing weights into one message holds them twice more).
+EXTERNAL_DATA_THRESHOLD = 64 << 20
 
 
 def target_io_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -51,17 +53,20 @@ def trt10_supported_ops() -> set[str]:
 def check_graph(model_path: Path) -> dict:
     """Check an exported graph for TensorRT 10 operator support and duplicated weights.
 
+    Weights stored as external data are read one at a time through a memory map, so checking a
+    graph larger than memory works.
+
     Returns:
         {"ops": sorted op types, "opset": int, "initializer_bytes": int}.
 
     Raises:
         DFlashError: an operator outside the TensorRT 10 list, a non-default domain, opset > 20,
-            or the same weight stored twice.
+            or the same weight stored twice (also transposed).
     """
     import onnx
-    from onnx import numpy_helper
 
-    model = onnx.load(str(model_path), load_external_data=True)
+    model_path = Path(model_path)
+    model = onnx.load(str(model_path), load_external_data=False)
     versions = [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")]
     if not versions:
         raise DFlashError(f"{model_path.name} imports no default-domain opset; it is not a graph this tool exported")
@@ -87,33 +92,127 @@ def check_graph(model_path: Path) -> dict:
     unsupported = sorted(ops - trt10_supported_ops())
     if unsupported:
         raise DFlashError(f"{model_path.name}: operators {unsupported} are not parsed by TensorRT 10")
-    seen: dict[str, str] = {}
+    seen: dict[tuple, list] = {}
     total = 0
     for init in tensors:
-        arr = numpy_helper.to_array(init)
+        arr = _tensor_array(init, model_path.parent)
         total += arr.nbytes
         if arr.size < 4096:  # small constants (shapes, epsilons) may legitimately repeat
             continue
-        flat = arr.reshape(-1)
-        if flat.size and (flat == flat[0]).all():  # constant-filled weights (zeroed, pruned) repeat legitimately
+        key = _fingerprint(arr)
+        if key is None:  # constant-filled weights (zeroed, pruned) repeat legitimately
             continue
-        digest = hashlib.sha256(arr.tobytes()).hexdigest()
-        for candidate in (digest, hashlib.sha256(arr.T.copy().tobytes()).hexdigest() if arr.ndim == 2 else None):
-            if candidate in seen:
-                raise DFlashError(
-                    f"{model_path.name}: weight {init.name} duplicates {seen[candidate]} (stored twice)"
-                )
-        seen[digest] = init.name
+        for other in seen.get(key, []):  # equal summaries: compare the values themselves
+            if _same_or_transposed(np.asarray(arr), np.asarray(_tensor_array(other, model_path.parent))):
+                raise DFlashError(f"{model_path.name}: weight {init.name} duplicates {other.name} (stored twice)")
+        seen.setdefault(key, []).append(init)  # not the array: a kept memory map would stay resident
+        del arr
     return {"ops": sorted(ops), "opset": opset, "initializer_bytes": total}
 
 
-def _export(module, args, names, dynamic_shapes, path: Path) -> None:
+def _tensor_array(tensor, base_dir: Path) -> np.ndarray:
+    """A TensorProto's values: a read-only memory map for external data, else decoded in memory."""
+    from onnx import external_data_helper, helper, numpy_helper
+
+    if not external_data_helper.uses_external_data(tensor):
+        return numpy_helper.to_array(tensor)
+    info = {e.key: e.value for e in tensor.external_data}
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    shape = tuple(int(d) for d in tensor.dims)
+    path = base_dir / info["location"]
+    count = int(np.prod(shape, dtype=np.int64))
+    if count == 0:
+        return np.zeros(shape, dtype)
+    try:
+        return np.memmap(path, dtype=dtype, mode="r", offset=int(info.get("offset", 0)), shape=shape)
+    except (OSError, ValueError) as exc:
+        raise DFlashError(f"cannot read weight {tensor.name} from {path}: {exc}; the graph's external data is "
+                          "missing or truncated: rebuild the artifact") from None
+
+
+def _fingerprint(arr: np.ndarray) -> tuple | None:
+    """A summary that a copy and a transposed copy of `arr` share exactly, read from a few hundred
+    elements (a memory-mapped 1 GB weight costs a few page reads): dtype, sorted shape and the sorted
+    values of a sample grid whose indices depend only on each axis' size (a 2-D tensor's grid and its
+    transpose's grid hold the same values). None for a constant-filled tensor (checked in full when
+    the sample is constant)."""
+    def axis_sample(n: int) -> np.ndarray:
+        return np.unique(np.linspace(0, n - 1, num=min(n, 16)).astype(np.int64))
+
+    if arr.ndim == 2:
+        sample = np.asarray(arr[np.ix_(axis_sample(arr.shape[0]), axis_sample(arr.shape[1]))]).reshape(-1)
+    else:
+        flat = arr.reshape(-1)
+        sample = np.asarray(flat[axis_sample(flat.size)])
+    if (sample == sample[0]).all() and _constant_filled(arr):
+        return None
+    return (arr.dtype.str, tuple(sorted(arr.shape)), np.sort(sample).tobytes())
+
+
+def _constant_filled(arr: np.ndarray, chunk: int = 1 << 24) -> bool:
+    flat = arr.reshape(-1)
+    first = flat[0]
+    return all(bool((np.asarray(flat[i:i + chunk]) == first).all()) for i in range(0, flat.size, chunk))
+
+
+def _same_or_transposed(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.shape == b.shape and np.array_equal(a, b):
+        return True
+    return a.ndim == 2 and a.shape == b.shape[::-1] and np.array_equal(a.T, b)
+
+
+def _attach_readers(model, readers: dict) -> None:
+    """Replace each streamed initializer's placeholder with a lazy tensor that calls its reader."""
+    import onnx_ir as ir
+
+    inits = model.graph.initializers
+    absent = [name for name in readers if name not in inits]
+    if absent:
+        raise AssertionError(f"streamed weights {absent[:3]} are not initializers of the traced graph")
+    for name, read in readers.items():
+        value = inits[name].const_value
+        inits[name].const_value = ir.LazyTensor(
+            lambda read=read: ir.tensor(read().numpy()), dtype=value.dtype, shape=value.shape, name=name
+        )
+
+
+def _check_streamed(model, readers: dict) -> None:
+    """After optimization every streamed weight must still be its own, unread initializer: a pass that
+    folded or merged one would have needed its values (and changed the graph's numerics)."""
+    import onnx_ir as ir
+
+    inits = model.graph.initializers
+    lost = [n for n in readers if n not in inits or not isinstance(inits[n].const_value, ir.LazyTensor)]
+    if lost:
+        raise AssertionError(f"the graph optimizer rewrote streamed weights {lost[:3]}")
+
+
+def save_graph(model, path: Path, progress: bool = False) -> None:
+    """Write an onnx_ir model; above `EXTERNAL_DATA_THRESHOLD` bytes of initializers the weights go to
+    `<name>.data`, streamed one tensor at a time (a lazy tensor is read, written and freed), with a
+    progress bar over bytes written when `progress`."""
+    import onnx_ir as ir
+    from tqdm import tqdm
+
+    total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    if total <= EXTERNAL_DATA_THRESHOLD:
+        ir.save(model, str(path))
+        return
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"writing {path.name} weights",
+              disable=not progress, file=sys.stderr, mininterval=1.0) as bar:
+        ir.save(model, str(path), external_data=f"{path.name}.data",
+                callback=lambda tensor, info: bar.update(tensor.nbytes))
+
+
+def _export(module, args, names, dynamic_shapes, path: Path, readers: dict | None = None,
+            progress: bool = False) -> None:
+    """Trace `module` and write it to `path`. `readers` (from `weights.bind_weights`) supply the values
+    of placeholder parameters: they are read only while the weights are written."""
     import logging
 
     # the exporter logs one warning per missing optional torchvision operator: noise for LLMs
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     in_names, out_names = names
-    n_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -124,14 +223,17 @@ def _export(module, args, names, dynamic_shapes, path: Path) -> None:
             input_names=in_names,
             output_names=out_names,
             dynamic_shapes=dynamic_shapes,
-            external_data=n_bytes > EXTERNAL_DATA_THRESHOLD,
+            optimize=False,  # below, once the streamed weights are lazy tensors
             verbose=False,
             report=False,
         )
-    program.save(str(path), external_data=n_bytes > EXTERNAL_DATA_THRESHOLD)
+        _attach_readers(program.model, readers or {})
+        program.optimize()
+    _check_streamed(program.model, readers or {})
+    save_graph(program.model, Path(path), progress)
 
 
-def export_target(module, path: Path) -> None:
+def export_target(module, path: Path, readers: dict | None = None, progress: bool = False) -> None:
     """Export a :class:`TargetForExport` to `path` with dynamic T (>= 1), N (>= 0), P (>= 0) and U
     (sampled rows: 1 + N or 0).
 
@@ -154,10 +256,10 @@ def export_target(module, path: Path) -> None:
     P = torch.export.Dim("past_len", min=0, max=1 << 20)
     U = torch.export.Dim("sampled_rows", min=0, max=1 << 10)  # 1 + N when sampling, 0 when greedy
     dyn = ({0: T}, {0: N}, None, {0: U}, tuple({0: P} for _ in range(2 * a.num_layers)))
-    _export(module, args, target_io_names(a.num_layers), dyn, path)
+    _export(module, args, target_io_names(a.num_layers), dyn, path, readers, progress)
 
 
-def export_draft(module, path: Path) -> None:
+def export_draft(module, path: Path, readers: dict | None = None, progress: bool = False) -> None:
     """Export a :class:`DFlashDraft` to `path` with dynamic C (>= 1), B (>= 2) and Pc (>= 0)."""
     spec = module.spec
     a = spec.arch
@@ -172,4 +274,4 @@ def export_draft(module, path: Path) -> None:
     B = torch.export.Dim("block_size", min=2, max=1 << 10)
     P = torch.export.Dim("past_context_len", min=0, max=1 << 20)
     dyn = ({0: C}, {0: B}, tuple({0: P} for _ in range(2 * a.num_layers)))
-    _export(module, args, draft_io_names(a.num_layers), dyn, path)
+    _export(module, args, draft_io_names(a.num_layers), dyn, path, readers, progress)

@@ -237,13 +237,33 @@ class TargetForExport(nn.Module):
         sub = torch.matmul(rows, h.transpose(0, 1)).transpose(0, 1)
         return torch.index_select(self.draft_vocab, 0, torch.argmax(sub, dim=-1))
 
-    def freeze_draft_head(self) -> None:
+    def head_weight_name(self) -> str:
+        """The parameter name of the LM head matrix (the embedding's when tied)."""
+        return "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+
+    def freeze_draft_head(self, head_reader=None):
         """Store the draft vocabulary's head rows `[V', d]` as one tensor (after loading weights, before
         export). The exported graph then holds the ids and those rows exactly once; left as a Gather of
-        the full head, the exporter folds small cases and copies the id list in large ones."""
-        if self.draft_vocab is not None:
+        the full head, the exporter folds small cases and copies the id list in large ones.
+
+        Args:
+            head_reader: when the head is a streamed placeholder (`weights.bind_weights`), its reader:
+                the rows become a placeholder too and the returned reader selects them when written.
+
+        Returns:
+            the reader of `draft_head` when streamed, else None.
+        """
+        if self.draft_vocab is None:
+            return None
+        if head_reader is None:
             with torch.no_grad():
                 self.draft_head = torch.index_select(self.head_weight(), 0, self.draft_vocab).clone()
+            return None
+        from .weights import placeholder
+
+        self.draft_head = placeholder((len(self.draft_vocab), self.spec.arch.hidden_size), self.head_weight().dtype)
+        vocab = self.draft_vocab
+        return lambda: torch.index_select(head_reader(), 0, vocab)
 
     def forward(self, input_ids, draft_hidden, temperature, uniform, *past):
         a = self.spec.arch
@@ -367,8 +387,14 @@ def load_weights(module: nn.Module, state: dict[str, torch.Tensor], where: str) 
 
 
 def cast_for_export(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast weights to `dtype`, keeping norms (and the draft's fc) in fp32 for range safety."""
+    """Cast weights to `dtype`, keeping norms (and the draft's fc) in fp32 for range safety, and the
+    RoPE inverse frequencies in fp32 (rounded to fp16 they turn angles wrong by ~0.5 rad at position
+    2000)."""
+    inv_freq = {name: b for name, b in module.named_buffers() if name.endswith("inv_freq")}
     module.to(dtype)
+    for name, b in inv_freq.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(owner) if owner else module, leaf, b)
     for name, sub in module.named_modules():
         if isinstance(sub, RMSNorm) or name == "fc":
             sub.to(torch.float32)

@@ -311,3 +311,20 @@ def test_text_without_tokenizer_or_template(qwen, tmp_path):
     with pytest.raises(DFlashError, match="has no tokenizer; pass token ids"):
         sess.generate("t5 t6", max_new_tokens=2)
     assert sess.generate([5, 6], max_new_tokens=2, stop_token_ids=[]).text is None
+
+
+def test_target_weights_that_do_not_match_the_config_are_refused_up_front(ckpt, tmp_path):
+    """Names and shapes come from the safetensors headers, before any export starts (no weight is read)."""
+    import numpy as np
+
+    t = copy_dir(ckpt / "target", tmp_path / "t")
+    rf._patch_safetensors(t / "model.safetensors",
+                          lambda s: {k: v for k, v in s.items() if k != "model.layers.1.mlp.up_proj.weight"})
+    msg = build_fails(t, ckpt / "draft", tmp_path / "art", r"weights do not match the architecture \(missing "
+                      r"\['model.layers.1.mlp.up_proj.weight'\]")
+    assert str(t) in msg
+    t2 = copy_dir(ckpt / "target", tmp_path / "t2")
+    rf._patch_safetensors(t2 / "model.safetensors", lambda s: {
+        **s, "model.layers.0.self_attn.o_proj.weight": np.zeros((64, 32), np.float32)})
+    build_fails(t2, ckpt / "draft", tmp_path / "art", r"model.layers.0.self_attn.o_proj.weight has shape \(64, 32\), "
+                r"expected \(64, 96\)")

@@ -1,0 +1,260 @@
+"""INT4 weight-only (W4A16) target graphs in the one form TensorRT and onnxruntime both load.
+
+The form (see docs/quantization.md): each decoder linear layer `y = x W^T` becomes
+`MatMul(x, DequantizeLinear(Wq, scale, axis=0, block_size=B))` at opset 21, where
+
+- `Wq` is the weight transposed to `[K, N]` (input features first) as signed INT4, two values a byte,
+  low nibble first, with no zero point (symmetric);
+- `scale` is `[K / B, N]` in the graph dtype, strictly positive (clamped at the dtype's smallest normal,
+  so an fp16 scale never underflows to 0, which TensorRT refuses);
+- B is a power of two >= 16 that divides K (default 128, as NVIDIA Model Optimizer's INT4 export).
+
+onnxruntime (1.23 to 1.32) fuses exactly this pattern into its MatMulNBits kernel at ORT_ENABLE_EXTENDED
+or above (`DQMatMulToMatMulNBits`); TensorRT builds it as block-quantized INT4 weights (10.0+).
+
+Quantization is round-to-nearest per block (RTN): scale = max|w| / 7 over the block, rounded to the
+graph dtype first, then q = clamp(round(w / scale), -8, 7). The graph's weights are exactly
+`q * scale` computed in the graph dtype: `dequantize` gives that tensor, for references.
+It runs one tensor at a time, inside the streamed weight readers (`weights.py`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from runtime.errors import DFlashError
+
+QUANT_OPSET = 21
+# Decoder linear layers that become INT4 (HF names); the embedding, LM head, norms and the draft stay.
+QUANTIZED_LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """What `build --quant int4` quantizes and how.
+
+    Attributes:
+        method: "rtn" (round to nearest).
+        block: values per scale along K (a power of two >= 16 dividing every quantized layer's K).
+    """
+
+    method: str = "rtn"
+    block: int = 128
+
+    def validate(self) -> None:
+        """Raises DFlashError for an unknown method or a block that is not a power of two >= 16."""
+        if self.method != "rtn":
+            raise DFlashError(f"--quant-method {self.method!r} is not supported (supported: rtn)")
+        if self.block < 16 or self.block & (self.block - 1):
+            raise DFlashError(f"--quant-block {self.block} must be a power of two >= 16 (e.g. 32, 64, 128)")
+
+
+def quantized_names(names, shapes: dict, config: QuantConfig) -> list[str]:
+    """The decoder linear weights among `names`, checked against the block size.
+
+    Raises:
+        DFlashError: a layer whose K (input features) the block does not divide, naming --quant-block.
+    """
+    chosen = [n for n in names if QUANTIZED_LAYER.match(n)]
+    for name in chosen:
+        k = shapes[name][1]
+        if k % config.block:
+            raise DFlashError(f"{name} has {k} input features, which --quant-block {config.block} does not divide; "
+                              f"pass a smaller power of two that divides {k}")
+    return chosen
+
+
+def smallest_scale(dtype: torch.dtype) -> float:
+    """The least scale kept: the dtype's smallest normal number (fp16 6.1e-5)."""
+    return float(torch.finfo(dtype).tiny)
+
+
+def quantize_rtn(weight: torch.Tensor, block: int, scale_dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Round-to-nearest symmetric INT4 of a linear weight.
+
+    Args:
+        weight: `[N, K]` (output features first, as nn.Linear stores it), any float dtype.
+        block: values per scale along K.
+        scale_dtype: the graph dtype (fp16 or fp32).
+
+    Returns:
+        (q, scale): q int8 `[K, N]` with values in [-8, 7]; scale `[K / block, N]` numpy in `scale_dtype`.
+    """
+    w = weight.to(torch.float32).T.contiguous()  # [K, N]
+    k, n = w.shape
+    blocks = w.view(k // block, block, n)
+    amax = blocks.abs().amax(dim=1)  # [K / B, N]
+    scale = (amax / 7.0).clamp(min=smallest_scale(scale_dtype)).to(scale_dtype)
+    q = torch.round(blocks / scale.to(torch.float32)[:, None, :]).clamp_(-8, 7).to(torch.int8).view(k, n)
+    return q.numpy(), scale.numpy()
+
+
+def dequantize(q: np.ndarray, scale: np.ndarray, block: int) -> torch.Tensor:
+    """The weight a DequantizeLinear of (q, scale) produces, as `[N, K]` in the scale's dtype (the product
+    is exact in fp32 and rounded once to the scale dtype, as an fp16 multiply rounds it)."""
+    qf = torch.from_numpy(q.astype(np.float32))
+    s = torch.from_numpy(scale.astype(np.float32)).repeat_interleave(block, dim=0)
+    return (qf * s).to(torch.from_numpy(scale[:1, :1]).dtype).T.contiguous()
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """Pack int8 values in [-8, 7] into bytes, two per byte, low nibble first (row-major order).
+
+    Raises:
+        ValueError: an odd number of values (every quantized layer here has an even N).
+    """
+    flat = q.reshape(-1).astype(np.uint8) & 0x0F
+    if flat.size % 2:
+        raise ValueError("INT4 packing needs an even number of values")
+    return (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8)
+
+
+def unpack_int4(packed: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Inverse of :func:`pack_int4`: int8 values in [-8, 7] of `shape`."""
+    lo = (packed & 0x0F).astype(np.int8)
+    hi = (packed >> 4).astype(np.int8)
+    flat = np.empty(packed.size * 2, np.int8)
+    flat[0::2], flat[1::2] = lo, hi
+    flat = np.where(flat > 7, flat - 16, flat).astype(np.int8)
+    return flat[: int(np.prod(shape))].reshape(shape)
+
+
+class _LastQuantized:
+    """Quantizes a weight once for its two initializers (INT4 values, scales), written one after the
+    other: only the most recent weight is kept."""
+
+    def __init__(self, read, config: QuantConfig, dtype: torch.dtype):
+        self.read, self.config, self.dtype = read, config, dtype
+        self.name, self.value = None, None
+
+    def get(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        if self.name != name:
+            self.name, self.value = None, None  # free the previous one before making the next
+            self.value = quantize_rtn(self.read(name), self.config.block, self.dtype)
+            self.name = name
+        return self.value
+
+
+def rewrite_int4(model, names: list[str], read, config: QuantConfig, dtype: torch.dtype) -> None:
+    """Turn each `Gemm(x, W, transB=1)` on a weight in `names` into `MatMul(x, DequantizeLinear(Wq, scale))`
+    in an onnx_ir model (in place), with lazily quantized INT4 values and scales, and set opset 21.
+
+    Args:
+        read: name -> the weight `[N, K]` (a streamed reader: called while the file is written).
+
+    Raises:
+        AssertionError: a weight is not used by exactly one plain Gemm (the exporter changed its pattern).
+    """
+    import onnx_ir as ir
+
+    graph = model.graph
+    cache = _LastQuantized(read, config, dtype)
+    scale_type = {torch.float16: ir.DataType.FLOAT16, torch.float32: ir.DataType.FLOAT}[dtype]
+    for name in names:
+        weight = graph.initializers[name]
+        n, k = weight.shape
+        gemm = _single_plain_gemm(weight, name)
+
+        def int4_values(name=name, k=k, n=n):
+            return ir.PackedTensor(pack_int4(cache.get(name)[0]), ir.DataType.INT4, shape=[k, n])
+
+        def scales(name=name):
+            return ir.tensor(cache.get(name)[1])
+
+        q = ir.Value(name=f"{name}.int4", shape=ir.Shape([k, n]), type=ir.TensorType(ir.DataType.INT4),
+                     const_value=ir.LazyTensor(int4_values, dtype=ir.DataType.INT4, shape=ir.Shape([k, n])))
+        s = ir.Value(name=f"{name}.scale", shape=ir.Shape([k // config.block, n]), type=ir.TensorType(scale_type),
+                     const_value=ir.LazyTensor(scales, dtype=scale_type, shape=ir.Shape([k // config.block, n])))
+        graph.register_initializer(q)
+        graph.register_initializer(s)
+        dq = ir.node("DequantizeLinear", [q, s], attributes={"axis": 0, "block_size": config.block})
+        mm = ir.node("MatMul", [gemm.inputs[0], dq.outputs[0]])
+        new_nodes = [dq, mm]
+        out = mm.outputs[0]
+        if len(gemm.inputs) > 2 and gemm.inputs[2] is not None:  # a bias
+            add = ir.node("Add", [out, gemm.inputs[2]])
+            new_nodes.append(add)
+            out = add.outputs[0]
+        graph.insert_before(gemm, new_nodes)
+        old = gemm.outputs[0]
+        out.shape, out.type, out_name = old.shape, old.type, old.name
+        ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
+        graph.remove(gemm, safe=True)
+        del graph.initializers[name]
+        out.name = out_name
+        dq.outputs[0].name = f"{name}.dequantized"
+    model.opset_imports[""] = QUANT_OPSET
+    model.ir_version = max(model.ir_version or 0, 10)  # INT4 tensors need IR 10
+
+
+def _single_plain_gemm(weight, name: str):
+    uses = list(weight.uses())
+    if len(uses) != 1:
+        raise AssertionError(f"{name} has {len(uses)} uses in the traced graph; expected one Gemm")
+    node, index = uses[0].node, uses[0].idx
+    attrs = {a.name: a.value for a in node.attributes.values()}
+    if (node.op_type != "Gemm" or index != 1 or attrs.get("transB", 0) != 1 or attrs.get("transA", 0) != 0
+            or attrs.get("alpha", 1.0) != 1.0 or (len(node.inputs) > 2 and node.inputs[2] is not None
+                                                  and attrs.get("beta", 1.0) != 1.0)):
+        raise AssertionError(f"{name} feeds {node.op_type} {attrs}; expected Gemm(x, W, transB=1)")
+    return node
+
+
+def check_int4_form(model, read_array) -> int:
+    """Check that every DequantizeLinear of an ONNX ModelProto is in the one INT4 form (module doc).
+
+    Args:
+        model: onnx.ModelProto (external data not loaded).
+        read_array: TensorProto -> numpy values (for the scales).
+
+    Returns:
+        the number of INT4 weights.
+
+    Raises:
+        DFlashError: a DequantizeLinear in another form (UINT4 or INT8 values, a zero point, scales that
+            are not strictly positive or of another shape, a block size that is not a power of two >= 16,
+            a 3-D weight, an output that does not feed exactly one MatMul as its B input), naming it.
+    """
+    from onnx import TensorProto
+
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    consumers: dict[str, list[tuple[str, int]]] = {}
+    for node in graph.node:
+        for idx, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node.op_type, idx))
+    count = 0
+    for node in graph.node:
+        if node.op_type != "DequantizeLinear":
+            continue
+        where = f"DequantizeLinear {node.name or node.output[0]}"
+        attrs = {a.name: a for a in node.attribute}
+        values = inits.get(node.input[0])
+        if values is None or values.data_type != TensorProto.INT4:
+            raise DFlashError(f"{where}: weights must be a signed INT4 initializer (TensorRT blocks only INT4)")
+        if len(values.dims) != 2:
+            raise DFlashError(f"{where}: weights must be 2-D [K, N] (TensorRT 10 blocks only 2-D inputs)")
+        if len(node.input) > 2 and node.input[2]:
+            raise DFlashError(f"{where}: has a zero point; the form is symmetric (no zero point)")
+        axis = attrs["axis"].i if "axis" in attrs else 1
+        block = attrs["block_size"].i if "block_size" in attrs else 0
+        if axis != 0 or block < 16 or block & (block - 1):
+            raise DFlashError(f"{where}: axis {axis}, block_size {block}; the form is axis 0 with a power-of-two "
+                              "block >= 16")
+        k, n = values.dims
+        scale = inits.get(node.input[1])
+        if scale is None or scale.data_type not in (TensorProto.FLOAT, TensorProto.FLOAT16):
+            raise DFlashError(f"{where}: scales must be an fp32 or fp16 initializer")
+        if list(scale.dims) != [k // block, n] or k % block:
+            raise DFlashError(f"{where}: scales {list(scale.dims)} for weights [{k}, {n}] and block {block}; "
+                              f"expected [{k // block}, {n}] with the block dividing K")
+        if not bool((read_array(scale) > 0).all()):
+            raise DFlashError(f"{where}: scales must be strictly positive (TensorRT refuses zero or negative scales)")
+        if consumers.get(node.output[0]) != [("MatMul", 1)]:
+            raise DFlashError(f"{where}: its output must feed exactly one MatMul as input B")
+        count += 1
+    return count

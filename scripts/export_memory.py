@@ -1,0 +1,139 @@
+"""Peak memory and time of `build` (and `check`) on random-weight checkpoints of real model shapes.
+
+    python scripts/export_memory.py --shapes qwen3-4b qwen3-8b [--work /tmp/export-memory] [--check]
+    python scripts/export_memory.py --shapes ci --check          # the small shape the test suite uses
+
+For each shape it writes a bf16 checkpoint with `make_random_checkpoint.py` (once; kept in --work),
+runs `python -m dflash_export build --dtype fp16` (and `check`) as child processes, and prints each
+child's peak resident memory (the kernel's ru_maxrss, as `/usr/bin/time -v` reports it) against the
+bound `1.25 x weight bytes in the graph dtype + 1 GiB`, with wall time and artifact size.
+Exit status 1 when a step exceeds the bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_random_checkpoint import SHAPES, QWEN3_VOCAB, qwen3_config, tensor_shapes, write_checkpoint  # noqa: E402
+
+GIB = 1 << 30
+# Shapes besides the released ones. "ci" has ~200M parameters (~390 MB in fp16): big enough that a copy of
+# the weights more than the bound allows shows above the fixed cost of torch and tracing.
+EXTRA_SHAPES = {
+    "ci": dict(hidden=1024, layers=6, heads=8, kv_heads=4, head_dim=128, intermediate=4096, tie=False, vocab=50000),
+}
+
+
+def shape_dims(name: str) -> dict:
+    """Sizes of a named shape, with its vocabulary."""
+    if name in EXTRA_SHAPES:
+        return dict(EXTRA_SHAPES[name])
+    return {**SHAPES[name], "vocab": QWEN3_VOCAB}
+
+
+def weight_count(dims: dict) -> int:
+    """Parameters of the target of that shape."""
+    total = 0
+    for shape in tensor_shapes(**dims).values():
+        n = 1
+        for s in shape:
+            n *= s
+        total += n
+    return total
+
+
+def bound_bytes(weight_bytes: int) -> int:
+    """The memory bound of issue 11: 1.25x the weights in the graph dtype plus 1 GiB."""
+    return int(1.25 * weight_bytes) + GIB
+
+
+def run_measured(cmd: list[str], log: Path) -> tuple[int, float, int]:
+    """Run `cmd`; returns (exit status, wall seconds, peak RSS bytes of that child alone)."""
+    t0 = time.perf_counter()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, time.perf_counter() - t0, usage.ru_maxrss * 1024  # ru_maxrss is in KiB on Linux
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def ensure_checkpoint(work: Path, name: str, dims: dict) -> Path:
+    ckpt = work / f"{name}-bf16"
+    if not (ckpt / "config.json").is_file():
+        cfg = qwen3_config(**dims, dtype="bf16")
+        write_checkpoint(ckpt, tensor_shapes(**dims), "bf16", 0, 4.0, cfg)
+    return ckpt
+
+
+def measure_shape(work: Path, name: str, dtype: str, check: bool, max_seq_len: int) -> list[dict]:
+    """Build (and check) one shape; returns one row per step."""
+    dims = shape_dims(name)
+    ckpt = ensure_checkpoint(work, name, dims)
+    weight_bytes = weight_count(dims) * (2 if dtype == "fp16" else 4)
+    art = work / f"{name}-{dtype}-artifact"
+    py = sys.executable
+    steps = [("build", [py, "-m", "dflash_export", "build", "--target", str(ckpt), "--out", str(art),
+                        "--dtype", dtype, "--max-seq-len", str(max_seq_len)])]
+    if check:
+        steps.append(("check", [py, "-m", "dflash_export", "check", str(art)]))
+    rows = []
+    for step, cmd in steps:
+        status, seconds, rss = run_measured(cmd, work / f"{name}-{dtype}-{step}.log")
+        rows.append({
+            "shape": name, "step": step, "dtype": dtype, "status": status, "weight_bytes": weight_bytes,
+            "peak_rss_bytes": rss, "ratio": rss / weight_bytes, "bound_bytes": bound_bytes(weight_bytes),
+            "within_bound": rss <= bound_bytes(weight_bytes), "seconds": round(seconds, 1),
+            "artifact_bytes": dir_bytes(art) if art.is_dir() else None, "log": str(work / f"{name}-{dtype}-{step}.log"),
+        })
+        if status != 0:
+            break
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = f"{'shape':<11}{'step':<7}{'weights':>10}{'peak RSS':>10}{'ratio':>7}{'bound':>9}  {'ok':<4}{'wall s':>8}{'artifact':>10}"
+    lines = [head]
+    for r in rows:
+        art = f"{r['artifact_bytes'] / GIB:.2f}G" if r["artifact_bytes"] else "-"
+        ok = "yes" if r["within_bound"] and r["status"] == 0 else ("FAIL" if r["status"] == 0 else f"rc{r['status']}")
+        lines.append(f"{r['shape']:<11}{r['step']:<7}{r['weight_bytes'] / GIB:>9.2f}G{r['peak_rss_bytes'] / GIB:>9.2f}G"
+                     f"{r['ratio']:>7.2f}{r['bound_bytes'] / GIB:>8.2f}G  {ok:<4}{r['seconds']:>8.1f}{art:>10}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=["qwen3-4b", "qwen3-8b"], choices=[*SHAPES, *EXTRA_SHAPES])
+    p.add_argument("--work", type=Path, default=Path("/tmp/export-memory"), help="checkpoints, artifacts, logs")
+    p.add_argument("--dtype", choices=["fp16", "fp32"], default="fp16")
+    p.add_argument("--check", action="store_true", help="also run `check` on each artifact")
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    args = p.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.shapes:
+        rows += measure_shape(args.work, name, args.dtype, args.check, args.max_seq_len)
+        print(format_rows(rows), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    failed = [r for r in rows if r["status"] != 0 or not r["within_bound"]]
+    for r in failed:
+        print(f"{r['shape']} {r['step']}: {'exit status ' + str(r['status']) if r['status'] else 'above the bound'}; "
+              f"see {r['log']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
