@@ -33,6 +33,7 @@ from .checkpoint import (
     safetensors_files,
 )
 from .sources import random_draft_config, resolve_draft, resolve_target
+from .quantize import QuantConfig, quantization_record, quantized_names, rewrite_int4
 from .weights import WeightSource, bind_weights, check_weight_names, empty_module
 
 
@@ -192,6 +193,9 @@ def build(
     quiet: bool = False,
     overwrite: bool = True,
     draft_vocab: str = "auto",
+    quant: str = "none",
+    quant_block: int = 128,
+    quant_method: str = "rtn",
 ) -> dict:
     """Export a target/draft pair into the artifact directory `out`.
 
@@ -204,6 +208,10 @@ def build(
         dtype: "fp32" or "fp16" graph precision (norms, fc and softmax stay fp32).
         draft_vocab: "auto" proposes from the draft's `draft_vocab.json` when it has one (fewer LM-head
             rows per proposal, same output); "full" always uses the whole vocabulary.
+        quant: "int4" makes the target's decoder linear layers INT4 weight-only (`quantize.py`: the
+            DequantizeLinear form TensorRT and onnxruntime both load); "none" keeps `dtype` weights.
+        quant_block: INT4 values per scale along K (a power of two >= 16 dividing each layer's K).
+        quant_method: "rtn" (round to nearest).
 
     Returns:
         the manifest dict.
@@ -221,6 +229,11 @@ def build(
         raise DFlashError(f"--draft-vocab must be auto or full (got {draft_vocab!r})")
     if max_seq_len < 2:
         raise DFlashError(f"--max-seq-len must be at least 2 (got {max_seq_len})")
+    if quant not in ("none", "int4"):
+        raise DFlashError(f"--quant must be none or int4 (got {quant!r})")
+    qconfig = QuantConfig(method=quant_method, block=quant_block) if quant == "int4" else None
+    if qconfig is not None:
+        qconfig.validate()
     out = Path(out).resolve()
     check_output_dir(out, overwrite)
     t_start = time.perf_counter()
@@ -228,6 +241,7 @@ def build(
     tspec, dspec, tsource, dstate, name = prepare_pair(target, draft)
     if draft_vocab == "full":
         dspec = replace(dspec, draft_vocab=None)
+    qnames = quantized_names(tsource.names(), tsource.shapes, qconfig) if qconfig else []
     stage = Stage(total=5, quiet=quiet)
     stage.report(f"validated target and draft in {time.perf_counter() - t_start:.1f}s")
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
@@ -242,7 +256,11 @@ def build(
             del dstate, dsource, dmod, dreaders
         with stage("exporting target.onnx (weights are read as they are written)"):
             tmod, treaders = target_export_module(tspec, dspec, tsource, torch_dtype)
-            export_target(tmod, tmp / "target.onnx", treaders, progress=not quiet)
+            rewrite = None
+            if qconfig is not None:  # each weight is read, quantized and written as its initializer is saved
+                def rewrite(model):
+                    rewrite_int4(model, qnames, lambda n: tsource.read_as(n, torch_dtype), qconfig, torch_dtype)
+            export_target(tmod, tmp / "target.onnx", treaders, progress=not quiet, rewrite=rewrite)
             mask_row = tsource.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy()
             del tmod, treaders
         with stage("checking graphs (TensorRT 10 operators, duplicate weights)"):
@@ -251,6 +269,8 @@ def build(
             np.save(tmp / "mask_embedding.npy", mask_row.astype(np.float32), allow_pickle=False)
             tok_info = _save_tokenizer(tspec.path, tmp / "tokenizer")
             manifest = _manifest(tspec, dspec, name, max_seq_len, dtype, checks, tok_info, tmp)
+            if qconfig is not None:
+                manifest["quantization"] = quantization_record(qconfig, qnames, dtype)
             manifest["export_seconds"] = round(time.perf_counter() - t_start, 1)
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700; an artifact is meant to be shared and copied

@@ -170,6 +170,11 @@ def _modules(manifest: dict):
     vocab = dspec.draft_vocab if manifest["draft"].get("draft_vocab_size") else None
     if vocab is not None and len(vocab) != manifest["draft"]["draft_vocab_size"]:
         raise DFlashError("the source checkpoints no longer describe this artifact (draft_vocab.json differs); rebuild it")
+    if manifest.get("quantization"):  # the model the INT4 graph computes: its dequantized weights
+        from .quantize import dequantized_source
+
+        tsource = dequantized_source(tsource, manifest["quantization"],
+                                     {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]])
     ReferenceTarget = _reference_target_class()
     tmod = empty_module(lambda: ReferenceTarget(tspec, dspec.target_layer_ids, torch.float32, vocab)).eval()
     load_module_weights(tmod, tsource, f"target {tspec.path}")
@@ -569,7 +574,8 @@ def make_backend(name: str, artifact_dir: Path, manifest: dict, graphs: tuple[st
     if name == "ort":
         from runtime.ort_backend import OrtBackend
 
-        return OrtBackend(Path(artifact_dir), manifest, low_memory=True, graphs=graphs)
+        # INT4 weights: the fused MatMulNBits computes in fp32 (its default rounds activations to int8)
+        return OrtBackend(Path(artifact_dir), manifest, low_memory=True, graphs=graphs, int4_accuracy_level=1)
     return _make_backend(name, Path(artifact_dir), manifest, None)
 
 

@@ -271,6 +271,12 @@ def load_target_spec(model_dir: Path) -> TargetSpec:
             f"target {model_dir} has architectures {archs or cfg.get('model_type')}; supported: "
             f"{', '.join(SUPPORTED_TARGETS)}"
         )
+    if cfg.get("quantization_config"):
+        qcfg = cfg["quantization_config"]
+        method = qcfg.get("quant_method", "unknown") if isinstance(qcfg, dict) else "unknown"
+        raise DFlashError(f"target {model_dir} is already quantized (quantization_config: {method}); dflash_export "
+                          "reads full-precision weights: pass the unquantized checkpoint (build --quant int4 "
+                          "quantizes it here)")
     _check_layer_types(cfg, f"target {model_dir}")
     arch = AttentionSpec.from_config(cfg, f"target {model_dir}")
     safetensors_files(model_dir)

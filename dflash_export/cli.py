@@ -37,13 +37,16 @@ def cmd_build(args) -> int:
 
         require_tensorrt(precision=args.precision, dtype=args.dtype)  # fail at once, before a long export, when TensorRT or a GPU is missing
     manifest = build(args.target, args.draft, Path(args.out), max_seq_len=args.max_seq_len, dtype=args.dtype,
-                     draft_vocab=args.draft_vocab)
+                     draft_vocab=args.draft_vocab, quant=args.quant, quant_block=args.quant_block,
+                     quant_method=args.quant_method)
     if args.engine == "trt":
         from .engine import build_engines
 
         manifest = build_engines(Path(args.out), precision=args.precision)
     d = manifest["draft"]
-    print(f"wrote {Path(args.out).resolve()} ({manifest['family']}, {manifest['dtype']}, max_seq_len {manifest['max_seq_len']}, "
+    q = manifest.get("quantization")
+    print(f"wrote {Path(args.out).resolve()} ({manifest['family']}, {manifest['dtype']}"
+          f"{', int4 block ' + str(q['block']) if q else ''}, max_seq_len {manifest['max_seq_len']}, "
           f"block {d['block_size']}, taps {d['target_layer_ids']}, export {manifest['export_seconds']}s)")
     if not d["trained"]:
         print("note: the draft is UNTRAINED (deterministic random init): output is exact but few proposals are "
@@ -98,6 +101,10 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
     b.add_argument("--draft-vocab", choices=["auto", "full"], default="auto",
                    help="auto: propose from the draft's draft_vocab.json when present (faster, same output); full: whole vocabulary")
+    b.add_argument("--quant", choices=["none", "int4"], default="none",
+                   help="int4: decoder linear layers as INT4 weight-only (W4A16) DequantizeLinear, opset 21")
+    b.add_argument("--quant-block", type=int, default=128, help="INT4 values per scale along K (default 128)")
+    b.add_argument("--quant-method", default="rtn", help="INT4 quantization method: rtn (default)")
     b.add_argument("--engine", choices=["onnx", "trt"], default="onnx", help="trt: also build TensorRT engines (needs TensorRT + GPU)")
     b.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16", help="TensorRT engine precision")
     b.set_defaults(func=cmd_build)

@@ -17,6 +17,8 @@ import torch
 
 from runtime.errors import DFlashError
 
+from .quantize import QUANT_OPSET, check_int4_form
+
 OPSET = 20
 # Above this many bytes of initializers the graph stores its weights as external data, written one tensor at
 # a time (protobuf caps a file at 2 GiB, and serializing weights into one message holds them twice more).
@@ -57,11 +59,12 @@ def check_graph(model_path: Path) -> dict:
     graph larger than memory works.
 
     Returns:
-        {"ops": sorted op types, "opset": int, "initializer_bytes": int}.
+        {"ops": sorted op types, "opset": int, "initializer_bytes": int, "int4_weights": int}.
 
     Raises:
-        DFlashError: an operator outside the TensorRT 10 list, a non-default domain, opset > 20,
-            or the same weight stored twice (also transposed).
+        DFlashError: an operator outside the TensorRT 10 list, a non-default domain, opset > 20 (21
+            only with INT4 weights), a DequantizeLinear outside the INT4 form of `quantize.py`, or the
+            same weight stored twice (also transposed).
     """
     import onnx
 
@@ -71,8 +74,12 @@ def check_graph(model_path: Path) -> dict:
     if not versions:
         raise DFlashError(f"{model_path.name} imports no default-domain opset; it is not a graph this tool exported")
     opset = max(versions)
-    if opset > OPSET:
-        raise DFlashError(f"{model_path.name}: opset {opset} > {OPSET}; TensorRT 10 cannot parse it")
+    if opset > QUANT_OPSET:
+        raise DFlashError(f"{model_path.name}: opset {opset} > {OPSET} ({QUANT_OPSET} with INT4 weights); "
+                          "TensorRT 10 cannot parse it")
+    int4 = check_int4_form(model, lambda t: _tensor_array(t, model_path.parent))
+    if opset > OPSET and not int4:
+        raise DFlashError(f"{model_path.name}: opset {opset} > {OPSET} without INT4 weights; TensorRT 10 cannot parse it")
     ops = set()
     tensors = list(model.graph.initializer)
 
@@ -107,18 +114,21 @@ def check_graph(model_path: Path) -> dict:
                 raise DFlashError(f"{model_path.name}: weight {init.name} duplicates {other.name} (stored twice)")
         seen.setdefault(key, []).append(init)  # not the array: a kept memory map would stay resident
         del arr
-    return {"ops": sorted(ops), "opset": opset, "initializer_bytes": total}
+    return {"ops": sorted(ops), "opset": opset, "initializer_bytes": total, "int4_weights": int4}
 
 
 def _tensor_array(tensor, base_dir: Path) -> np.ndarray:
     """A TensorProto's values: a read-only memory map for external data, else decoded in memory."""
-    from onnx import external_data_helper, helper, numpy_helper
+    from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
-    if not external_data_helper.uses_external_data(tensor):
-        return numpy_helper.to_array(tensor)
-    info = {e.key: e.value for e in tensor.external_data}
-    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
     shape = tuple(int(d) for d in tensor.dims)
+    packed = tensor.data_type in (TensorProto.INT4, TensorProto.UINT4)  # two values a byte: read the bytes
+    if not external_data_helper.uses_external_data(tensor):
+        return np.frombuffer(tensor.raw_data, np.uint8) if packed else numpy_helper.to_array(tensor)
+    info = {e.key: e.value for e in tensor.external_data}
+    dtype = np.dtype(np.uint8) if packed else np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    if packed:
+        shape = ((int(np.prod(shape, dtype=np.int64)) + 1) // 2,)
     path = base_dir / info["location"]
     count = int(np.prod(shape, dtype=np.int64))
     if count == 0:
@@ -205,9 +215,10 @@ def save_graph(model, path: Path, progress: bool = False) -> None:
 
 
 def _export(module, args, names, dynamic_shapes, path: Path, readers: dict | None = None,
-            progress: bool = False) -> None:
+            progress: bool = False, rewrite=None) -> None:
     """Trace `module` and write it to `path`. `readers` (from `weights.bind_weights`) supply the values
-    of placeholder parameters: they are read only while the weights are written."""
+    of placeholder parameters: they are read only while the weights are written. `rewrite(model)`
+    edits the optimized onnx_ir model before it is saved (INT4 weights, `quantize.rewrite_int4`)."""
     import logging
 
     # the exporter logs one warning per missing optional torchvision operator: noise for LLMs
@@ -230,10 +241,12 @@ def _export(module, args, names, dynamic_shapes, path: Path, readers: dict | Non
         _attach_readers(program.model, readers or {})
         program.optimize()
     _check_streamed(program.model, readers or {})
+    if rewrite is not None:
+        rewrite(program.model)
     save_graph(program.model, Path(path), progress)
 
 
-def export_target(module, path: Path, readers: dict | None = None, progress: bool = False) -> None:
+def export_target(module, path: Path, readers: dict | None = None, progress: bool = False, rewrite=None) -> None:
     """Export a :class:`TargetForExport` to `path` with dynamic T (>= 1), N (>= 0), P (>= 0) and U
     (sampled rows: 1 + N or 0).
 
@@ -256,7 +269,7 @@ def export_target(module, path: Path, readers: dict | None = None, progress: boo
     P = torch.export.Dim("past_len", min=0, max=1 << 20)
     U = torch.export.Dim("sampled_rows", min=0, max=1 << 10)  # 1 + N when sampling, 0 when greedy
     dyn = ({0: T}, {0: N}, None, {0: U}, tuple({0: P} for _ in range(2 * a.num_layers)))
-    _export(module, args, target_io_names(a.num_layers), dyn, path, readers, progress)
+    _export(module, args, target_io_names(a.num_layers), dyn, path, readers, progress, rewrite)
 
 
 def export_draft(module, path: Path, readers: dict | None = None, progress: bool = False) -> None:

@@ -68,6 +68,15 @@ def quantized_names(names, shapes: dict, config: QuantConfig) -> list[str]:
     return chosen
 
 
+def quantization_record(config: QuantConfig, names: list[str], dtype: str) -> dict:
+    """The manifest's `quantization` section: what was quantized, how, and in which graph form."""
+    return {
+        "format": "int4-blockwise-dequantizelinear", "opset": QUANT_OPSET, "method": config.method,
+        "block": config.block, "symmetric": True, "scale_dtype": dtype, "lm_head": False, "embedding": False,
+        "quantized_tensors": len(names), "tensors": list(names),
+    }
+
+
 def smallest_scale(dtype: torch.dtype) -> float:
     """The least scale kept: the dtype's smallest normal number (fp16 6.1e-5)."""
     return float(torch.finfo(dtype).tiny)
@@ -258,3 +267,23 @@ def check_int4_form(model, read_array) -> int:
             raise DFlashError(f"{where}: its output must feed exactly one MatMul as input B")
         count += 1
     return count
+
+
+def dequantized_source(source, record: dict, dtype: torch.dtype):
+    """A weight source whose quantized tensors (the manifest's `quantization` record) read as the weights
+    the graph computes with: quantized and dequantized here exactly as `build` did, in `dtype`."""
+    from .weights import WeightSource
+
+    config = QuantConfig(method=record["method"], block=int(record["block"]))
+    names = set(record["tensors"])
+
+    class Dequantized(WeightSource):
+        def __init__(self):  # shares the wrapped source's index: nothing is read here
+            self.__dict__.update(source.__dict__)
+
+        def read(self, name):
+            if name not in names:
+                return source.read(name)
+            return dequantize(*quantize_rtn(source.read_as(name, dtype), config.block, dtype), config.block)
+
+    return Dequantized()

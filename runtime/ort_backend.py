@@ -49,6 +49,15 @@ def _optimization_level(ort):
 _ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)"}
 
 
+def disabled_optimizers(manifest: dict) -> list[str]:
+    """onnxruntime graph optimizers to turn off for this artifact.
+
+    INT4 artifacts: MatMulAddFusion (basic level) turns `MatMul(x, DequantizeLinear(W)) + residual` into a
+    Gemm before the extended level's DQMatMulToMatMulNBits sees it, so o_proj and down_proj (whose outputs
+    feed the residual adds) would stay DequantizeLinear + Gemm, re-expanding their weights every call."""
+    return ["MatMulAddFusion"] if manifest.get("quantization") else []
+
+
 def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) -> None:
     """Check a loaded graph's inputs against what the manifest promises (names, layer count, dtype).
 
@@ -101,6 +110,10 @@ class OrtBackend(Backend):
             instead of being folded into an fp32 copy of every weight (measured on a 1.7B-shaped
             fp16 target: peak 4.6 GiB instead of 7.3 GiB; calls are 2-3x slower).
         graphs: the graphs to load (`check` loads one at a time).
+        int4_accuracy_level: the compute type of the MatMulNBits kernel onnxruntime fuses INT4 weights
+            into: 1 = fp32 (default: the graph computes exactly its dequantized model, so a verify of
+            1 + N rows and a one-row step agree as in fp32 graphs), None = onnxruntime's default (4:
+            activations rounded to int8 per block, and differently for one row than for several).
 
     Raises:
         DFlashError: onnxruntime is missing or cannot load a graph.
@@ -109,7 +122,8 @@ class OrtBackend(Backend):
     name = "ort"
 
     def __init__(self, artifact_dir: Path, manifest: dict, providers: list[str] | None = None, threads: int | None = None,
-                 low_memory: bool = False, graphs: tuple[str, ...] = ("target", "draft")):
+                 low_memory: bool = False, graphs: tuple[str, ...] = ("target", "draft"),
+                 int4_accuracy_level: int | None = 1):
         try:
             import onnxruntime as ort
         except ImportError:
@@ -130,6 +144,8 @@ class OrtBackend(Backend):
             opts.log_severity_level = 3
             opts.intra_op_num_threads = threads or os.cpu_count() or 1
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0" if graph == "draft" else "1")
+            if int4_accuracy_level is not None:
+                opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(int4_accuracy_level))
             if low_memory:
                 opts.enable_cpu_mem_arena = False
                 opts.enable_mem_pattern = False
@@ -137,7 +153,8 @@ class OrtBackend(Backend):
                 if manifest.get("dtype") == "fp16" and self.providers == ["CPUExecutionProvider"]:
                     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
             try:
-                self.sessions[graph] = ort.InferenceSession(str(path), opts, providers=self.providers)
+                self.sessions[graph] = ort.InferenceSession(str(path), opts, providers=self.providers,
+                                                            disabled_optimizers=disabled_optimizers(manifest))
             except Exception as exc:  # onnxruntime raises its own untyped Fail errors
                 raise DFlashError(f"onnxruntime cannot load {path}: {exc}") from None
             check_graph_io(graph, [(i.name, i.type) for i in self.sessions[graph].get_inputs()], manifest)

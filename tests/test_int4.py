@@ -1,0 +1,198 @@
+"""INT4 weight-only targets (issue 12): the graph form, parity with the dequantized PyTorch modules,
+onnxruntime's MatMulNBits fusion, lossless speculative decoding, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import runtime
+import runtime_fixtures as rf
+import tiny_models
+from dflash_export.build import build
+from dflash_export.check import run_check
+from dflash_export.export import check_graph
+from dflash_export.quantize import dequantize, pack_int4, quantize_rtn, unpack_int4
+from runtime.errors import DFlashError
+
+LINEARS = 7  # q, k, v, o, gate, up, down per decoder layer
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """Tiny targets (head_dim 24 != 64 / 4 heads, GQA 4:2): Qwen3 untied, Qwen3 tied, Llama untied."""
+    root = tmp_path_factory.mktemp("int4")
+    out = {}
+    for kind, family, tie in (("qwen3", "qwen3", False), ("qwen3_tied", "qwen3", True), ("llama", "llama", False)):
+        t = tiny_models.make_target(root / kind / "target", family=family, tie=tie, layers=3)
+        d = tiny_models.make_draft(root / kind / "draft", t, taps=[0, 2])
+        out[kind] = (t, d)
+    return out
+
+
+@pytest.mark.parametrize("kind, dtype", [("qwen3", "fp32"), ("qwen3_tied", "fp32"), ("llama", "fp32"), ("qwen3", "fp16")])
+def test_int4_graph_form_and_parity_with_dequantized_modules(pairs, tmp_path, kind, dtype):
+    target, draft = pairs[kind]
+    art = tmp_path / "art"
+    manifest = build(str(target), str(draft), art, max_seq_len=64, dtype=dtype, quiet=True, quant="int4", quant_block=16)
+    q = manifest["quantization"]
+    assert (q["method"], q["block"], q["quantized_tensors"], q["lm_head"]) == ("rtn", 16, 3 * LINEARS, False)
+    assert manifest["graph_checks"]["target"] == {**manifest["graph_checks"]["target"], "opset": 21, "int4_weights": 21}
+    model = onnx.load(str(art / "target.onnx"))
+    inits = {i.name: i for i in model.graph.initializer}
+    dqs = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dqs) == 3 * LINEARS and not [n for n in model.graph.node if n.op_type == "Gemm"]
+    users = {i: n for n in model.graph.node for i in n.input}
+    for dq in dqs:
+        values, scale = inits[dq.input[0]], inits[dq.input[1]]
+        assert values.data_type == TensorProto.INT4 and len(dq.input) == 2  # signed, no zero point
+        k, n = values.dims
+        assert list(scale.dims) == [k // 16, n] and (numpy_helper.to_array(scale) > 0).all()
+        assert scale.data_type == (TensorProto.FLOAT16 if dtype == "fp16" else TensorProto.FLOAT)
+        assert {a.name: a.i for a in dq.attribute} == {"axis": 0, "block_size": 16}
+        assert users[dq.output[0]].op_type == "MatMul" and list(users[dq.output[0]].input).index(dq.output[0]) == 1
+    # the embedding (and the untied LM head) stay in the graph dtype; the draft is not quantized
+    assert inits["model.embed_tokens.weight"].data_type == (TensorProto.FLOAT16 if dtype == "fp16" else TensorProto.FLOAT)
+    assert not [n for n in onnx.load(str(art / "draft.onnx")).graph.node if n.op_type == "DequantizeLinear"]
+    rep = run_check(art)  # the tight tolerance of the graph dtype: the graph computes its dequantized model
+    assert rep.passed, [r for r in rep.results if not r.passed]
+    if dtype == "fp32":
+        assert max(r.max_abs for r in rep.results if r.max_abs is not None) < 1e-4
+
+
+def test_onnxruntime_fuses_int4_weights_into_matmulnbits(pairs, tmp_path):
+    import onnxruntime as ort
+
+    from runtime.ort_backend import _optimization_level, disabled_optimizers
+
+    target, draft = pairs["qwen3"]
+    manifest = build(str(target), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, quant="int4",
+                     quant_block=16)
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = _optimization_level(ort)  # the level and optimizers the runtime runs with
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(tmp_path / "art" / "target.onnx"), opts, providers=["CPUExecutionProvider"],
+                         disabled_optimizers=disabled_optimizers(manifest))
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
+    if int(_optimization_level(ort)) < int(ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED):
+        pytest.skip(f"onnxruntime {ort.__version__} runs these graphs at the basic level: no MatMulNBits fusion")
+    assert ops.count("MatMulNBits") == 3 * LINEARS and "DequantizeLinear" not in ops
+
+
+def test_int4_speculative_equals_plain_with_accepted_blocks(tmp_path_factory, tmp_path):
+    root = rf.checkpoints("qwen3", tmp_path_factory)
+    art = tmp_path / "art"
+    build(str(root / "target"), str(root / "draft"), art, max_seq_len=64, quiet=True, quant="int4", quant_block=16)
+    sess = runtime.load(art)
+    prompt = [1, 17, 33, 5, 60]
+    plain = sess.generate(prompt, max_new_tokens=40, stop_token_ids=[], block_size=1).output_ids
+    rows = rf.token_rows(root / "target")
+    for correct in (None, 3):
+        spec = runtime.load(art)
+        rf.Oracle(spec, rows, len(prompt), rf.follow(plain, correct=correct))
+        res = spec.generate(prompt, max_new_tokens=40, stop_token_ids=[])
+        assert res.output_ids == plain
+        assert res.acceptance_lengths == rf.expected_acceptance(40, 8, correct)
+        assert max(res.acceptance_lengths) == (8 if correct is None else 4)
+
+
+def test_rtn_round_trip_and_packing():
+    rng = np.random.default_rng(0)
+    import torch
+
+    w = torch.from_numpy(rng.standard_normal((6, 64)).astype(np.float32))
+    w[0, :32] = 0.0  # an all-zero block keeps a positive scale
+    q, scale = quantize_rtn(w, 32, torch.float16)
+    assert q.shape == (64, 6) and scale.shape == (2, 6) and scale.dtype == np.float16 and (scale > 0).all()
+    assert q.min() >= -8 and q.max() <= 7
+    np.testing.assert_array_equal(unpack_int4(pack_int4(q), q.shape), q)
+    assert pack_int4(np.array([[1, -1], [-8, 7]], np.int8)).tolist() == [0xF1, 0x78]  # low nibble first
+    deq = dequantize(q, scale, 32)
+    assert deq.shape == (6, 64) and deq.dtype == torch.float16
+    assert float((deq.float() - w).abs().max()) <= float(scale.astype(np.float32).max()) / 2 + 1e-3
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(quant_block=64), r"has 96 input features, which --quant-block 64 does not divide"),
+    (dict(quant_block=24), r"--quant-block 24 must be a power of two >= 16"),
+    (dict(quant_block=8), r"--quant-block 8 must be a power of two >= 16"),
+    (dict(quant_method="awq"), r"--quant-method 'awq' is not supported \(supported: rtn\)"),
+    (dict(quant="int8"), r"--quant must be none or int4"),
+])
+def test_bad_quant_options_are_refused_before_any_output(pairs, tmp_path, options, match):
+    target, draft = pairs["qwen3"]
+    with pytest.raises(DFlashError, match=match):
+        build(str(target), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, **{"quant": "int4", **options})
+    rf.no_partial_output(tmp_path / "art")
+
+
+def test_already_quantized_checkpoint_is_refused(pairs, tmp_path):
+    import json
+    import shutil
+
+    target, draft = pairs["qwen3"]
+    t = shutil.copytree(target, tmp_path / "t")
+    cfg = json.loads((t / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (t / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match=r"is already quantized \(quantization_config: gptq\).*unquantized checkpoint"):
+        build(str(t), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, quant="int4", quant_block=16)
+
+
+# ---- the operator check accepts only the one form ------------------------------------------------------
+def _dq_graph(tmp_path, *, values_type=TensorProto.INT4, zero_point=False, scale=None, axis=0, block=16,
+              dims=(32, 8), consumer="MatMul", b_input=True):
+    k, n = dims[0], dims[-1]
+    count = int(np.prod(dims))
+    inits = [helper.make_tensor("wq", values_type, list(dims), pack_int4(np.ones(count, np.int8)).tobytes()
+                                if values_type in (TensorProto.INT4, TensorProto.UINT4) else np.ones(count, np.int8).tobytes(),
+                                raw=True)]
+    s = np.full((max(1, k // block), n), 0.5, np.float32) if scale is None else scale
+    inits.append(numpy_helper.from_array(s, "ws"))
+    inputs = ["wq", "ws"]
+    if zero_point:
+        inits.append(helper.make_tensor("wz", TensorProto.INT4, list(s.shape), pack_int4(np.zeros(s.size, np.int8)).tobytes(), raw=True))
+        inputs.append("wz")
+    nodes = [helper.make_node("DequantizeLinear", inputs, ["wd"], axis=axis, block_size=block),
+             helper.make_node(consumer, ["wd", "x"] if not b_input else ["x", "wd"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    path = tmp_path / "g.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+def test_check_graph_accepts_the_int4_form(tmp_path):
+    assert check_graph(_dq_graph(tmp_path))["int4_weights"] == 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(values_type=TensorProto.UINT4), "signed INT4"),
+    (dict(values_type=TensorProto.INT8), "signed INT4"),
+    (dict(zero_point=True), "zero point"),
+    (dict(scale=np.zeros((2, 8), np.float32)), "strictly positive"),
+    (dict(scale=-np.ones((2, 8), np.float32)), "strictly positive"),
+    (dict(axis=1), "axis 1"),
+    (dict(block=24), "block_size 24"),
+    (dict(dims=(32, 2, 8)), "2-D"),
+    (dict(scale=np.ones((1, 8), np.float32)), r"expected \[2, 8\]"),
+    (dict(consumer="Add"), "exactly one MatMul as input B"),
+    (dict(b_input=False), "exactly one MatMul as input B"),
+])
+def test_check_graph_refuses_other_dequantize_forms(tmp_path, kwargs, match):
+    with pytest.raises(DFlashError, match=match):
+        check_graph(_dq_graph(tmp_path, **kwargs))
+
+
+def test_opset_21_without_int4_weights_is_refused(tmp_path):
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    onnx.save(model, str(tmp_path / "g.onnx"))
+    with pytest.raises(DFlashError, match="opset 21 > 20 without INT4 weights"):
+        check_graph(tmp_path / "g.onnx")
