@@ -150,7 +150,10 @@ class OrtBackend(Backend):
                 opts.enable_cpu_mem_arena = False
                 opts.enable_mem_pattern = False
                 opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
-                if manifest.get("dtype") == "fp16" and self.providers == ["CPUExecutionProvider"]:
+                # (INT4 graphs keep their level: fused into MatMulNBits they hold only the INT4 weights,
+                # unfused every DequantizeLinear runs first and all weights exist dequantized at once)
+                if (manifest.get("dtype") == "fp16" and self.providers == ["CPUExecutionProvider"]
+                        and not manifest.get("quantization")):
                     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
             try:
                 self.sessions[graph] = ort.InferenceSession(str(path), opts, providers=self.providers,

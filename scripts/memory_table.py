@@ -56,16 +56,22 @@ def draft_config(target: dict) -> dict:
                 taps=DRAFT_TAPS)
 
 
-def _layer_bytes(c: dict) -> int:
+INT4_BLOCK = 128  # build --quant int4 default: half a byte a weight plus one fp16 scale per 128
+
+
+def _layer_bytes(c: dict, int4: bool = False) -> int:
     h, q, kv = c["hidden"], c["heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
     mats = h * q + 2 * h * kv + q * h + 3 * h * c["inter"]
     norms = 2 * h + 2 * c["head_dim"]  # input/post-attention norms, q_norm/k_norm (fp32)
-    return mats * FP16 + norms * FP32
+    per_weight = 0.5 + FP16 / INT4_BLOCK if int4 else FP16
+    return int(mats * per_weight) + norms * FP32
 
 
-def weight_bytes(t: dict, d: dict) -> tuple[int, int]:
-    """(target, draft) weight bytes at fp16 with fp32 norms and fc."""
-    target = t["layers"] * _layer_bytes(t) + t["vocab"] * t["hidden"] * FP16 * (1 if t["tie"] else 2) + t["hidden"] * FP32
+def weight_bytes(t: dict, d: dict, int4: bool = False) -> tuple[int, int]:
+    """(target, draft) weight bytes at fp16 with fp32 norms and fc; `int4`: the target's decoder linears
+    as `build --quant int4` stores them (embedding, LM head and the draft stay fp16)."""
+    target = (t["layers"] * _layer_bytes(t, int4) + t["vocab"] * t["hidden"] * FP16 * (1 if t["tie"] else 2)
+              + t["hidden"] * FP32)
     draft = d["layers"] * _layer_bytes(d) + d["taps"] * d["hidden"] * d["hidden"] * FP32 + 2 * d["hidden"] * FP32
     return target, draft
 
@@ -135,11 +141,11 @@ def activation_bytes(t: dict, d: dict, max_seq_len: int, max_block: int = 64) ->
     return target + max(draft_first, draft_step)
 
 
-def rows(max_seq_len: int, block_size: int, reserve_gib: float) -> list[dict]:
+def rows(max_seq_len: int, block_size: int, reserve_gib: float, int4: bool = False) -> list[dict]:
     out = []
     for name, t in QWEN3.items():
         d = draft_config(t)
-        wt, wd = weight_bytes(t, d)
+        wt, wd = weight_bytes(t, d, int4)
         buffers = runtime_buffer_bytes(t, d, max_seq_len, block_size)
         kv = kv_bytes(t, d, max_seq_len)
         act = activation_bytes(t, d, max_seq_len)
@@ -158,10 +164,11 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--reserve-gib", type=float, default=2.5, help="memory kept for the OS, CUDA/TensorRT and the process")
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--int4", action="store_true", help="target decoder linears as build --quant int4 (block 128)")
     args = p.parse_args(argv)
-    table = rows(args.max_seq_len, args.block_size, args.reserve_gib)
+    table = rows(args.max_seq_len, args.block_size, args.reserve_gib, args.int4)
     g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
-    head = ["model (fp16)", "target weights", "draft weights", "KV buffers", "other buffers", "activations (est.)", "total GiB",
+    head = ["model (int4 W4A16)" if args.int4 else "model (fp16)", "target weights", "draft weights", "KV buffers", "other buffers", "activations (est.)", "total GiB",
             *DEVICES]
     lines = []
     if args.markdown:
