@@ -93,8 +93,7 @@ class WeightSource:
             with safe_open(str(path), framework="pt") as fh:
                 return fh.get_tensor(key)
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise DFlashError(f"cannot read {key} from {path}: {exc}. The file is corrupted or truncated; "
-                              "re-download or re-convert it.") from None
+            raise _unreadable(f"{key} from {path}", exc) from None
 
     def read_row(self, name: str, row: int) -> torch.Tensor:
         """Row `row` of a 2-D tensor `name` (an embedding row), without reading the rest."""
@@ -107,8 +106,7 @@ class WeightSource:
             with safe_open(str(path), framework="pt") as fh:
                 return fh.get_slice(key)[row : row + 1][0].clone()
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise DFlashError(f"cannot read {key} from {path}: {exc}. The file is corrupted or truncated; "
-                              "re-download or re-convert it.") from None
+            raise _unreadable(f"{key} from {path}", exc) from None
 
     def read_as(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """`name` cast to `dtype` (exact for bf16/fp16 -> fp32; one rounding for fp32/bf16 -> fp16)."""
@@ -131,8 +129,11 @@ def _read_header(path: Path) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
                 out.append((key, tuple(sl.get_shape()), dtype))
             return out
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise DFlashError(f"cannot read {path}: {exc}. The file is corrupted or truncated; "
-                          "re-download or re-convert it.") from None
+        raise _unreadable(str(path), exc) from None
+
+
+def _unreadable(what: str, exc: Exception) -> DFlashError:
+    return DFlashError(f"cannot read {what}: {exc}. The file is corrupted or truncated; re-download or re-convert it.")
 
 
 def empty_module(factory: Callable[[], nn.Module]) -> nn.Module:
