@@ -171,6 +171,28 @@ def target_export_module(tspec: TargetSpec, dspec: DraftSpec, source: WeightSour
     return module, readers
 
 
+def graph_weight_names(names: list[str], packed: dict[str, list[str]], draft_head: bool) -> list[str]:
+    """The target graph's initializers for checkpoint weights `names`: packed parts (all quantized
+    alike) by their packed name, plus the proposal head rows when `draft_head`."""
+    chosen = set(names)
+    out = [p for p, parts in packed.items() if set(parts) <= chosen]
+    in_packs = {n for parts in packed.values() for n in parts}
+    return out + [n for n in names if n not in in_packs] + (["draft_head"] if draft_head else [])
+
+
+def read_packed(packed: dict[str, list[str]], readers: dict, source: WeightSource, dtype):
+    """name -> weight `[N, K]` in `dtype` for a graph initializer: read from the shards, stacked for a
+    packed one, or derived (the proposal head rows)."""
+    import torch
+
+    def read(name):
+        if name in packed:
+            return torch.cat([source.read_as(part, dtype) for part in packed[name]], dim=0)
+        return readers[name]() if name == "draft_head" else source.read_as(name, dtype)
+
+    return read
+
+
 def draft_export_module(dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
     """The draft's export module in `dtype` (fc and norms fp32) with streamed weights.
 
@@ -196,6 +218,7 @@ def build(
     quant: str = "none",
     quant_block: int = 128,
     quant_method: str = "rtn",
+    quant_lm_head: bool = False,
 ) -> dict:
     """Export a target/draft pair into the artifact directory `out`.
 
@@ -212,6 +235,7 @@ def build(
             DequantizeLinear form TensorRT and onnxruntime both load); "none" keeps `dtype` weights.
         quant_block: INT4 values per scale along K (a power of two >= 16 dividing each layer's K).
         quant_method: "rtn" (round to nearest).
+        quant_lm_head: with int4, quantize the LM head too (the embedding lookups keep their table).
 
     Returns:
         the manifest dict.
@@ -231,7 +255,9 @@ def build(
         raise DFlashError(f"--max-seq-len must be at least 2 (got {max_seq_len})")
     if quant not in ("none", "int4"):
         raise DFlashError(f"--quant must be none or int4 (got {quant!r})")
-    qconfig = QuantConfig(method=quant_method, block=quant_block) if quant == "int4" else None
+    if quant_lm_head and quant != "int4":
+        raise DFlashError("--quant-lm-head needs --quant int4")
+    qconfig = QuantConfig(method=quant_method, block=quant_block, lm_head=quant_lm_head) if quant == "int4" else None
     if qconfig is not None:
         qconfig.validate()
     out = Path(out).resolve()
@@ -241,7 +267,8 @@ def build(
     tspec, dspec, tsource, dstate, name = prepare_pair(target, draft)
     if draft_vocab == "full":
         dspec = replace(dspec, draft_vocab=None)
-    qnames = quantized_names(tsource.names(), tsource.shapes, qconfig) if qconfig else []
+    head_name = "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
+    qnames = quantized_names(tsource.names(), tsource.shapes, qconfig, head_name) if qconfig else []
     stage = Stage(total=5, quiet=quiet)
     stage.report(f"validated target and draft in {time.perf_counter() - t_start:.1f}s")
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
@@ -258,8 +285,9 @@ def build(
             tmod, treaders = target_export_module(tspec, dspec, tsource, torch_dtype)
             rewrite = None
             if qconfig is not None:  # each weight is read, quantized and written as its initializer is saved
-                def rewrite(model):
-                    rewrite_int4(model, qnames, lambda n: tsource.read_as(n, torch_dtype), qconfig, torch_dtype)
+                def rewrite(model, packed):
+                    rewrite_int4(model, graph_weight_names(qnames, packed, qconfig.lm_head and "draft_head" in treaders),
+                                 read_packed(packed, treaders, tsource, torch_dtype), qconfig, torch_dtype)
             export_target(tmod, tmp / "target.onnx", treaders, progress=not quiet, rewrite=rewrite)
             mask_row = tsource.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy()
             del tmod, treaders
@@ -270,7 +298,7 @@ def build(
             tok_info = _save_tokenizer(tspec.path, tmp / "tokenizer")
             manifest = _manifest(tspec, dspec, name, max_seq_len, dtype, checks, tok_info, tmp)
             if qconfig is not None:
-                manifest["quantization"] = quantization_record(qconfig, qnames, dtype)
+                manifest["quantization"] = quantization_record(qconfig, qnames, dtype, head_name)
             manifest["export_seconds"] = round(time.perf_counter() - t_start, 1)
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700; an artifact is meant to be shared and copied

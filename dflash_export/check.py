@@ -175,8 +175,12 @@ def _modules(manifest: dict):
 
         tsource = dequantized_source(tsource, manifest["quantization"],
                                      {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]])
+    from .quantize import head_rows_dequantizer
+
     ReferenceTarget = _reference_target_class()
     tmod = empty_module(lambda: ReferenceTarget(tspec, dspec.target_layer_ids, torch.float32, vocab)).eval()
+    tmod.head_rows_transform = head_rows_dequantizer(manifest.get("quantization"),
+                                                     {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]])
     load_module_weights(tmod, tsource, f"target {tspec.path}")
     tmod.model.embed_tokens.register_forward_hook(lambda module, args, out: out.to(torch.float32))
     upcast_weights_on_use(tmod, skip=("model.embed_tokens.weight", tmod.head_weight_name()))  # upcast by rows
@@ -196,11 +200,15 @@ def _reference_target_class():
         head is upcast a block of rows at a time, never as a whole fp32 copy (1.2 GB for Qwen3-8B)."""
 
         rows_per_block = 8192
+        head_rows_transform = None  # rows -> the rows an INT4 head computes with (quantize.head_rows_dequantizer)
 
         def head_rows_fp32(self, rows: torch.Tensor | None = None):
             w = self.head_weight() if rows is None else torch.index_select(self.head_weight(), 0, rows)
             for start in range(0, w.shape[0], self.rows_per_block):
-                yield w[start:start + self.rows_per_block].to(torch.float32)
+                block = w[start:start + self.rows_per_block]
+                if self.head_rows_transform is not None:
+                    block = self.head_rows_transform(block)
+                yield block.to(torch.float32)
 
         def logits_of(self, h):
             return torch.cat([torch.matmul(h.to(torch.float32), blk.T) for blk in self.head_rows_fp32()], dim=-1)

@@ -38,7 +38,7 @@ def cmd_build(args) -> int:
         require_tensorrt(precision=args.precision, dtype=args.dtype)  # fail at once, before a long export, when TensorRT or a GPU is missing
     manifest = build(args.target, args.draft, Path(args.out), max_seq_len=args.max_seq_len, dtype=args.dtype,
                      draft_vocab=args.draft_vocab, quant=args.quant, quant_block=args.quant_block,
-                     quant_method=args.quant_method)
+                     quant_method=args.quant_method, quant_lm_head=args.quant_lm_head)
     if args.engine == "trt":
         from .engine import build_engines
 
@@ -105,6 +105,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="int4: decoder linear layers as INT4 weight-only (W4A16) DequantizeLinear, opset 21")
     b.add_argument("--quant-block", type=int, default=128, help="INT4 values per scale along K (default 128)")
     b.add_argument("--quant-method", default="rtn", help="INT4 quantization method: rtn (default)")
+    b.add_argument("--quant-lm-head", action="store_true",
+                   help="with --quant int4: the LM head too (a tied embedding keeps its table for lookups)")
     b.add_argument("--engine", choices=["onnx", "trt"], default="onnx", help="trt: also build TensorRT engines (needs TensorRT + GPU)")
     b.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16", help="TensorRT engine precision")
     b.set_defaults(func=cmd_build)

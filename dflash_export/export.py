@@ -17,6 +17,7 @@ import torch
 
 from runtime.errors import DFlashError
 
+from .graph_passes import pack_shared_input_gemms
 from .quantize import QUANT_OPSET, check_int4_form
 
 OPSET = 20
@@ -217,8 +218,10 @@ def save_graph(model, path: Path, progress: bool = False) -> None:
 def _export(module, args, names, dynamic_shapes, path: Path, readers: dict | None = None,
             progress: bool = False, rewrite=None) -> None:
     """Trace `module` and write it to `path`. `readers` (from `weights.bind_weights`) supply the values
-    of placeholder parameters: they are read only while the weights are written. `rewrite(model)`
-    edits the optimized onnx_ir model before it is saved (INT4 weights, `quantize.rewrite_int4`)."""
+    of placeholder parameters: they are read only while the weights are written. Linear layers sharing
+    an input are packed into one GEMM (`graph_passes`). `rewrite(model, packed)` edits the optimized
+    onnx_ir model before it is saved (INT4 weights, `quantize.rewrite_int4`); `packed` maps each packed
+    weight to its parts."""
     import logging
 
     # the exporter logs one warning per missing optional torchvision operator: noise for LLMs
@@ -241,8 +244,9 @@ def _export(module, args, names, dynamic_shapes, path: Path, readers: dict | Non
         _attach_readers(program.model, readers or {})
         program.optimize()
     _check_streamed(program.model, readers or {})
+    packed = pack_shared_input_gemms(program.model)
     if rewrite is not None:
-        rewrite(program.model)
+        rewrite(program.model, packed)
     save_graph(program.model, Path(path), progress)
 
 

@@ -41,18 +41,37 @@ def rope_inv_freq(arch: AttentionSpec, family: str) -> tuple[torch.Tensor, float
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin `[S, 1, head_dim]` in fp32 for int64 `positions [S]` (half-rotation layout of HF)."""
+    """cos and signed sin `[S, 1, head_dim]` in fp32 for int64 `positions [S]` (half-rotation layout of
+    HF). The sin table carries rotate_half's sign (`[-sin, sin]`), so `apply_rope` needs no Neg per
+    layer: x * cos + [x2, x1] * [-sin, sin] is HF's x * cos + [-x2, x1] * [sin, sin], bit for bit."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
-    return emb.cos() * scale, emb.sin() * scale
+    sin = freqs.sin() * scale
+    return torch.cat([freqs, freqs], dim=-1)[:, None, :].cos() * scale, torch.cat([-sin, sin], dim=-1)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [S, H, D]` by cos/sin `[S, 1, D]`; math in fp32, result in x's dtype."""
+    """Rotate `x [S, H, D]` by the `rope_cos_sin` tables `[S, 1, D]`; math in fp32, result in x's dtype."""
     xf = x.to(torch.float32)
     half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    swapped = torch.cat([xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + swapped * sin).to(x.dtype)
+
+
+def causal_bias(rows: int, group: int) -> torch.Tensor:
+    """fp32 `[group * rows, rows]` additive mask of causal attention among `rows` new tokens (0 where
+    visible, the fp32 minimum where not), repeated for the `group` query heads that share a kv head.
+    Built once per graph, so each layer masks with one Add."""
+    idx = torch.arange(rows, dtype=torch.int64)
+    visible = idx[None, :] <= idx[:, None]
+    bias = torch.where(visible, torch.zeros((), dtype=torch.float32), torch.full((), torch.finfo(torch.float32).min))
+    return bias.repeat(group, 1)
+
+
+def _argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """int64 `[N]` argmax of each row of `scores [N, V]`, also for N = 0: onnxruntime 1.23.2's ArgMax
+    returns an empty `[0, V]` (its input's shape) for an empty input, so the reduction keeps its axis
+    and a Reshape to `[-1]` gives `[0]` on every version."""
+    return torch.argmax(scores, dim=-1, keepdim=True).reshape(-1)
 
 
 class RMSNorm(nn.Module):
@@ -69,7 +88,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # x / sqrt(...) rather than x * rsqrt(...): onnxruntime fuses this form (Pow, ReduceMean, Add,
+        # Sqrt, Div, Mul) into one SimplifiedLayerNormalization; the rsqrt form stays 7 nodes
+        xf = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.to(torch.float32) * xf).to(x.dtype)
 
 
@@ -101,11 +122,13 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, arch.num_kv_heads * hd, bias=arch.attention_bias)
         self.v_proj = nn.Linear(d, arch.num_kv_heads * hd, bias=arch.attention_bias)
         self.o_proj = nn.Linear(arch.num_heads * hd, d, bias=arch.attention_bias)
+        self.scale = 1.0 / math.sqrt(hd)  # of the attention scores
         self.q_norm = RMSNorm(hd, arch.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(hd, arch.rms_norm_eps) if qk_norm else None
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """`x [S, d]` -> rotated queries `[S, H, D]`."""
+        """`x [S, d]` -> rotated queries `[S, H, D]` (tables multiplied by `self.scale` give queries
+        with the score scale folded in: see `attend(scaled_q=True)`)."""
         q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
@@ -126,25 +149,24 @@ class Attention(nn.Module):
         past_v: torch.Tensor,
         new_k: torch.Tensor,
         new_v: torch.Tensor,
-        new_mask: torch.Tensor | None,
+        new_bias: torch.Tensor | None,
+        scaled_q: bool = False,
     ) -> torch.Tensor:
         """Attention of `q [T, H, D]` over past `[P, Hkv, D]` and new `[S, Hkv, D]` rows.
 
-        `new_mask [T, S]` (bool, True = visible) restricts the new rows; the past is always visible.
-        Returns `[T, H * D]` before o_proj.
+        `new_bias` (fp32 `[g * T, S]`, `causal_bias`) masks the new rows; the past is always visible.
+        `scaled_q`: q already carries the 1/sqrt(D) score scale (rotated by scaled tables, once per graph
+        instead of a Mul per layer). Returns `[T, H * D]` before o_proj.
         """
         t = q.shape[0]
         g = self.num_heads // self.num_kv_heads
-        scale = 1.0 / math.sqrt(self.head_dim)
         # Head h uses kv head h // g (HF repeat_kv): group the query heads per kv head.
-        qg = (q * scale).view(t, self.num_kv_heads, g, self.head_dim).permute(1, 2, 0, 3)
+        qg = (q if scaled_q else q * self.scale).view(t, self.num_kv_heads, g, self.head_dim).permute(1, 2, 0, 3)
         qg = qg.reshape(self.num_kv_heads, g * t, self.head_dim)
         s_past = torch.matmul(qg, past_k.permute(1, 2, 0)).to(torch.float32)
         s_new = torch.matmul(qg, new_k.permute(1, 2, 0)).to(torch.float32)
-        if new_mask is not None:
-            s_new = s_new.view(self.num_kv_heads, g, t, -1)
-            s_new = torch.where(new_mask, s_new, torch.full_like(s_new, torch.finfo(torch.float32).min))
-            s_new = s_new.view(self.num_kv_heads, g * t, -1)
+        if new_bias is not None:
+            s_new = s_new + new_bias
         p = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1).to(q.dtype)
         n_past = past_k.shape[0]
         out = torch.matmul(p[..., :n_past], past_v.permute(1, 0, 2)) + torch.matmul(
@@ -224,18 +246,19 @@ class TargetForExport(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
-        """`h [S, d]` -> fp32 logits `[S, V]`. Computed as (W @ h^T)^T so a tied table is not transposed
-        (a transposed copy would be constant-folded into a second stored table)."""
-        return torch.matmul(self.head_weight(), h.transpose(0, 1)).transpose(0, 1).to(torch.float32)
+        """`h [S, d]` -> fp32 logits `[S, V]`, as `Gemm(h, W, transB=1)`: the tied table is read in place
+        (no transposed copy), and onnxruntime pre-packs it as a GEMM's B operand (the (W @ h^T)^T form,
+        with W as operand A, ran at 40% of the memory bandwidth: 12 ms of a 47 ms SmolLM2 step)."""
+        return nn.functional.linear(h, self.head_weight()).to(torch.float32)
 
     def propose(self, draft_hidden: torch.Tensor) -> torch.Tensor:
         """int64 `[N]` proposal ids: argmax of the head over the proposal vocabulary."""
         h = draft_hidden.to(self.compute_dtype)
         if self.draft_vocab is None:
-            return torch.argmax(self.logits_of(h), dim=-1)
+            return _argmax_rows(self.logits_of(h))
         rows = self.draft_head if self.draft_head is not None else torch.index_select(self.head_weight(), 0, self.draft_vocab)
-        sub = torch.matmul(rows, h.transpose(0, 1)).transpose(0, 1)
-        return torch.index_select(self.draft_vocab, 0, torch.argmax(sub, dim=-1))
+        sub = nn.functional.linear(h, rows)
+        return torch.index_select(self.draft_vocab, 0, _argmax_rows(sub))
 
     def head_weight_name(self) -> str:
         """The parameter name of the LM head matrix (the embedding's when tied)."""
@@ -274,15 +297,17 @@ class TargetForExport(nn.Module):
         p = past[0].shape[0]
         positions = torch.arange(s, dtype=torch.int64) + p
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
-        idx = torch.arange(s, dtype=torch.int64)
-        causal = idx[None, :] <= idx[:, None]
+        attn0 = self.model.layers[0].self_attn
+        cos_q, sin_q = cos * attn0.scale, sin * attn0.scale  # every layer has the same head_dim
+        causal = causal_bias(s, attn0.num_heads // attn0.num_kv_heads)
         taps, new_kv = {}, []
         for i, layer in enumerate(self.model.layers):
             x = layer.input_layernorm(h)
-            q = layer.self_attn.query(x, cos, sin)
+            q = layer.self_attn.query(x, cos_q, sin_q)
             k, v = layer.self_attn.key_value(x, cos, sin)
             new_kv += [k, v]
-            h = h + layer.self_attn.o_proj(layer.self_attn.attend(q, past[2 * i], past[2 * i + 1], k, v, causal))
+            attn = layer.self_attn.attend(q, past[2 * i], past[2 * i + 1], k, v, causal, scaled_q=True)
+            h = h + layer.self_attn.o_proj(attn)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in self.tap_layers and i != a.num_layers - 1:
                 taps[i] = h
@@ -345,17 +370,19 @@ class DFlashDraft(nn.Module):
         positions = torch.arange(c + b, dtype=torch.int64) + p
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
         cos_c, sin_c, cos_b, sin_b = cos[:c], sin[:c], cos[c:], sin[c:]
+        scale = self.layers[0].self_attn.scale
+        cos_q, sin_q = cos_b * scale, sin_b * scale
         ctx = self.hidden_norm(self.fc(context_hidden.to(self.fc.weight.dtype))).to(self.compute_dtype)
         h = block_embeddings.to(self.compute_dtype)
         new_kv = []
         for i, layer in enumerate(self.layers):
             x = layer.input_layernorm(h).to(self.compute_dtype)
-            q = layer.self_attn.query(x, cos_b, sin_b)
+            q = layer.self_attn.query(x, cos_q, sin_q)
             k_ctx, v_ctx = layer.self_attn.key_value(ctx, cos_c, sin_c)
             k_blk, v_blk = layer.self_attn.key_value(x, cos_b, sin_b)
             new_kv += [k_ctx, v_ctx]
             attn = layer.self_attn.attend(
-                q, past[2 * i], past[2 * i + 1], torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk]), None
+                q, past[2 * i], past[2 * i + 1], torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk]), None, scaled_q=True
             )
             h = h + layer.self_attn.o_proj(attn)
             h = h + layer.mlp(layer.post_attention_layernorm(h).to(self.compute_dtype))

@@ -29,7 +29,8 @@ import torch
 from runtime.errors import DFlashError
 
 QUANT_OPSET = 21
-# Decoder linear layers that become INT4 (HF names); the embedding, LM head, norms and the draft stay.
+# Decoder linear layers that become INT4 (HF names); the embedding, norms and the draft stay, and the
+# LM head too unless QuantConfig.lm_head.
 QUANTIZED_LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
 
 
@@ -40,10 +41,13 @@ class QuantConfig:
     Attributes:
         method: "rtn" (round to nearest).
         block: values per scale along K (a power of two >= 16 dividing every quantized layer's K).
+        lm_head: quantize the LM head too (its logits GEMM, and the proposal head rows). A tied
+            embedding keeps its table in the graph dtype for the token lookups.
     """
 
     method: str = "rtn"
     block: int = 128
+    lm_head: bool = False
 
     def validate(self) -> None:
         """Raises DFlashError for an unknown method or a block that is not a power of two >= 16."""
@@ -53,13 +57,16 @@ class QuantConfig:
             raise DFlashError(f"--quant-block {self.block} must be a power of two >= 16 (e.g. 32, 64, 128)")
 
 
-def quantized_names(names, shapes: dict, config: QuantConfig) -> list[str]:
-    """The decoder linear weights among `names`, checked against the block size.
+def quantized_names(names, shapes: dict, config: QuantConfig, head_name: str | None = None) -> list[str]:
+    """The decoder linear weights among `names` (and `head_name`, the LM head matrix, when
+    `config.lm_head`), checked against the block size.
 
     Raises:
         DFlashError: a layer whose K (input features) the block does not divide, naming --quant-block.
     """
     chosen = [n for n in names if QUANTIZED_LAYER.match(n)]
+    if config.lm_head and head_name is not None:
+        chosen.append(head_name)
     for name in chosen:
         k = shapes[name][1]
         if k % config.block:
@@ -68,11 +75,13 @@ def quantized_names(names, shapes: dict, config: QuantConfig) -> list[str]:
     return chosen
 
 
-def quantization_record(config: QuantConfig, names: list[str], dtype: str) -> dict:
-    """The manifest's `quantization` section: what was quantized, how, and in which graph form."""
+def quantization_record(config: QuantConfig, names: list[str], dtype: str, head_name: str | None = None) -> dict:
+    """The manifest's `quantization` section: what was quantized, how, and in which graph form
+    (`head`: the LM head's weight name when it is quantized, else None)."""
     return {
         "format": "int4-blockwise-dequantizelinear", "opset": QUANT_OPSET, "method": config.method,
-        "block": config.block, "symmetric": True, "scale_dtype": dtype, "lm_head": False, "embedding": False,
+        "block": config.block, "symmetric": True, "scale_dtype": dtype, "lm_head": bool(config.lm_head),
+        "head": head_name if config.lm_head else None, "embedding": False,
         "quantized_tensors": len(names), "tensors": list(names),
     }
 
@@ -152,11 +161,16 @@ def rewrite_int4(model, names: list[str], read, config: QuantConfig, dtype: torc
     """Turn each `Gemm(x, W, transB=1)` on a weight in `names` into `MatMul(x, DequantizeLinear(Wq, scale))`
     in an onnx_ir model (in place), with lazily quantized INT4 values and scales, and set opset 21.
 
+    A weight used by several Gemms (the LM head: logits and proposals) gets one DequantizeLinear per
+    MatMul on shared INT4 values and scales (the form: each DQ feeds exactly one MatMul). A weight that
+    is also gathered (a tied embedding table) keeps its initializer for those lookups.
+
     Args:
         read: name -> the weight `[N, K]` (a streamed reader: called while the file is written).
 
     Raises:
-        AssertionError: a weight is not used by exactly one plain Gemm (the exporter changed its pattern).
+        AssertionError: a weight is used by something other than plain Gemms and Gathers, or by no Gemm
+            (the exporter changed its pattern).
     """
     import onnx_ir as ir
 
@@ -166,7 +180,7 @@ def rewrite_int4(model, names: list[str], read, config: QuantConfig, dtype: torc
     for name in names:
         weight = graph.initializers[name]
         n, k = weight.shape
-        gemm = _single_plain_gemm(weight, name)
+        gemms, gathers = _gemm_and_gather_uses(weight, name)
 
         def int4_values(name=name, k=k, n=n):
             return ir.PackedTensor(pack_int4(cache.get(name)[0]), ir.DataType.INT4, shape=[k, n])
@@ -180,37 +194,53 @@ def rewrite_int4(model, names: list[str], read, config: QuantConfig, dtype: torc
                      const_value=ir.LazyTensor(scales, dtype=scale_type, shape=ir.Shape([k // config.block, n])))
         graph.register_initializer(q)
         graph.register_initializer(s)
-        dq = ir.node("DequantizeLinear", [q, s], attributes={"axis": 0, "block_size": config.block})
-        mm = ir.node("MatMul", [gemm.inputs[0], dq.outputs[0]])
-        new_nodes = [dq, mm]
-        out = mm.outputs[0]
-        if len(gemm.inputs) > 2 and gemm.inputs[2] is not None:  # a bias
-            add = ir.node("Add", [out, gemm.inputs[2]])
-            new_nodes.append(add)
-            out = add.outputs[0]
-        graph.insert_before(gemm, new_nodes)
-        old = gemm.outputs[0]
-        out.shape, out.type, out_name = old.shape, old.type, old.name
-        ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
-        graph.remove(gemm, safe=True)
-        del graph.initializers[name]
-        out.name = out_name
-        dq.outputs[0].name = f"{name}.dequantized"
+        for i, gemm in enumerate(gemms):
+            _replace_gemm(graph, gemm, q, s, config.block, f"{name}.dequantized" + (f".{i}" if i else ""))
+        if not gathers:
+            del graph.initializers[name]
     model.opset_imports[""] = QUANT_OPSET
     model.ir_version = max(model.ir_version or 0, 10)  # INT4 tensors need IR 10
 
 
-def _single_plain_gemm(weight, name: str):
-    uses = list(weight.uses())
-    if len(uses) != 1:
-        raise AssertionError(f"{name} has {len(uses)} uses in the traced graph; expected one Gemm")
-    node, index = uses[0].node, uses[0].idx
-    attrs = {a.name: a.value for a in node.attributes.values()}
-    if (node.op_type != "Gemm" or index != 1 or attrs.get("transB", 0) != 1 or attrs.get("transA", 0) != 0
-            or attrs.get("alpha", 1.0) != 1.0 or (len(node.inputs) > 2 and node.inputs[2] is not None
-                                                  and attrs.get("beta", 1.0) != 1.0)):
-        raise AssertionError(f"{name} feeds {node.op_type} {attrs}; expected Gemm(x, W, transB=1)")
-    return node
+def _replace_gemm(graph, gemm, q, s, block: int, dq_name: str) -> None:
+    """Replace one `Gemm(x, W, [bias], transB=1)` by `MatMul(x, DequantizeLinear(q, s)) [+ bias]`."""
+    import onnx_ir as ir
+
+    dq = ir.node("DequantizeLinear", [q, s], attributes={"axis": 0, "block_size": block})
+    mm = ir.node("MatMul", [gemm.inputs[0], dq.outputs[0]])
+    new_nodes = [dq, mm]
+    out = mm.outputs[0]
+    if len(gemm.inputs) > 2 and gemm.inputs[2] is not None:  # a bias
+        add = ir.node("Add", [out, gemm.inputs[2]])
+        new_nodes.append(add)
+        out = add.outputs[0]
+    graph.insert_before(gemm, new_nodes)
+    old = gemm.outputs[0]
+    out.shape, out.type, out_name = old.shape, old.type, old.name
+    ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
+    graph.remove(gemm, safe=True)
+    out.name = out_name
+    dq.outputs[0].name = dq_name
+
+
+def _gemm_and_gather_uses(weight, name: str):
+    """(plain Gemm(x, W, transB=1) nodes, Gather nodes) using `weight`; anything else is an error."""
+    gemms, gathers = [], []
+    for use in weight.uses():
+        node, index = use.node, use.idx
+        attrs = {a.name: a.value for a in node.attributes.values()}
+        if node.op_type == "Gather" and index == 0:
+            gathers.append(node)
+        elif (node.op_type == "Gemm" and index == 1 and attrs.get("transB", 0) == 1 and attrs.get("transA", 0) == 0
+              and attrs.get("alpha", 1.0) == 1.0 and not (len(node.inputs) > 2 and node.inputs[2] is not None
+                                                          and attrs.get("beta", 1.0) != 1.0)):
+            if node not in gemms:
+                gemms.append(node)
+        else:
+            raise AssertionError(f"{name} feeds {node.op_type} {attrs} (input {index}); expected Gemm(x, W, transB=1)")
+    if not gemms:
+        raise AssertionError(f"{name} feeds no Gemm in the traced graph")
+    return gemms, gathers
 
 
 def check_int4_form(model, read_array) -> int:
@@ -270,12 +300,14 @@ def check_int4_form(model, read_array) -> int:
 
 
 def dequantized_source(source, record: dict, dtype: torch.dtype):
-    """A weight source whose quantized tensors (the manifest's `quantization` record) read as the weights
-    the graph computes with: quantized and dequantized here exactly as `build` did, in `dtype`."""
+    """A weight source whose quantized decoder layers (the manifest's `quantization` record) read as
+    the weights the graph computes with: quantized and dequantized here exactly as `build` did, in
+    `dtype`. The LM head is not among them (a tied table is also the embedding, which stays): see
+    :func:`head_rows_dequantizer`."""
     from .weights import WeightSource
 
     config = QuantConfig(method=record["method"], block=int(record["block"]))
-    names = set(record["tensors"])
+    names = {n for n in record["tensors"] if QUANTIZED_LAYER.match(n)}
 
     class Dequantized(WeightSource):
         def __init__(self):  # shares the wrapped source's index: nothing is read here
@@ -287,3 +319,13 @@ def dequantized_source(source, record: dict, dtype: torch.dtype):
             return dequantize(*quantize_rtn(source.read_as(name, dtype), config.block, dtype), config.block)
 
     return Dequantized()
+
+
+def head_rows_dequantizer(record: dict | None, dtype: torch.dtype):
+    """rows `[R, d]` of the LM head -> the same rows as the INT4 graph's head computes with, or None
+    when the head is not quantized. Row-wise exact: each head row (an output feature) has its own
+    scales, so a block of rows quantizes as those rows of the whole head do."""
+    if not record or not record.get("lm_head"):
+        return None
+    block = int(record["block"])
+    return lambda rows: dequantize(*quantize_rtn(rows.to(dtype), block, dtype), block)

@@ -34,28 +34,31 @@ def empty_rows_supported(ort) -> bool:
 
 
 def _optimization_level(ort):
-    """Graph optimisation level known to run these graphs on the installed onnxruntime.
-
-    onnxruntime 1.23.2 (the newest wheel for Python 3.10 on aarch64, i.e. JetPack 6) dies with a
-    floating-point exception on the first call (empty past) at ENABLE_ALL, EXTENDED and DISABLE_ALL,
-    and runs correctly at BASIC (measured on x86_64; tests/test_py310_jetpack.py). 1.32 runs at
-    ENABLE_ALL; versions in between are untested, so they get BASIC too.
-    """
-    if _ort_version(ort) >= (1, 32):
-        return ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    return ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    """Graph optimisation level for these graphs: ENABLE_ALL on every supported onnxruntime (the
+    optimizers that crash some versions are turned off by name in `disabled_optimizers`)."""
+    return ort.GraphOptimizationLevel.ORT_ENABLE_ALL
 
 
 _ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)"}
 
 
-def disabled_optimizers(manifest: dict) -> list[str]:
-    """onnxruntime graph optimizers to turn off for this artifact.
+def disabled_optimizers(manifest: dict, ort=None) -> list[str]:
+    """onnxruntime graph optimizers to turn off for this artifact on this onnxruntime.
 
-    INT4 artifacts: MatMulAddFusion (basic level) turns `MatMul(x, DequantizeLinear(W)) + residual` into a
-    Gemm before the extended level's DQMatMulToMatMulNBits sees it, so o_proj and down_proj (whose outputs
-    feed the residual adds) would stay DequantizeLinear + Gemm, re-expanding their weights every call."""
-    return ["MatMulAddFusion"] if manifest.get("quantization") else []
+    - onnxruntime < 1.32 (1.23.2 is the newest wheel for JetPack 6's Python 3.10): MatmulTransposeFusion
+      folds the past-K transpose into a FusedMatMul that dies with a floating-point exception (SIGFPE)
+      on an empty past, i.e. the first prefill. Found by disabling each extended-level optimizer in
+      turn on 1.23.2 (only this one matters); 1.32 runs it. Without it the optimized graph transposes
+      each layer's past K on every call (an O(past) copy), which 1.32 avoids.
+    - INT4 artifacts: MatMulAddFusion (basic level) turns `MatMul(x, DequantizeLinear(W)) + residual` into
+      a Gemm before the extended level's DQMatMulToMatMulNBits sees it, so o_proj and down_proj (whose
+      outputs feed the residual adds) would stay DequantizeLinear + Gemm, re-expanding their weights
+      every call.
+    """
+    if ort is None:
+        import onnxruntime as ort
+    names = [] if _ort_version(ort) >= (1, 32) else ["MatmulTransposeFusion"]
+    return names + (["MatMulAddFusion"] if manifest.get("quantization") else [])
 
 
 def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) -> None:
@@ -111,9 +114,11 @@ class OrtBackend(Backend):
             fp16 target: peak 4.6 GiB instead of 7.3 GiB; calls are 2-3x slower).
         graphs: the graphs to load (`check` loads one at a time).
         int4_accuracy_level: the compute type of the MatMulNBits kernel onnxruntime fuses INT4 weights
-            into: 1 = fp32 (default: the graph computes exactly its dequantized model, so a verify of
-            1 + N rows and a one-row step agree as in fp32 graphs), None = onnxruntime's default (4:
-            activations rounded to int8 per block, and differently for one row than for several).
+            into. 4 (default, as onnxruntime-genai and llama.cpp's Q4 CPU kernels): each activation row
+            is rounded to int8 per weight block and multiplied in integers, 3-4x faster than fp32 on
+            AVX2 for one row; rows are rounded independently, so a verify of 1 + N rows and a one-row
+            step agree to fp32 rounding (measured: 1e-7 relative, as with fp32 weights). 1 = fp32:
+            exactly the dequantized model the artifact defines (`check` compares it with PyTorch).
 
     Raises:
         DFlashError: onnxruntime is missing or cannot load a graph.
@@ -123,7 +128,7 @@ class OrtBackend(Backend):
 
     def __init__(self, artifact_dir: Path, manifest: dict, providers: list[str] | None = None, threads: int | None = None,
                  low_memory: bool = False, graphs: tuple[str, ...] = ("target", "draft"),
-                 int4_accuracy_level: int | None = 1):
+                 int4_accuracy_level: int | None = 4):
         try:
             import onnxruntime as ort
         except ImportError:
@@ -157,7 +162,7 @@ class OrtBackend(Backend):
                     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
             try:
                 self.sessions[graph] = ort.InferenceSession(str(path), opts, providers=self.providers,
-                                                            disabled_optimizers=disabled_optimizers(manifest))
+                                                            disabled_optimizers=disabled_optimizers(manifest, ort))
             except Exception as exc:  # onnxruntime raises its own untyped Fail errors
                 raise DFlashError(f"onnxruntime cannot load {path}: {exc}") from None
             check_graph_io(graph, [(i.name, i.type) for i in self.sessions[graph].get_inputs()], manifest)

