@@ -272,8 +272,12 @@ def build(
     stage = Stage(total=5, quiet=quiet)
     stage.report(f"validated target and draft in {time.perf_counter() - t_start:.1f}s")
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as exc:
+        raise DFlashError(f"cannot write an artifact under {out.parent} ({exc.strerror or exc}); "
+                          "choose a writable --out directory") from None
     try:
         # the draft first: its weights (held in memory) are freed before the target streams
         with stage("exporting draft.onnx"):

@@ -53,6 +53,9 @@ def safetensors_files(model_dir: Path) -> list[Path]:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise DFlashError(f"{index} is malformed ({exc}); re-download the checkpoint") from None
+        bad = [s for s in shards if not isinstance(s, str) or Path(s).name != s or not s.endswith(".safetensors")]
+        if bad:
+            raise DFlashError(f"{index} names shards {bad[:3]}, not .safetensors files beside it; re-download the checkpoint")
         files = [model_dir / s for s in shards]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:

@@ -157,7 +157,7 @@ def check_weight_names(own: dict[str, tuple[int, ...]], source: WeightSource, wh
             Hugging Face ties a stored copy too).
 
     Raises:
-        DFlashError: missing or unexpected names, or a shape mismatch, named.
+        DFlashError: missing or unexpected names, a shape mismatch or a non-float tensor, named.
     """
     names = [n for n in source.names() if not (tied and n == "lm_head.weight")]
     missing = [k for k in own if k not in source]
@@ -169,6 +169,9 @@ def check_weight_names(own: dict[str, tuple[int, ...]], source: WeightSource, wh
     for k, shape in own.items():
         if tuple(source.shapes[k]) != tuple(shape):
             raise DFlashError(f"{where}: {k} has shape {tuple(source.shapes[k])}, expected {tuple(shape)}")
+        if not source.dtypes[k].is_floating_point:  # an integer tensor here is packed or quantized data
+            raise DFlashError(f"{where}: {k} is stored as {source.dtypes[k]}, not floating point (a quantized or "
+                              "damaged checkpoint?); convert it to bf16, fp16 or fp32")
 
 
 def _set_parameter(module: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -328,3 +328,26 @@ def test_target_weights_that_do_not_match_the_config_are_refused_up_front(ckpt, 
         **s, "model.layers.0.self_attn.o_proj.weight": np.zeros((64, 32), np.float32)})
     build_fails(t2, ckpt / "draft", tmp_path / "art", r"model.layers.0.self_attn.o_proj.weight has shape \(64, 32\), "
                 r"expected \(64, 96\)")
+
+
+def test_integer_target_weight_is_refused(ckpt, tmp_path):
+    import numpy as np
+
+    t = copy_dir(ckpt / "target", tmp_path / "t")
+    rf._patch_safetensors(t / "model.safetensors", lambda s: {
+        **s, "model.layers.0.mlp.up_proj.weight": np.zeros(s["model.layers.0.mlp.up_proj.weight"].shape, np.int8)})
+    build_fails(t, ckpt / "draft", tmp_path / "art", r"model.layers.0.mlp.up_proj.weight is stored as torch.int8, "
+                r"not floating point")
+
+
+@pytest.mark.parametrize("shard", [3, "../elsewhere.safetensors", "model.bin"])
+def test_index_naming_odd_shards_is_refused(ckpt, tmp_path, shard):
+    t = copy_dir(ckpt / "target", tmp_path / "t")
+    (t / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": shard}}))
+    build_fails(t, ckpt / "draft", tmp_path / "art", r"model.safetensors.index.json names shards .*not .safetensors "
+                r"files beside it")
+
+
+def test_unwritable_output_location(ckpt, tmp_path):
+    with pytest.raises(DFlashError, match=r"cannot write an artifact under /proc.*choose a writable --out"):
+        build(str(ckpt / "target"), str(ckpt / "draft"), Path("/proc/dflash-art"), max_seq_len=32, quiet=True)
