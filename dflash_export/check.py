@@ -61,6 +61,8 @@ import numpy as np
 from runtime.errors import DFlashError
 from runtime.manifest import greedy_form_exported
 
+from .reference_models import reference_modules
+
 ID_OUTPUTS = ("next_ids", "proposal_ids")
 # Outputs that are a lookup of an id output (compared on the rows where the ids agree).
 ID_DEPENDENT = {"next_embeddings": "next_ids"}
@@ -125,121 +127,7 @@ class CheckReport:
         }
 
 
-# ---- reference (PyTorch, fp32) ---------------------------------------------------------------------
-def _verify_sources(manifest: dict) -> tuple[str, str | None]:
-    from .checkpoint import file_sha256
-
-    src = manifest.get("sources", {})
-    paths = []
-    for key in ("target", "draft"):
-        entry = src.get(key, {})
-        path = entry.get("path")
-        if path is None:
-            if key == "target":
-                raise DFlashError("the manifest records no target checkpoint (sources.target.path); rebuild the artifact")
-            paths.append(None)
-            continue
-        if not Path(path).is_dir():
-            raise DFlashError(f"the {key} checkpoint {path} recorded in the manifest is gone; `check` rebuilds the "
-                              "PyTorch reference from it (or pass --reference FILE saved where it exists)")
-        for name, digest in entry.get("files", {}).items():
-            f = Path(path) / name
-            if not f.is_file() or file_sha256(f) != digest:
-                raise DFlashError(f"{f} differs from the file the artifact was exported from (SHA-256); the reference "
-                                  "would use other weights: restore it or rebuild the artifact")
-        paths.append(path)
-    return paths[0], paths[1]
-
-
-def _modules(manifest: dict):
-    """The fp32 reference modules, rebuilt from the recorded source checkpoints.
-
-    The target keeps its weights as stored (bf16 for most checkpoints: the model's size once, not
-    twice) and computes in fp32: each weight is upcast when it is used (exact for bf16 and fp16).
-    """
-    import torch
-
-    from .build import prepare_pair
-    from .modules import DFlashDraft
-    from .weights import WeightSource, empty_module, load_module_weights
-
-    target, draft = _verify_sources(manifest)
-    tspec, dspec, tsource, dstate, _ = prepare_pair(target, draft)
-    if list(dspec.target_layer_ids) != list(manifest["draft"]["target_layer_ids"]):
-        raise DFlashError("the source checkpoints no longer describe this artifact (draft taps differ); rebuild it")
-    vocab = dspec.draft_vocab if manifest["draft"].get("draft_vocab_size") else None
-    if vocab is not None and len(vocab) != manifest["draft"]["draft_vocab_size"]:
-        raise DFlashError("the source checkpoints no longer describe this artifact (draft_vocab.json differs); rebuild it")
-    if manifest.get("quantization"):  # the model the INT4 graph computes: its dequantized weights
-        from .quantize import dequantized_source
-
-        tsource = dequantized_source(tsource, manifest["quantization"],
-                                     {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]])
-    from .quantize import head_rows_dequantizer
-
-    ReferenceTarget = _reference_target_class()
-    tmod = empty_module(lambda: ReferenceTarget(tspec, dspec.target_layer_ids, torch.float32, vocab)).eval()
-    tmod.head_rows_transform = head_rows_dequantizer(manifest.get("quantization"),
-                                                     {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]])
-    load_module_weights(tmod, tsource, f"target {tspec.path}")
-    tmod.model.embed_tokens.register_forward_hook(lambda module, args, out: out.to(torch.float32))
-    upcast_weights_on_use(tmod, skip=("model.embed_tokens.weight", tmod.head_weight_name()))  # upcast by rows
-    dmod = empty_module(lambda: DFlashDraft(dspec, torch.float32)).eval()
-    dsource = WeightSource(f"draft {dspec.path or '(untrained)'}", tensors=dstate)
-    upcast_weights_on_use(load_module_weights(dmod, dsource, dsource.where))
-    return tmod, dmod
-
-
-def _reference_target_class():
-    import torch
-
-    from .modules import TargetForExport
-
-    class ReferenceTarget(TargetForExport):
-        """The target module computing in fp32 over an LM head / embedding kept as stored (bf16): the
-        head is upcast a block of rows at a time, never as a whole fp32 copy (1.2 GB for Qwen3-8B)."""
-
-        rows_per_block = 8192
-        head_rows_transform = None  # rows -> the rows an INT4 head computes with (quantize.head_rows_dequantizer)
-
-        def head_rows_fp32(self, rows: torch.Tensor | None = None):
-            w = self.head_weight() if rows is None else torch.index_select(self.head_weight(), 0, rows)
-            for start in range(0, w.shape[0], self.rows_per_block):
-                block = w[start:start + self.rows_per_block]
-                if self.head_rows_transform is not None:
-                    block = self.head_rows_transform(block)
-                yield block.to(torch.float32)
-
-        def logits_of(self, h):
-            return torch.cat([torch.matmul(h.to(torch.float32), blk.T) for blk in self.head_rows_fp32()], dim=-1)
-
-        def propose(self, draft_hidden):
-            if self.draft_vocab is None:
-                return torch.argmax(self.logits_of(draft_hidden), dim=-1)
-            h = draft_hidden.to(torch.float32)
-            sub = torch.cat([torch.matmul(h, blk.T) for blk in self.head_rows_fp32(self.draft_vocab)], dim=-1)
-            return torch.index_select(self.draft_vocab, 0, torch.argmax(sub, dim=-1))
-
-    return ReferenceTarget
-
-
-def upcast_weights_on_use(module, skip: tuple[str, ...] = ()):
-    """Make every non-fp32 parameter of `module` (except `skip`) read as fp32 (a parametrization: the
-    stored tensor stays as it is and each use makes a transient fp32 copy), so a bf16 checkpoint
-    gives the fp32 reference without an fp32 copy of the whole model."""
-    import torch
-    from torch.nn.utils import parametrize
-
-    class Fp32(torch.nn.Module):
-        def forward(self, w):
-            return w.to(torch.float32)
-
-    for name, p in list(module.named_parameters()):
-        if p.dtype != torch.float32 and name not in skip:
-            owner, _, leaf = name.rpartition(".")
-            parametrize.register_parametrization(module.get_submodule(owner) if owner else module, leaf, Fp32(),
-                                                 unsafe=True)
-    return module
+# ---- reference (PyTorch, fp32): reference_models.py ------------------------------------------------
 
 
 def _run_module(module, feed: dict) -> dict[str, np.ndarray]:
@@ -263,7 +151,7 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
     """The four teacher-forced cases with fp32 PyTorch reference outputs (see the module doc)."""
     import torch
 
-    tmod, dmod = modules or _modules(manifest)
+    tmod, dmod = modules or reference_modules(manifest)
     io = manifest["io"]
     dt = {g: {t["name"]: np.dtype(t["dtype"]) for t in io[g]["inputs"]} for g in io}
     out_names = {g: [t["name"] for t in io[g]["outputs"]] for g in io}
@@ -582,7 +470,7 @@ def make_backend(name: str, artifact_dir: Path, manifest: dict, graphs: tuple[st
     if name == "ort":
         from runtime.ort_backend import OrtBackend
 
-        # INT4 weights: the fused MatMulNBits computes in fp32 (its default rounds activations to int8)
+        # INT4 weights: the fused MatMulNBits computes in fp32 whatever the runtime's default is
         return OrtBackend(Path(artifact_dir), manifest, low_memory=True, graphs=graphs, int4_accuracy_level=1)
     return _make_backend(name, Path(artifact_dir), manifest, None)
 

@@ -12,14 +12,21 @@ from __future__ import annotations
 import numpy as np
 
 
-def _plain_gemm_weight(node):
-    """The constant weight of `Gemm(x, W, transB=1)` without bias or scaling, used only there; else None."""
+def is_linear_gemm(node, allow_bias: bool = True) -> bool:
+    """Whether an onnx_ir node is `Gemm(x, W, [bias], transB=1)` with no scaling: `x @ W^T (+ bias)`,
+    the form the exporter gives `nn.Linear` (and that these passes and INT4 rewriting rewrite)."""
     if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
-        return None
+        return False
     attrs = {a.name: a.value for a in node.attributes.values()}
     if attrs.get("transB", 0) != 1 or attrs.get("transA", 0) != 0 or attrs.get("alpha", 1.0) != 1.0:
-        return None
-    if len(node.inputs) > 2 and node.inputs[2] is not None:
+        return False
+    has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
+    return not has_bias or (allow_bias and attrs.get("beta", 1.0) == 1.0)
+
+
+def _plain_gemm_weight(node):
+    """The constant weight of a bias-free linear Gemm, used only there; else None."""
+    if not is_linear_gemm(node, allow_bias=False):
         return None
     weight = node.inputs[1]
     if weight is None or weight.const_value is None or len(list(weight.uses())) != 1 or not weight.is_initializer():

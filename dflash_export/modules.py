@@ -127,8 +127,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, arch.rms_norm_eps) if qk_norm else None
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """`x [S, d]` -> rotated queries `[S, H, D]` (tables multiplied by `self.scale` give queries
-        with the score scale folded in: see `attend(scaled_q=True)`)."""
+        """`x [S, d]` -> rotated queries `[S, H, D]`. `attend` takes queries rotated by tables multiplied
+        by `self.scale`, so the score scale costs one Mul per graph, not one per layer."""
         q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
@@ -150,18 +150,16 @@ class Attention(nn.Module):
         new_k: torch.Tensor,
         new_v: torch.Tensor,
         new_bias: torch.Tensor | None,
-        scaled_q: bool = False,
     ) -> torch.Tensor:
         """Attention of `q [T, H, D]` over past `[P, Hkv, D]` and new `[S, Hkv, D]` rows.
 
-        `new_bias` (fp32 `[g * T, S]`, `causal_bias`) masks the new rows; the past is always visible.
-        `scaled_q`: q already carries the 1/sqrt(D) score scale (rotated by scaled tables, once per graph
-        instead of a Mul per layer). Returns `[T, H * D]` before o_proj.
+        `q` already carries the 1/sqrt(D) score scale (see `query`). `new_bias` (fp32 `[g * T, S]`,
+        `causal_bias`) masks the new rows; the past is always visible. Returns `[T, H * D]` before o_proj.
         """
         t = q.shape[0]
         g = self.num_heads // self.num_kv_heads
         # Head h uses kv head h // g (HF repeat_kv): group the query heads per kv head.
-        qg = (q if scaled_q else q * self.scale).view(t, self.num_kv_heads, g, self.head_dim).permute(1, 2, 0, 3)
+        qg = q.view(t, self.num_kv_heads, g, self.head_dim).permute(1, 2, 0, 3)
         qg = qg.reshape(self.num_kv_heads, g * t, self.head_dim)
         s_past = torch.matmul(qg, past_k.permute(1, 2, 0)).to(torch.float32)
         s_new = torch.matmul(qg, new_k.permute(1, 2, 0)).to(torch.float32)
@@ -306,7 +304,7 @@ class TargetForExport(nn.Module):
             q = layer.self_attn.query(x, cos_q, sin_q)
             k, v = layer.self_attn.key_value(x, cos, sin)
             new_kv += [k, v]
-            attn = layer.self_attn.attend(q, past[2 * i], past[2 * i + 1], k, v, causal, scaled_q=True)
+            attn = layer.self_attn.attend(q, past[2 * i], past[2 * i + 1], k, v, causal)
             h = h + layer.self_attn.o_proj(attn)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in self.tap_layers and i != a.num_layers - 1:
@@ -382,7 +380,7 @@ class DFlashDraft(nn.Module):
             k_blk, v_blk = layer.self_attn.key_value(x, cos_b, sin_b)
             new_kv += [k_ctx, v_ctx]
             attn = layer.self_attn.attend(
-                q, past[2 * i], past[2 * i + 1], torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk]), None, scaled_q=True
+                q, past[2 * i], past[2 * i + 1], torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk]), None
             )
             h = h + layer.self_attn.o_proj(attn)
             h = h + layer.mlp(layer.post_attention_layernorm(h).to(self.compute_dtype))
