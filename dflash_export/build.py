@@ -216,8 +216,8 @@ def build(
     overwrite: bool = True,
     draft_vocab: str = "auto",
     quant: str = "none",
-    quant_block: int = 128,
-    quant_method: str = "rtn",
+    quant_block: int | None = None,
+    quant_method: str | None = None,
     quant_lm_head: bool = False,
 ) -> dict:
     """Export a target/draft pair into the artifact directory `out`.
@@ -233,8 +233,9 @@ def build(
             rows per proposal, same output); "full" always uses the whole vocabulary.
         quant: "int4" makes the target's decoder linear layers INT4 weight-only (`quantize.py`: the
             DequantizeLinear form TensorRT and onnxruntime both load); "none" keeps `dtype` weights.
-        quant_block: INT4 values per scale along K (a power of two >= 16 dividing each layer's K).
-        quant_method: "rtn" (round to nearest).
+        quant_block: INT4 values per scale along K (a power of two >= 16 dividing each layer's K;
+            default 128).
+        quant_method: "rtn" (round to nearest, the default).
         quant_lm_head: with int4, quantize the LM head too (the embedding lookups keep their table).
 
     Returns:
@@ -255,9 +256,14 @@ def build(
         raise DFlashError(f"--max-seq-len must be at least 2 (got {max_seq_len})")
     if quant not in ("none", "int4"):
         raise DFlashError(f"--quant must be none or int4 (got {quant!r})")
-    if quant_lm_head and quant != "int4":
-        raise DFlashError("--quant-lm-head needs --quant int4")
-    qconfig = QuantConfig(method=quant_method, block=quant_block, lm_head=quant_lm_head) if quant == "int4" else None
+    given = [flag for flag, value in (("--quant-block", quant_block), ("--quant-method", quant_method),
+                                      ("--quant-lm-head", quant_lm_head or None)) if value is not None]
+    if given and quant != "int4":
+        raise DFlashError(f"{', '.join(given)} needs --quant int4")
+    qconfig = None
+    if quant == "int4":
+        qconfig = QuantConfig(method=quant_method or "rtn", block=128 if quant_block is None else quant_block,
+                              lm_head=quant_lm_head)
     if qconfig is not None:
         qconfig.validate()
     out = Path(out).resolve()

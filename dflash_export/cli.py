@@ -103,8 +103,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="auto: propose from the draft's draft_vocab.json when present (faster, same output); full: whole vocabulary")
     b.add_argument("--quant", choices=["none", "int4"], default="none",
                    help="int4: decoder linear layers as INT4 weight-only (W4A16) DequantizeLinear, opset 21")
-    b.add_argument("--quant-block", type=int, default=128, help="INT4 values per scale along K (default 128)")
-    b.add_argument("--quant-method", default="rtn", help="INT4 quantization method: rtn (default)")
+    b.add_argument("--quant-block", type=int, help="with --quant int4: INT4 values per scale along K (default 128)")
+    b.add_argument("--quant-method", help="with --quant int4: the quantization method, rtn (default)")
     b.add_argument("--quant-lm-head", action="store_true",
                    help="with --quant int4: the LM head too (a tied embedding keeps its table for lookups)")
     b.add_argument("--engine", choices=["onnx", "trt"], default="onnx", help="trt: also build TensorRT engines (needs TensorRT + GPU)")

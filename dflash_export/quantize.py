@@ -20,6 +20,7 @@ It runs one tensor at a time, inside the streamed weight readers (`weights.py`).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -67,11 +68,13 @@ def quantized_names(names, shapes: dict, config: QuantConfig, head_name: str | N
     chosen = [n for n in names if QUANTIZED_LAYER.match(n)]
     if config.lm_head and head_name is not None:
         chosen.append(head_name)
-    for name in chosen:
-        k = shapes[name][1]
+    widths = [int(shapes[name][1]) for name in chosen]
+    for name, k in zip(chosen, widths):
         if k % config.block:
-            raise DFlashError(f"{name} has {k} input features, which --quant-block {config.block} does not divide; "
-                              f"pass a smaller power of two that divides {k}")
+            fits = math.gcd(*widths) & -math.gcd(*widths)  # the largest power of two dividing every K
+            hint = (f"the largest block that divides every quantized layer's K is {fits}" if fits >= 16
+                    else "no power-of-two block >= 16 divides every quantized layer's K")
+            raise DFlashError(f"{name} has {k} input features, which --quant-block {config.block} does not divide; {hint}")
     return chosen
 
 
@@ -225,18 +228,18 @@ def _replace_gemm(graph, gemm, q, s, block: int, dq_name: str) -> None:
 
 def _gemm_and_gather_uses(weight, name: str):
     """(plain Gemm(x, W, transB=1) nodes, Gather nodes) using `weight`; anything else is an error."""
+    from .graph_passes import is_linear_gemm
+
     gemms, gathers = [], []
     for use in weight.uses():
         node, index = use.node, use.idx
-        attrs = {a.name: a.value for a in node.attributes.values()}
         if node.op_type == "Gather" and index == 0:
             gathers.append(node)
-        elif (node.op_type == "Gemm" and index == 1 and attrs.get("transB", 0) == 1 and attrs.get("transA", 0) == 0
-              and attrs.get("alpha", 1.0) == 1.0 and not (len(node.inputs) > 2 and node.inputs[2] is not None
-                                                          and attrs.get("beta", 1.0) != 1.0)):
+        elif index == 1 and is_linear_gemm(node):
             if node not in gemms:
                 gemms.append(node)
         else:
+            attrs = {a.name: a.value for a in node.attributes.values()}
             raise AssertionError(f"{name} feeds {node.op_type} {attrs} (input {index}); expected Gemm(x, W, transB=1)")
     if not gemms:
         raise AssertionError(f"{name} feeds no Gemm in the traced graph")

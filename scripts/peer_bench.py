@@ -52,7 +52,29 @@ def peer_rates(python: str, kind: str, model: Path, prompts_file: Path, n_new: i
 
 
 def has_module(python: str, module: str) -> bool:
-    return subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
+    try:
+        return subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
+    except OSError:  # no such interpreter: the peers are simply not there
+        return False
+
+
+def positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value})")
+    return value
+
+
+def parse_artifacts(specs: list[str]) -> dict[str, str]:
+    """LABEL=DIR (or DIR, labelled by its name) -> {label: dir}; a repeated label is an error."""
+    ours: dict[str, str] = {}
+    for spec in specs:
+        label, path = spec.split("=", 1) if "=" in spec else (Path(spec).name, spec)
+        if label in ours:
+            raise SystemExit(f"peer_bench: label {label!r} is given twice; label each artifact once (LABEL=DIR)")
+        ours[label] = path
+    return ours
 
 
 def genai_model(python: str, hf_dir: Path, work: Path, precision: str) -> Path | str:
@@ -89,14 +111,21 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", type=Path, help="GGUF file of the same target (default: the embedded Q4_1 file)")
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "peers", help="where peer models are built")
     p.add_argument("--prompts", type=Path, default=ROOT / "models" / "prompts" / "eval.jsonl")
-    p.add_argument("--limit", type=int, default=1, help="prompts per category (default 1)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--limit", type=positive, default=1, help="prompts per category (default 1)")
+    p.add_argument("--max-new-tokens", type=positive, default=96)
+    p.add_argument("--repeats", type=positive, default=2)
     args = p.parse_args(argv)
-    ours = dict(a.split("=", 1) if "=" in a else (Path(a).name, a) for a in args.artifacts)
-    sessions = {label: runtime.load(d) for label, d in ours.items()}
-    first = next(iter(sessions.values()))
-    prompts = [first.encode(t, chat=True) for t in eval_prompts(args.prompts, args.limit)]
+    ours = parse_artifacts(args.artifacts)
+    if not args.prompts.is_file():
+        raise SystemExit(f"peer_bench: no prompt file {args.prompts}")
+    try:
+        sessions = {label: runtime.load(d) for label, d in ours.items()}
+        first = next(iter(sessions.values()))
+        prompts = [first.encode(t, chat=True) for t in eval_prompts(args.prompts, args.limit)]
+        for sess in sessions.values():  # a request the KV buffers cannot hold fails here, not mid-run
+            sess.generate(prompts[0], max_new_tokens=args.max_new_tokens, block_size=1, stop_token_ids=[])
+    except runtime.DFlashError as exc:
+        raise SystemExit(f"peer_bench: {exc}") from None
     threads = os.cpu_count() or 1
 
     peers: dict[str, tuple[str, Path] | str] = {}

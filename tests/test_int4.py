@@ -126,7 +126,8 @@ def test_rtn_round_trip_and_packing():
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(quant_block=64), r"has 96 input features, which --quant-block 64 does not divide"),
+    (dict(quant_block=64), r"has 96 input features, which --quant-block 64 does not divide; the largest block that "
+                           r"divides every quantized layer's K is 32"),
     (dict(quant_block=24), r"--quant-block 24 must be a power of two >= 16"),
     (dict(quant_block=8), r"--quant-block 8 must be a power of two >= 16"),
     (dict(quant_method="awq"), r"--quant-method 'awq' is not supported \(supported: rtn\)"),
@@ -136,6 +137,15 @@ def test_bad_quant_options_are_refused_before_any_output(pairs, tmp_path, option
     target, draft = pairs["qwen3"]
     with pytest.raises(DFlashError, match=match):
         build(str(target), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, **{"quant": "int4", **options})
+    rf.no_partial_output(tmp_path / "art")
+
+
+@pytest.mark.parametrize("options, named", [(dict(quant_block=32), "--quant-block"), (dict(quant_method="rtn"), "--quant-method"),
+                                            (dict(quant_lm_head=True), "--quant-lm-head")])
+def test_quant_options_without_int4_are_refused(pairs, tmp_path, options, named):
+    target, draft = pairs["qwen3"]
+    with pytest.raises(DFlashError, match=f"^{named} needs --quant int4$"):
+        build(str(target), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, **options)
     rf.no_partial_output(tmp_path / "art")
 
 
