@@ -23,11 +23,7 @@ venv: $(BIN)/.installed
 demo: venv
 	# export once; `make clean` or deleting $(ART) re-exports
 	test -f $(ART)/manifest.json || $(BIN)/python -m dflash_export build --out $(ART)
-	# once per artifact: measure this machine's verify cost and save the best verify length (about a minute)
-	$(BIN)/python -c "import json,sys; sys.exit('decoding' in json.load(open('$(ART)/manifest.json')))" \
-		&& ($(BIN)/python -m dflash_export bench $(ART) --limit 1 --max-new-tokens 48 --no-torch-baseline \
-		    --save-verify-len --out $(ART)-bench \
-		|| echo "(no verify length saved, see the error above: generate verifies all proposals)") || true
+	# (the first generate on this machine measures its step costs, about a second, and caches them)
 	$(BIN)/python -m dflash_export generate $(ART) --chat --prompt "$(PROMPT)" --max-new-tokens 96
 
 test: venv

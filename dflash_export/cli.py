@@ -38,7 +38,8 @@ def cmd_build(args) -> int:
         require_tensorrt(precision=args.precision, dtype=args.dtype)  # fail at once, before a long export, when TensorRT or a GPU is missing
     manifest = build(args.target, args.draft, Path(args.out), max_seq_len=args.max_seq_len, dtype=args.dtype,
                      draft_vocab=args.draft_vocab, quant=args.quant, quant_block=args.quant_block,
-                     quant_method=args.quant_method, quant_lm_head=args.quant_lm_head)
+                     quant_method=args.quant_method, quant_lm_head=args.quant_lm_head,
+                     proposal_head=args.proposal_head)
     if args.engine == "trt":
         from .engine import build_engines
 
@@ -52,6 +53,16 @@ def cmd_build(args) -> int:
         print("note: the draft is UNTRAINED (deterministic random init): output is exact but few proposals are "
               "accepted; pass --draft DIR for a trained draft", file=sys.stderr)
     return 0
+
+
+def _verify_len(text: str):
+    """--verify-len: "auto", "all" or an integer (its range is checked by generate)."""
+    if text in ("auto", "all"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be auto, all or an integer (got {text!r})") from None
 
 
 def cmd_generate(args) -> int:
@@ -71,7 +82,7 @@ def cmd_generate(args) -> int:
         chat=args.chat,
         seed=args.seed,
         record_steps=args.steps,
-        verify_len=args.verify_len,
+        verify_len=None if args.verify_len == "auto" else args.verify_len,
     )
     if args.json:
         print(json.dumps(res.to_dict(with_steps=args.steps)))
@@ -105,6 +116,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="int4: decoder linear layers as INT4 weight-only (W4A16) DequantizeLinear, opset 21")
     b.add_argument("--quant-block", type=int, help="with --quant int4: INT4 values per scale along K (default 128)")
     b.add_argument("--quant-method", help="with --quant int4: the quantization method, rtn (default)")
+    b.add_argument("--proposal-head", choices=["int4", "full"], default="full",
+                   help="the proposal vocabulary's LM-head rows: full (default: the graph dtype) or int4 (they only "
+                        "rank proposals, which the full head verifies, so output is unchanged)")
     b.add_argument("--quant-lm-head", action="store_true",
                    help="with --quant int4: the LM head too (a tied embedding keeps its table for lookups)")
     b.add_argument("--engine", choices=["onnx", "trt"], default="onnx", help="trt: also build TensorRT engines (needs TensorRT + GPU)")
@@ -119,7 +133,9 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template as a user turn")
     g.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens (default 128)")
     g.add_argument("--block-size", type=int, default=None, help="default: the draft's; 1 = plain decoding")
-    g.add_argument("--verify-len", type=int, default=None, help="proposals verified per step (default: the artifact's measured decoding.verify_len, else block_size - 1)")
+    g.add_argument("--verify-len", type=_verify_len, default="auto",
+                   help="proposals verified per step: auto (default: chosen per step from this device's measured "
+                        "costs and the running acceptance, 0 when speculation would not pay), all, or 1..block_size-1")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples the target's distribution")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling random numbers (default 0)")
     g.add_argument("--backend", default="ort", help="ort (onnxruntime CPU), ort-cuda or trt (TensorRT engines)")

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from runtime.errors import DFlashError
+from runtime.files import write_atomic
 from runtime.manifest import load_manifest
 from runtime.profiles import max_block, profiles_to_json, shape_ranges
 from runtime.trt_backend import gpu_info, import_tensorrt
@@ -281,20 +282,6 @@ def build_engines(
         for tmp in tmp_files.values():
             tmp.unlink(missing_ok=True)
     return manifest
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` in one rename (readers see the old or the new file, never a part);
-    mode 0644 like the rest of an artifact (mkstemp would leave 0600)."""
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(name, 0o644)
-        os.replace(name, path)
-    except BaseException:
-        Path(name).unlink(missing_ok=True)
-        raise
 
 
 # ---- command line ----------------------------------------------------------------------------------

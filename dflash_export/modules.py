@@ -320,7 +320,9 @@ class TargetForExport(nn.Module):
         cdf = torch.cumsum(torch.softmax(logits[:u] / t_safe, dim=-1), dim=-1)
         # scale u by the CDF's own total: an fp32 cumsum over a large vocabulary can end short of 1
         threshold = uniform[:, None] * cdf[:, -1:]
-        sampled = torch.clamp((cdf < threshold).to(torch.int64).sum(dim=-1), max=self.spec.vocab_size - 1)
+        # sample = the first token whose CDF exceeds u: counting CDF entries <= u (not < u) skips the
+        # zero-probability tokens before it, so u = 0 cannot pick a token without mass
+        sampled = torch.clamp((cdf <= threshold).to(torch.int64).sum(dim=-1), max=self.spec.vocab_size - 1)
         rows = logits.shape[0]
         torch._check(u <= rows)
         # pad (not concat) so the exported shape stays exactly 1 + N

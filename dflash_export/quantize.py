@@ -78,6 +78,23 @@ def quantized_names(names, shapes: dict, config: QuantConfig, head_name: str | N
     return chosen
 
 
+def proposal_head_block(hidden: int, preferred: int | None = None) -> int:
+    """INT4 block for the proposal head rows `[V', hidden]`: `preferred` (the target's --quant-block)
+    when it divides `hidden`, else the largest power of two <= 128 that does (>= 16).
+
+    Raises:
+        DFlashError: no power-of-two block >= 16 divides `hidden` (build with --proposal-head full)."""
+    if preferred and hidden % preferred == 0:
+        return preferred
+    block = 128
+    while block >= 16 and hidden % block:
+        block //= 2
+    if block < 16:
+        raise DFlashError(f"no INT4 block (a power of two >= 16) divides the hidden size {hidden}; "
+                          "build with --proposal-head full")
+    return block
+
+
 def quantization_record(config: QuantConfig, names: list[str], dtype: str, head_name: str | None = None) -> dict:
     """The manifest's `quantization` section: what was quantized, how, and in which graph form
     (`head`: the LM head's weight name when it is quantized, else None)."""

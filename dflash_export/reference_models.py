@@ -69,6 +69,9 @@ def reference_modules(manifest: dict):
     ReferenceTarget = _reference_target_class()
     tmod = empty_module(lambda: ReferenceTarget(tspec, dspec.target_layer_ids, torch.float32, vocab)).eval()
     tmod.head_rows_transform = head_rows_dequantizer(manifest.get("quantization"), graph_dtype)
+    proposal = manifest.get("proposal_head")  # INT4 proposal rows: rank proposals as the graph does
+    tmod.proposal_rows_transform = (head_rows_dequantizer({"lm_head": True, "block": proposal["block"]}, graph_dtype)
+                                    if proposal else tmod.head_rows_transform)
     load_module_weights(tmod, tsource, f"target {tspec.path}")
     tmod.model.embed_tokens.register_forward_hook(lambda module, args, out: out.to(torch.float32))
     upcast_weights_on_use(tmod, skip=("model.embed_tokens.weight", tmod.head_weight_name()))  # upcast by rows
@@ -89,13 +92,15 @@ def _reference_target_class():
 
         rows_per_block = 8192
         head_rows_transform = None  # rows -> the rows an INT4 head computes with (quantize.head_rows_dequantizer)
+        proposal_rows_transform = None  # the same for the proposal vocabulary's rows
 
-        def head_rows_fp32(self, rows: torch.Tensor | None = None):
+        def head_rows_fp32(self, rows: torch.Tensor | None = None, transform=None):
             w = self.head_weight() if rows is None else torch.index_select(self.head_weight(), 0, rows)
+            transform = self.head_rows_transform if rows is None else transform
             for start in range(0, w.shape[0], self.rows_per_block):
                 block = w[start:start + self.rows_per_block]
-                if self.head_rows_transform is not None:
-                    block = self.head_rows_transform(block)
+                if transform is not None:
+                    block = transform(block)
                 yield block.to(torch.float32)
 
         def logits_of(self, h):
@@ -105,7 +110,8 @@ def _reference_target_class():
             if self.draft_vocab is None:
                 return torch.argmax(self.logits_of(draft_hidden), dim=-1)
             h = draft_hidden.to(torch.float32)
-            sub = torch.cat([torch.matmul(h, blk.T) for blk in self.head_rows_fp32(self.draft_vocab)], dim=-1)
+            sub = torch.cat([torch.matmul(h, blk.T) for blk in self.head_rows_fp32(self.draft_vocab, self.proposal_rows_transform)],
+                            dim=-1)
             return torch.index_select(self.draft_vocab, 0, torch.argmax(sub, dim=-1))
 
     return ReferenceTarget

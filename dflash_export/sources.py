@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import DFlashError
+from runtime.files import cache_dir as user_cache_dir
 
 from .checkpoint import TargetSpec, build_target_layer_ids, resolve_hub_snapshot, share_permissions
 
@@ -26,8 +27,8 @@ EMBEDDED_MASK_TOKEN_ID = 16
 
 
 def cache_dir() -> Path:
-    """Cache for converted checkpoints: $DFLASH_EXPORT_CACHE or ~/.cache/dflash_export."""
-    return Path(os.environ.get("DFLASH_EXPORT_CACHE", Path.home() / ".cache" / "dflash_export"))
+    """Cache for converted checkpoints: the user cache of `runtime.files.cache_dir`."""
+    return user_cache_dir()
 
 
 def registry() -> dict[str, Any]:

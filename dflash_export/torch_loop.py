@@ -30,6 +30,7 @@ def torch_spec_generate(
     mask_token_id: int,
     stop_token_ids=(),
     verify_len: int | None = None,
+    proposal_vocab: list[int] | None = None,
 ) -> dict:
     """Greedy DFlash speculative decoding in PyTorch (dflash-facts section 5).
 
@@ -42,9 +43,14 @@ def torch_spec_generate(
         mask_token_id: the draft's mask id.
         stop_token_ids: ids that end generation once committed.
         verify_len: verify at most this many proposals per step.
+        proposal_vocab: propose from these token ids only (an artifact's `draft_vocab`), as `build`'s
+            graphs do; None = the whole vocabulary.
 
     Returns:
-        {"output_ids", "acceptance_lengths", "seconds"}.
+        {"output_ids", "acceptance_lengths", "seconds", "margins"}: `margins[i]` is speculative step i's smallest
+        top-1 minus top-2 logit gap among what decided its acceptance length (the proposals up to the
+        first rejected one, and the target's posteriors for them), for comparing other runtimes' steps
+        only where fp32 rounding cannot flip them.
     """
     from transformers import DynamicCache
 
@@ -64,7 +70,8 @@ def torch_spec_generate(
     tokens = [int(out.logits[0, -1].argmax())]
     context = features(out.hidden_states)
     draft_past = None
-    acceptance = []
+    acceptance, margins = [], []
+    vocab = None if proposal_vocab is None else torch.tensor(list(proposal_vocab), dtype=torch.int64)
     n_verify = block_size - 1 if verify_len is None else min(verify_len, block_size - 1)
     while tokens[-1] not in stops and len(tokens) < max_new_tokens:
         remaining = max_new_tokens - len(tokens)
@@ -77,7 +84,11 @@ def torch_spec_generate(
                 draft_past = [torch.zeros(0, a.num_kv_heads, a.head_dim) for _ in range(2 * a.num_layers)]
             res = draft(context, embed(block), *draft_past)
             draft_past = [torch.cat([p, n]) for p, n in zip(draft_past, res[1:])]
-            proposals = head(res[0][:n_prop]).argmax(-1).tolist()
+            prop_logits = head(res[0][:n_prop])
+            if vocab is not None:
+                prop_logits = prop_logits[:, vocab]
+            proposals = prop_logits.argmax(-1)
+            proposals = (vocab[proposals] if vocab is not None else proposals).tolist()
         committed_len = len(prompt_ids) + len(tokens) - 1
         step_ids = torch.tensor([[tokens[-1]] + proposals])
         out = model(step_ids, use_cache=True, output_hidden_states=True, **{kw: cache})
@@ -85,6 +96,9 @@ def torch_spec_generate(
         acc = 0
         while acc < len(proposals) and proposals[acc] == posterior[acc]:
             acc += 1
+        if n_prop > 0:
+            decided = min(acc + 1, len(proposals))
+            margins.append(min([_gap(out.logits[0, j]) for j in range(acc + 1)] + [_gap(prop_logits[j]) for j in range(decided)]))
         new = proposals[:acc] + [posterior[acc]]
         for t in new:
             tokens.append(t)
@@ -97,4 +111,9 @@ def torch_spec_generate(
             context = features(out.hidden_states)[: acc + 1]
         if n_prop > 0:
             acceptance.append(acc + 1)
-    return {"output_ids": tokens, "acceptance_lengths": acceptance, "seconds": time.perf_counter() - t0}
+    return {"output_ids": tokens, "acceptance_lengths": acceptance, "seconds": time.perf_counter() - t0, "margins": margins}
+
+
+def _gap(logits: torch.Tensor) -> float:
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])

@@ -19,13 +19,14 @@ from .errors import DFlashError
 __all__ = ["load", "generate", "Session", "GenerationResult", "DFlashError"]
 
 
-def load(artifact_dir: str | Path, backend: str = "ort", threads: int | None = None) -> Session:
-    """Load an artifact directory into a reusable :class:`Session` (buffers allocated once).
+def load(artifact_dir: str | Path, backend: str = "ort", threads: int | None = None, keep_logits: bool = False) -> Session:
+    """Load an artifact directory into a reusable :class:`Session` (buffers allocated once; use it
+    as a context manager or call `close()` to free them).
 
     Raises:
         DFlashError: missing/incomplete artifact, manifest of another version, unknown backend.
     """
-    return Session(artifact_dir, backend=backend, threads=threads)
+    return Session(artifact_dir, backend=backend, threads=threads, keep_logits=keep_logits)
 
 
 def generate(
@@ -39,17 +40,20 @@ def generate(
     backend: str = "ort",
     seed: int = 0,
     record_steps: bool = False,
-    verify_len: int | None = None,
+    verify_len: int | str | None = None,
 ) -> GenerationResult:
-    """One-off generation: `load(artifact_dir, backend).generate(...)`; see :meth:`Session.generate`."""
-    return load(artifact_dir, backend=backend).generate(
-        prompt,
-        max_new_tokens=max_new_tokens,
-        stop_token_ids=stop_token_ids,
-        temperature=temperature,
-        block_size=block_size,
-        chat=chat,
-        seed=seed,
-        record_steps=record_steps,
-        verify_len=verify_len,
-    )
+    """One-off generation: `load(artifact_dir, backend).generate(...)`; see :meth:`Session.generate`.
+
+    The session is closed afterwards (its device memory freed); load one Session to generate often."""
+    with load(artifact_dir, backend=backend) as sess:
+        return sess.generate(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            temperature=temperature,
+            block_size=block_size,
+            chat=chat,
+            seed=seed,
+            record_steps=record_steps,
+            verify_len=verify_len,
+        )

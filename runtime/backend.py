@@ -107,4 +107,15 @@ class Backend(ABC):
 
     @abstractmethod
     def run(self, graph: str, inputs: dict[str, View], outputs: dict[str, View]) -> None:
-        """Run graph "target" or "draft" reading `inputs` and writing `outputs` in place."""
+        """Run graph "target" or "draft" reading `inputs` and writing `outputs` in place.
+
+        Graph outputs missing from `outputs` are not wanted: a backend drops them or writes them to
+        scratch memory of its own."""
+
+    def describe(self) -> dict:
+        """What call timings on this backend depend on (name, versions, device, settings): the
+        key of the cached call costs (`runtime.call_costs`). JSON-ready."""
+        return {"name": self.name}
+
+    def close(self) -> None:
+        """Release graphs and memory (the backend is unusable afterwards)."""

@@ -29,7 +29,10 @@ import numpy as np
 
 from .backend import Backend, View
 from .errors import DFlashError
+from . import call_costs
 from .manifest import DTYPES, greedy_form_exported, load_manifest
+from .speculation import (TRAINED_DRAFT_PRIOR, UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength,
+                          FixedLength, Policy)
 
 # Scratch buffers are sized for blocks up to this many tokens (or the draft's block size, if larger).
 MAX_BLOCK_SIZE = 64
@@ -49,7 +52,9 @@ class GenerationResult:
         decode_tokens_per_s: tokens after the first / time after prefill.
         prefill_s, draft_s, verify_s, host_s: wall time split (seconds); host_s is the decode time
             spent outside the two graphs.
-        steps: per step, when requested: {"proposed": [...], "accepted": int, "committed": [...]}.
+        steps: per step, when requested: {"proposed": [...], "accepted": int, "committed": [...]}
+            ("proposed" is empty on plain steps).
+        policy: the speculation policy that chose the verify lengths ("auto" or "fixed").
     """
 
     output_ids: list[int]
@@ -63,6 +68,7 @@ class GenerationResult:
     verify_s: float
     host_s: float
     steps: list[dict] = field(default_factory=list)
+    policy: str = "fixed"
 
     @property
     def tau(self) -> float:
@@ -83,6 +89,7 @@ class GenerationResult:
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
             "host_s": self.host_s,
+            "policy": self.policy,
         }
         if with_steps:
             out["steps"] = self.steps
@@ -111,17 +118,27 @@ class Session:
         artifact_dir: directory written by `python -m dflash_export build`.
         backend: "ort" (onnxruntime), "ort-cuda" (onnxruntime CUDA EP) or "trt" (TensorRT engines).
         threads: onnxruntime intra-op threads (default: all cores).
+        keep_logits: also write the target's `[1 + N, V]` fp32 logits into `session.logits` on every
+            call (off by default: the loop reads only token ids; onnxruntime then never materialises
+            them in a bound buffer, TensorRT writes them to a scratch buffer).
+
+    Use it as a context manager (or call :meth:`close`) to free device memory deterministically.
+    One `generate` runs at a time per Session: a second thread calling it while one runs gets a
+    DFlashError at once (the static buffers belong to the session, not to a call; load one Session per
+    thread, or serialise the calls).
 
     Buffers (allocated once, at the manifest's `max_seq_len`): per target layer K and V
     `[max_seq_len, Hkv, D]`, per draft layer context K and V `[max_seq_len, Hkv_d, D_d]`, tap features
-    `[max_seq_len, k * d]`, and block-sized scratch for ids, embeddings and logits.
+    `[max_seq_len, k * d]`, and block-sized scratch for ids, embeddings and (if kept) logits.
 
     Raises:
         DFlashError: a bad artifact or an unavailable backend.
     """
 
-    def __init__(self, artifact_dir: str | Path, backend: str = "ort", threads: int | None = None):
+    def __init__(self, artifact_dir: str | Path, backend: str = "ort", threads: int | None = None,
+                 keep_logits: bool = False):
         self.artifact_dir = Path(artifact_dir)
+        self.keep_logits = bool(keep_logits)
         self.manifest = m = load_manifest(self.artifact_dir)
         self.backend = _make_backend(backend, self.artifact_dir, m, threads)
         self.dtype = np.dtype(DTYPES[m["dtype"]])
@@ -129,9 +146,12 @@ class Session:
         self.block_size = int(m["draft"]["block_size"])
         self.mask_token_id = int(m["draft"]["mask_token_id"])
         self.stop_token_ids = tuple(int(t) for t in m.get("stop_token_ids", []))
-        # proposals verified per step when generate() is not told: the value `bench --save-verify-len`
-        # measured on this machine, else all of them
-        self.default_verify_len = m.get("decoding", {}).get("verify_len")
+        # the default policy's state: call costs (measured or cached on first use) and acceptance
+        # by block position, a running estimate over this session's generations
+        self.call_costs = None
+        self.acceptance_prior = TRAINED_DRAFT_PRIOR if m["draft"].get("trained") else UNTRAINED_DRAFT_PRIOR
+        self.auto: dict[int, AdaptiveLength] = {}  # by block size: what the policy learned lasts the session
+        self.closed = False
         # One generate at a time: the static buffers belong to the session, not to a call.
         self._lock = threading.Lock()
         self.tokenizer = None
@@ -156,8 +176,9 @@ class Session:
         self.uniform = be.alloc(np.float32, mb)
         self._sampling = False
         self._greedy_skips_sampling = greedy_form_exported(m) and be.greedy_without_uniforms
-        self.next_ids = be.alloc(np.int64, mb)
-        self.proposal_ids = be.alloc(np.int64, mb)
+        # a target call writes its 1 + N posterior ids at rows [0, N + 1) and its N proposal ids right
+        # after them, so one device-to-host read per step fetches both
+        self.token_ids = be.alloc(np.int64, 2 * mb)
         self.next_embeddings = be.alloc(self.dtype, mb, (hidden,))
         self.logits = be.alloc(np.float32, mb, (int(t["vocab_size"]),))
         self.block = be.alloc(self.dtype, mb, (hidden,))
@@ -165,9 +186,16 @@ class Session:
         mask_row = _load_mask_embedding(self.artifact_dir / m["mask_embedding"], hidden).astype(self.dtype)
         be.write(self.block.rows(0, mb), np.broadcast_to(mask_row, (mb, hidden)))
 
-    # ---- graph calls -------------------------------------------------------------------
-    def _target(self, n_ids: int, n_proposals: int, past: int) -> None:
-        """Target call: `n_ids` ids from the input buffer + `n_proposals` draft rows, past length `past`."""
+    # ---- graph calls (the public step API: bench, tests and call_costs use these) --------------
+    def run_target(self, n_ids: int, n_proposals: int, past: int, taps_row: int = 0) -> None:
+        """One target call on the session's buffers.
+
+        Reads `n_ids` ids from `input_ids` rows [0, n_ids) and `n_proposals` draft rows from
+        `draft_hidden`, with the target cache's rows [0, past) as its past; writes the new K/V at row
+        `past`, 1 + n_proposals posterior ids (their embeddings to `next_embeddings`) and then the
+        proposals' target-head argmax to `token_ids` (read both with :meth:`read_ids`), and the tap features of every row to `taps` from row
+        `taps_row`. Rows of the cache past `past + n_ids + n_proposals` are untouched.
+        """
         rows = n_ids + n_proposals
         inputs = {
             "input_ids": self.input_ids.rows(0, n_ids),
@@ -177,21 +205,63 @@ class Session:
             "uniform": self.uniform.rows(0, n_proposals + 1 if self._sampling or not self._greedy_skips_sampling else 0),
         }
         outputs = {
-            "next_ids": self.next_ids.rows(0, n_proposals + 1),
-            "proposal_ids": self.proposal_ids.rows(0, n_proposals),
+            "next_ids": self.token_ids.rows(0, n_proposals + 1),
+            "proposal_ids": self.token_ids.rows(n_proposals + 1, n_proposals),
             "next_embeddings": self.next_embeddings.rows(0, n_proposals + 1),
-            "logits": self.logits.rows(0, n_proposals + 1),
-            "taps": self.taps.rows(0, rows),
+            "taps": self.taps.rows(taps_row, rows),
         }
+        if self.keep_logits:
+            outputs["logits"] = self.logits.rows(0, n_proposals + 1)
         _bind_kv(self.t_kv, past, rows, inputs, outputs)
         self.backend.run("target", inputs, outputs)
 
-    def _draft(self, n_context: int, past: int, block_size: int) -> None:
-        """Draft call: new context = taps rows [0, n_context), cached context length `past`."""
+    def read_ids(self, n_proposals: int) -> tuple[np.ndarray, np.ndarray]:
+        """(posterior `[1 + n]`, proposals `[n]`) int64 of the last target call, in one read."""
+        ids = self.backend.read(self.token_ids.rows(0, 2 * n_proposals + 1))
+        return ids[: n_proposals + 1], ids[n_proposals + 1 :]
+
+    def run_draft(self, n_context: int, past: int, block_size: int) -> None:
+        """One draft call: new context = `taps` rows [0, n_context) appended at row `past` of the
+        draft's context cache, block = `block` rows [0, block_size); writes block_size - 1 hidden
+        rows to `draft_hidden`."""
         inputs = {"context_hidden": self.taps.rows(0, n_context), "block_embeddings": self.block.rows(0, block_size)}
         outputs = {"draft_hidden": self.draft_hidden.rows(0, block_size - 1)}
         _bind_kv(self.d_kv, past, n_context, inputs, outputs)
         self.backend.run("draft", inputs, outputs)
+
+    def policy(self, block_size: int, verify_len: int | str | None = None) -> Policy:
+        """The speculation policy `generate` uses for these arguments (see its docstring).
+
+        Measures (or loads the cached) step costs on first use of the adaptive policy.
+        """
+        if block_size == 1:
+            return FixedLength(0)
+        if verify_len == "all":
+            return FixedLength(block_size - 1)
+        if verify_len is None or verify_len == "auto":
+            if self.call_costs is None:
+                self._sampling = False
+                self.call_costs, _ = call_costs.load_or_measure(self)
+            if block_size not in self.auto:
+                self.auto[block_size] = AdaptiveLength(self.call_costs, AcceptanceEstimate(self.acceptance_prior, block_size - 1))
+            return self.auto[block_size]
+        return FixedLength(min(int(verify_len), block_size - 1))
+
+    def close(self) -> None:
+        """Release the backend's graphs and device memory; the session cannot generate afterwards."""
+        if self.closed:
+            return
+        with self._lock:
+            self.closed = True
+            close = getattr(self.backend, "close", None)
+            if close is not None:
+                close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- public API --------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
@@ -235,7 +305,7 @@ class Session:
         chat: bool = False,
         seed: int = 0,
         record_steps: bool = False,
-        verify_len: int | None = None,
+        verify_len: int | str | None = None,
     ) -> GenerationResult:
         """Generate a reply with DFlash speculative decoding (lossless w.r.t. the target).
 
@@ -249,10 +319,12 @@ class Session:
             chat: wrap text in the model's chat template as one user turn.
             seed: seed of the sampling random numbers (temperature > 0).
             record_steps: keep each step's proposals and acceptance in `result.steps`.
-            verify_len: verify at most this many of the block_size - 1 proposals per step, 1..block_size-1
-                (default: the artifact's measured `decoding.verify_len` when `bench --save-verify-len`
-                stored one, capped at block_size - 1, else all). On CPUs a verify pass costs more per token than on GPUs, so checking fewer
-                proposals can be faster; the draft still fills the whole block it was trained on.
+            verify_len: proposals verified per step. None or "auto" (default): chosen each step from
+                this device's measured call costs and the running acceptance by block position, 0 (a
+                plain step without a draft call) when speculation would not pay (`runtime.speculation`;
+                the first call on a device measures the costs in well under a second and caches them).
+                "all" verifies every proposal (block_size - 1); an integer 1..block_size-1 exactly that
+                many. The draft always fills the whole block it was trained on.
 
         Returns:
             GenerationResult.
@@ -282,17 +354,13 @@ class Session:
                 f"the KV buffers' max_seq_len {self.max_seq_len}; shorten the request or rebuild with "
                 f"`python -m dflash_export build --max-seq-len {len(ids) + max_new_tokens}` (or larger)"
             )
-        if verify_len is None:
-            # the artifact's measured default is a cap: a smaller block_size simply checks all it proposes
-            n_verify = b - 1 if self.default_verify_len is None else min(self.default_verify_len, b - 1)
-        else:
+        if verify_len is not None and verify_len not in ("auto", "all"):
             verify_len = _as_int(verify_len, "verify_len")
             if b == 1 and verify_len != 1:
                 raise DFlashError(f"block_size 1 (plain decoding) verifies no proposals; omit verify_len (got {verify_len})")
             if not 1 <= verify_len <= max(b - 1, 1):
                 raise DFlashError(f"verify_len must be between 1 and block_size - 1 = {b - 1} "
                                   f"(got {verify_len}); block_size {b} proposes {b - 1} tokens per step")
-            n_verify = min(verify_len, b - 1)
         stops = set(self.stop_token_ids if stop_token_ids is None else (int(s) for s in stop_token_ids))
         rng = np.random.default_rng(seed)
         if not self._lock.acquire(blocking=False):
@@ -301,56 +369,61 @@ class Session:
                 "(load one Session per thread)"
             )
         try:
-            return self._decode(ids, max_new_tokens, stops, float(temperature), b, n_verify, rng, record_steps)
+            if self.closed:
+                raise DFlashError("this Session is closed; load the artifact again")
+            policy = self.policy(b, verify_len)
+            policy.start()
+            return self._decode(ids, max_new_tokens, stops, float(temperature), b, policy, rng, record_steps)
         finally:
             self._lock.release()
 
-    def _decode(self, ids, max_new, stops, temperature, b, n_verify, rng, record_steps) -> GenerationResult:
+    def _decode(self, ids, max_new, stops, temperature, b, policy, rng, record_steps) -> GenerationResult:
         be = self.backend
+        clock = time.perf_counter
         draft_s = verify_s = 0.0
-        t_start = time.perf_counter()
+        t_start = clock()
         self._sampling = temperature > 0
         be.write(self.temperature.rows(0, 1), np.array([temperature], np.float32))
         be.write(self.input_ids.rows(0, len(ids)), np.asarray(ids, np.int64))
         be.write(self.uniform.rows(0, 1), rng.random(1, dtype=np.float32) if temperature > 0 else np.zeros(1, np.float32))
-        self._target(len(ids), 0, 0)  # prefill
-        first = int(be.read(self.next_ids.rows(0, 1))[0])
-        t_prefill = time.perf_counter()
+        self.run_target(len(ids), 0, 0)  # prefill
+        first = int(self.read_ids(0)[0][0])
+        t_prefill = clock()
         out, stopped = cut_at_stop([first], stops)
         target_len = len(ids)  # committed rows in the target cache (the last committed token is not in it yet)
         draft_len = 0  # committed rows in the draft's context cache
-        n_context = len(ids)  # taps rows [0, n_context) not yet in the draft's cache
+        pending = len(ids)  # taps rows [0, pending): committed context the draft has not read yet
         anchor_row = 0  # next_embeddings row holding the embedding of the last committed token
         acceptance: list[int] = []
         steps: list[dict] = []
         while not stopped and len(out) < max_new:
-            remaining = max_new - len(out)
-            n_prop = min(n_verify, remaining - 1)  # never verify more than can be committed
-            if n_prop > 0:
+            n_prop = policy.proposals(min(b - 1, max_new - len(out) - 1))  # never verify more than can be committed
+            t_step = clock()
+            if n_prop > 0:  # the draft reads all context since its last call, then fills the block
                 be.copy(self.block.rows(0, 1), self.next_embeddings.rows(anchor_row, 1))
-                t0 = time.perf_counter()
-                self._draft(n_context, draft_len, b)
-                draft_s += time.perf_counter() - t0
-                draft_len += n_context
+                self.run_draft(pending, draft_len, b)
+                draft_s += clock() - t_step
+                draft_len, pending = draft_len + pending, 0
             be.write(self.input_ids.rows(0, 1), np.array([out[-1]], np.int64))
             if temperature > 0:
                 be.write(self.uniform.rows(0, n_prop + 1), rng.random(n_prop + 1, dtype=np.float32))
-            t0 = time.perf_counter()
-            self._target(1, n_prop, target_len)
-            verify_s += time.perf_counter() - t0
-            posterior = be.read(self.next_ids.rows(0, n_prop + 1))
-            proposals = be.read(self.proposal_ids.rows(0, n_prop)) if n_prop else np.zeros(0, np.int64)
+            t0 = clock()
+            self.run_target(1, n_prop, target_len, taps_row=pending)
+            verify_s += clock() - t0
+            posterior, proposals = self.read_ids(n_prop)
             acc = accepted_prefix(proposals, posterior)
             committed = [int(t) for t in proposals[:acc]] + [int(posterior[acc])]
             kept, stopped = cut_at_stop(committed, stops)
             out += kept
             target_len += acc + 1
-            n_context, anchor_row = acc + 1, acc
+            pending += acc + 1
+            anchor_row = acc
+            policy.observe(n_prop, acc, clock() - t_step)
             if n_prop > 0:
                 acceptance.append(acc + 1)
             if record_steps:
                 steps.append({"proposed": [int(t) for t in proposals], "accepted": acc, "committed": kept})
-        t_end = time.perf_counter()
+        t_end = clock()
         total, decode = t_end - t_start, t_end - t_prefill
         text = self.tokenizer.decode(out) if self.tokenizer is not None else None
         return GenerationResult(
@@ -365,6 +438,7 @@ class Session:
             verify_s=verify_s,
             host_s=max(decode - draft_s - verify_s, 0.0),
             steps=steps,
+            policy=policy.name,
         )
 
 

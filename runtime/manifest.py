@@ -83,18 +83,6 @@ def load_manifest(artifact_dir: str | Path) -> dict[str, Any]:
             raise DFlashError(f"{path}: {section}.graph must be a file name inside the artifact (got {graph!r})")
     if not isinstance(manifest.get("mask_embedding"), str) or Path(manifest["mask_embedding"]).name != manifest["mask_embedding"]:
         raise DFlashError(f"{path}: mask_embedding must be a file name inside the artifact; rebuild the artifact")
-    # (bench cannot load an artifact with a bad section either, so the fix offered is deleting it)
-    fix = "delete the 'decoding' section (then `bench --save-verify-len` can measure a new one)"
-    decoding = manifest.get("decoding", {})
-    if not isinstance(decoding, dict):
-        json_type = {type(None): "null", str: "a string", list: "an array"}.get(type(decoding), "a number")
-        raise DFlashError(f"{path}: 'decoding' is {json_type}, expected an object like {{\"verify_len\": 3}}; {fix}")
-    verify_len = decoding.get("verify_len")
-    most = manifest["draft"]["block_size"] - 1
-    if verify_len is not None and (isinstance(verify_len, bool) or not isinstance(verify_len, int)
-                                   or not 1 <= verify_len <= most):
-        raise DFlashError(f"{path}: decoding.verify_len is {verify_len!r}, expected an integer from 1 to the draft's "
-                          f"block size - 1 = {most}; {fix}")
     if manifest.get("dtype") not in DTYPES:
         raise DFlashError(f"{path}: unknown dtype {manifest.get('dtype')!r}; rebuild the artifact")
     for section in ("target", "draft"):

@@ -120,6 +120,8 @@ class OrtBackend(Backend):
             default): about 2x faster plain decoding on AVX2, but one row and several rows round
             differently, so speculative and plain output diverge (measured on SmolLM2 block 32: 4 of
             5 prompts within 96 tokens). None = onnxruntime's default (4).
+        spin_threads: let both sessions' worker threads spin after a run (onnxruntime's default; off
+            here: see the comment in the constructor).
 
     Raises:
         DFlashError: onnxruntime is missing or cannot load a graph.
@@ -129,27 +131,32 @@ class OrtBackend(Backend):
 
     def __init__(self, artifact_dir: Path, manifest: dict, providers: list[str] | None = None, threads: int | None = None,
                  low_memory: bool = False, graphs: tuple[str, ...] = ("target", "draft"),
-                 int4_accuracy_level: int | None = 1):
+                 int4_accuracy_level: int | None = 1, spin_threads: bool = False):
         try:
             import onnxruntime as ort
         except ImportError:
             raise DFlashError("onnxruntime is not installed: pip install onnxruntime") from None
         self._ort = ort
         self.greedy_without_uniforms = empty_rows_supported(ort)
+        self.threads = threads or os.cpu_count() or 1
+        self.int4_accuracy_level = int4_accuracy_level if manifest.get("quantization") else None
+        # one IOBinding per graph, and what each name is bound to: a call rebinds only what moved
+        self._bindings: dict[str, tuple] = {}
         self.providers = providers or ["CPUExecutionProvider"]
         self.sessions = {}
         for graph in graphs:
             path = Path(artifact_dir) / manifest[graph]["graph"]
-            # The two graphs alternate every step. An idle session's worker threads spin for a
-            # while after each run and steal the cores from the other one; the draft is short, so
-            # its threads sleep instead (measured on 2 cores: a 16-token verify took 96 ms inside
-            # the loop vs 60 ms alone). onnxruntime's process-wide pool would also fix it, but it
-            # breaks every other InferenceSession the host program creates.
+            # The two graphs alternate every step, so neither session's worker threads spin after a
+            # run (onnxruntime spins by default): spinning threads of the idle session steal the cores from
+            # the other one. Measured on 2 cores, SmolLM2 fp32, a draft + 1-proposal verify step:
+            # 1.35-1.42x a plain step with the target spinning, 1.24-1.26x with neither, while plain
+            # steps kept their speed (`python scripts/step_overhead.py ARTIFACT`). onnxruntime's process-wide pool
+            # would also fix it, but it breaks every other InferenceSession the host program creates.
             opts = ort.SessionOptions()
             opts.graph_optimization_level = _optimization_level(ort)
             opts.log_severity_level = 3
-            opts.intra_op_num_threads = threads or os.cpu_count() or 1
-            opts.add_session_config_entry("session.intra_op.allow_spinning", "0" if graph == "draft" else "1")
+            opts.intra_op_num_threads = self.threads
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_threads else "0")
             if int4_accuracy_level is not None:
                 opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(int4_accuracy_level))
             if low_memory:
@@ -181,10 +188,27 @@ class OrtBackend(Backend):
         dst.buffer.host(dst)[...] = src.buffer.host(src).reshape(dst.shape)
 
     def run(self, graph: str, inputs: dict[str, View], outputs: dict[str, View]) -> None:
-        sess = self.sessions[graph]
-        binding = sess.io_binding()
-        for name, v in inputs.items():
-            binding.bind_input(name, "cpu", 0, v.buffer.dtype, list(v.shape), v.buffer.ptr + v.byte_offset)
-        for name, v in outputs.items():
-            binding.bind_output(name, "cpu", 0, v.buffer.dtype, list(v.shape), v.buffer.ptr + v.byte_offset)
-        sess.run_with_iobinding(binding)
+        binding, bound = self._binding(graph, inputs, outputs)
+        for names, bind, views in ((bound[0], binding.bind_input, inputs), (bound[1], binding.bind_output, outputs)):
+            for name, v in views.items():
+                where = (v.buffer.ptr + v.byte_offset, v.shape)
+                if names.get(name) != where:  # the past K/V views grow every step; ids, taps... often stay
+                    bind(name, "cpu", 0, v.buffer.dtype, list(v.shape), where[0])
+                    names[name] = where
+        self.sessions[graph].run_with_iobinding(binding)
+
+    def _binding(self, graph: str, inputs: dict, outputs: dict) -> tuple:
+        """The graph's IOBinding, cleared when the set of bound names changes (an unbound output)."""
+        entry = self._bindings.get(graph)
+        if entry is None or entry[1][0].keys() != inputs.keys() or entry[1][1].keys() != outputs.keys():
+            entry = (self.sessions[graph].io_binding(), ({}, {}))
+            self._bindings[graph] = entry
+        return entry
+
+    def describe(self) -> dict:
+        return {"name": self.name, "onnxruntime": self._ort.__version__, "providers": self.providers,
+                "threads": self.threads, "int4_accuracy_level": self.int4_accuracy_level}
+
+    def close(self) -> None:
+        self._bindings.clear()
+        self.sessions.clear()

@@ -46,7 +46,7 @@ class OrtCudaBackend(CudaMemoryBackend):
         if gpu is None:
             raise DFlashError(f"the ort-cuda backend needs an NVIDIA GPU: {why}")
         super().__init__(load_cuda(), scratch_rows=max_block(manifest))
-        self.device_id = device_id
+        self.device_id, self.gpu, self._ort_version = device_id, gpu, ort.__version__
         self.greedy_without_uniforms = empty_rows_supported(ort)
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -63,6 +63,9 @@ class OrtCudaBackend(CudaMemoryBackend):
             if "CUDAExecutionProvider" not in sess.get_providers():
                 raise DFlashError(f"onnxruntime did not enable its CUDA provider for {path.name} (CUDA/cuDNN libraries missing?)")
             self.sessions[graph] = sess
+
+    def _versions(self) -> dict:
+        return {"onnxruntime": self._ort_version}
 
     def run(self, graph: str, inputs: dict[str, View], outputs: dict[str, View]) -> None:
         binding = self.sessions[graph].io_binding()

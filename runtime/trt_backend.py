@@ -199,13 +199,24 @@ class CudaMemoryBackend(Backend):
         self.cuda.stream_synchronize(self.stream)
 
     def _scratch_view(self, graph: str, name: str, view: View) -> View:
+        return self._scratch_for(graph, name, view.buffer.dtype, view.shape)
+
+    def _scratch_for(self, graph: str, name: str, dtype, shape: tuple) -> View:
+        """A view of `shape` on the (graph, name) scratch buffer, grown when too small."""
         buf = self._scratch.get((graph, name))
-        if buf is None or buf.capacity < view.size or buf.dtype != view.buffer.dtype:
-            rows = max(view.shape[0] if view.shape else 1, self._scratch_rows)
-            row_shape = view.shape[1:] if view.shape else ()
-            buf = DeviceBuffer(self.cuda, view.buffer.dtype, rows * int(np.prod(row_shape, dtype=np.int64)), row_shape)
+        size = int(np.prod(shape, dtype=np.int64))
+        if buf is None or buf.capacity < size or buf.dtype != np.dtype(dtype):
+            rows = max(shape[0] if shape else 1, self._scratch_rows)
+            row_shape = tuple(shape[1:]) if shape else ()
+            buf = DeviceBuffer(self.cuda, dtype, rows * int(np.prod(row_shape, dtype=np.int64)), row_shape)
             self._scratch[(graph, name)] = buf
-        return View(buf, 0, view.shape)
+        return View(buf, 0, tuple(shape))
+
+    def describe(self) -> dict:
+        return {"name": self.name, "gpu": getattr(self, "gpu", None), **self._versions()}
+
+    def _versions(self) -> dict:
+        return {}
 
     def _bind(self, graph: str, name: str, view: View, output: bool, pending: list) -> int:
         """Device address to bind for `view`: in place when 256-byte aligned, else a scratch buffer
@@ -274,7 +285,7 @@ class TrtBackend(CudaMemoryBackend):
                 raise DFlashError(f"the TensorRT backend needs an NVIDIA GPU: {why}")
         check_engine_compat(section, str(trt.__version__), gpu, artifact_dir)
         super().__init__(cuda or load_cuda(), scratch_rows=max_block(manifest))
-        self.trt = trt
+        self.trt, self.gpu = trt, gpu
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         self.engines, self.contexts, self.profiles, self.active, self.io_dtypes = {}, {}, {}, {}, {}
@@ -325,6 +336,9 @@ class TrtBackend(CudaMemoryBackend):
             ctx.set_tensor_address(name, self._bind(graph, name, v, False, pending))
         for name, v in outputs.items():
             ctx.set_tensor_address(name, self._bind(graph, name, v, True, pending))
+        for name in self._unwanted_outputs(graph, outputs):  # TensorRT writes every output somewhere
+            shape = tuple(int(x) for x in ctx.get_tensor_shape(name))
+            ctx.set_tensor_address(name, self._scratch_for(graph, name, self.io_dtypes[graph][name], shape).buffer.ptr)
         key = (graph, tuple(shapes.items()), tuple((n, v.shape) for n, v in outputs.items()))
         if key not in self._checked:  # once per distinct call shape: outputs must fit their views
             self._check_outputs(graph, ctx, outputs)
@@ -332,6 +346,14 @@ class TrtBackend(CudaMemoryBackend):
         if not ctx.execute_async_v3(self.stream):
             raise DFlashError(f"TensorRT failed to run the {graph} engine (see its log above)")
         self._finish(pending)
+
+    def _unwanted_outputs(self, graph: str, outputs: dict[str, View]) -> list[str]:
+        engine = self.engines[graph]
+        return [n for n in self.io_dtypes[graph] if n not in outputs
+                and engine.get_tensor_mode(n) == self.trt.TensorIOMode.OUTPUT]
+
+    def _versions(self) -> dict:
+        return {"tensorrt": str(self.trt.__version__)}
 
     def _check_outputs(self, graph: str, ctx, outputs: dict[str, View]) -> None:
         for name, v in outputs.items():

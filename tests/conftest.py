@@ -6,11 +6,16 @@ Each tiny export takes seconds, so every distinct graph is exported at most once
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+# The suite never reads or writes the user's cache of measured step costs (runtime.call_costs).
+os.environ["DFLASH_EXPORT_CALL_COSTS"] = tempfile.mkdtemp(prefix="dflash-test-costs-")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -289,7 +289,7 @@ def token_rows(target_dir: Path, scale: float = 8.0) -> np.ndarray:
 
 
 class Oracle:
-    """Replace `sess._draft` by a writer of chosen proposals.
+    """Replace `sess.run_draft` by a writer of chosen proposals.
 
     `propose(k, n)` returns the n tokens to propose when k tokens have been generated (proposals are
     for output positions k .. k + n - 1). The draft-hidden rows are turned into `proposal_ids` by the
@@ -299,7 +299,7 @@ class Oracle:
     def __init__(self, sess, rows: np.ndarray, prompt_len: int, propose: Callable[[int, int], list[int]]):
         self.sess, self.rows, self.prompt_len, self.propose = sess, rows, prompt_len, propose
         self.calls: list[tuple[int, list[int]]] = []
-        sess._draft = self._draft
+        sess.run_draft = self._draft
 
     def _draft(self, n_context: int, past: int, block_size: int) -> None:
         sess = self.sess

@@ -79,7 +79,7 @@ def test_greedy_equals_plain_and_hugging_face(kind, request):
     sess = runtime.load(pair.artifact)
     n, compared = 24, 0
     for prompt in PROMPTS:
-        spec = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True)
+        spec = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True, verify_len="all")
         plain = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], block_size=1)
         assert spec.output_ids == plain.output_ids
         assert len(spec.output_ids) == n and spec.finish_reason == "length"
@@ -99,7 +99,7 @@ def test_greedy_equals_plain_and_hugging_face(kind, request):
 def test_greedy_any_block_size_equals_plain(qwen, qwen_ref, block_size):
     sess = runtime.load(qwen.artifact)
     for prompt in PROMPTS:
-        res = sess.generate(prompt, max_new_tokens=21, stop_token_ids=[], block_size=block_size, record_steps=True)
+        res = sess.generate(prompt, max_new_tokens=21, stop_token_ids=[], block_size=block_size, record_steps=True, verify_len="all")
         assert res.output_ids == qwen_ref(prompt)[:21]
         assert all(len(s["proposed"]) <= block_size - 1 for s in res.steps)
         check_steps(res)
@@ -110,7 +110,7 @@ def test_default_stop_token_is_the_manifest_eos(qwen, qwen_ref):
     assert sess.stop_token_ids == (rf.EOS,)
     ref = qwen_ref(PROMPTS[0])
     assert rf.EOS not in ref[:10]
-    res = sess.generate(PROMPTS[0], max_new_tokens=10)
+    res = sess.generate(PROMPTS[0], max_new_tokens=10, verify_len="all")
     assert res.output_ids == ref[:10] and res.finish_reason == "length"
 
 
@@ -121,7 +121,7 @@ def test_oracle_fully_correct_blocks(qwen, qwen_rows, qwen_ref, n):
     ref = qwen_ref(prompt)
     sess = runtime.load(qwen.artifact)
     oracle = rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(ref))
-    res = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True)
+    res = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True, verify_len="all")
     assert res.output_ids == ref[:n]
     assert res.finish_reason == "length"
     assert res.acceptance_lengths == rf.expected_acceptance(n, qwen.block_size)
@@ -139,7 +139,7 @@ def test_oracle_partly_correct_blocks_roll_back(qwen, qwen_rows, qwen_ref, corre
     ref = qwen_ref(prompt)
     sess = runtime.load(qwen.artifact)
     rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(ref, correct=correct))
-    res = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True)
+    res = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True, verify_len="all")
     assert res.output_ids == ref[:n]
     assert res.acceptance_lengths == rf.expected_acceptance(n, qwen.block_size, correct)
     for s in res.steps:
@@ -161,7 +161,7 @@ def test_oracle_mixed_acceptance_per_step(qwen, qwen_rows, qwen_ref):
 
     sess = runtime.load(qwen.artifact)
     rf.Oracle(sess, qwen_rows, len(prompt), propose)
-    res = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True)
+    res = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True, verify_len="all")
     assert res.output_ids == ref[:n]
     assert [s["accepted"] for s in res.steps] == [min(c, len(s["proposed"])) for c, s in zip(calls, res.steps)]
     check_steps(res)
@@ -217,7 +217,7 @@ def test_oracle_stop_inside_accepted_block(qwen, qwen_rows, qwen_ref, where):
     stop = ref[j]
     sess = runtime.load(qwen.artifact)
     rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(ref))
-    res = sess.generate(prompt, max_new_tokens=40, stop_token_ids=[stop], record_steps=True)
+    res = sess.generate(prompt, max_new_tokens=40, stop_token_ids=[stop], record_steps=True, verify_len="all")
     assert res.output_ids == ref[: j + 1]
     assert res.output_ids[-1] == stop and res.finish_reason == "stop"
     last = res.steps[-1]
@@ -227,9 +227,9 @@ def test_oracle_stop_inside_accepted_block(qwen, qwen_rows, qwen_ref, where):
     check_steps(res)
     # a stop token committed as the very last allowed token still finishes with "stop"
     rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(ref))
-    exact = sess.generate(prompt, max_new_tokens=j + 1, stop_token_ids=[stop])
+    exact = sess.generate(prompt, max_new_tokens=j + 1, stop_token_ids=[stop], verify_len="all")
     assert exact.output_ids == ref[: j + 1] and exact.finish_reason == "stop"
-    short = sess.generate(prompt, max_new_tokens=j, stop_token_ids=[stop])
+    short = sess.generate(prompt, max_new_tokens=j, stop_token_ids=[stop], verify_len="all")
     assert short.output_ids == ref[:j] and short.finish_reason == "length"
     # the same stop on plain decoding ends at the same place
     plain = runtime.load(qwen.artifact).generate(prompt, max_new_tokens=40, stop_token_ids=[stop], block_size=1)
@@ -241,7 +241,7 @@ def test_oracle_stop_as_first_token(qwen, qwen_rows, qwen_ref):
     ref = qwen_ref(prompt)
     sess = runtime.load(qwen.artifact)
     oracle = rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(ref))
-    res = sess.generate(prompt, max_new_tokens=20, stop_token_ids=[ref[0], 93], record_steps=True)
+    res = sess.generate(prompt, max_new_tokens=20, stop_token_ids=[ref[0], 93], record_steps=True, verify_len="all")
     assert res.output_ids == [ref[0]] and res.finish_reason == "stop"
     assert res.steps == [] and oracle.calls == [] and res.acceptance_lengths == []
 
@@ -257,7 +257,7 @@ def test_oracle_rejected_stop_proposal_is_not_committed(qwen, qwen_rows, qwen_re
 
     sess = runtime.load(qwen.artifact)
     rf.Oracle(sess, qwen_rows, len(prompt), propose)
-    res = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[stop], record_steps=True)
+    res = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[stop], record_steps=True, verify_len="all")
     assert res.output_ids == ref[:n] and res.finish_reason == "length"
     assert any(stop in s["proposed"] for s in res.steps)
     assert res.acceptance_lengths == rf.expected_acceptance(n, qwen.block_size, 2)
@@ -269,7 +269,7 @@ def test_exact_capacity(qwen, qwen_rows):
     sess = runtime.load(qwen.artifact)
     plain = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], block_size=1)
     assert len(plain.output_ids) == n
-    spec = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True)
+    spec = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True, verify_len="all")
     assert spec.output_ids == plain.output_ids
     hf_ids, margin = rf.hf_greedy(qwen.target_dir, prompt, n)
     small = np.flatnonzero(margin < 1e-3)
@@ -279,11 +279,11 @@ def test_exact_capacity(qwen, qwen_rows):
     assert rf.hf_greedy_violations(qwen.target_dir, prompt, plain.output_ids) == []
     # fully accepted blocks right up to the last row of the KV buffers
     rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(plain.output_ids))
-    full = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True)
+    full = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True, verify_len="all")
     assert full.output_ids == plain.output_ids
     assert full.acceptance_lengths == rf.expected_acceptance(n, qwen.block_size)
     with pytest.raises(DFlashError, match=rf"max_seq_len {qwen.max_seq_len}.*--max-seq-len {qwen.max_seq_len + 1}"):
-        sess.generate(prompt, max_new_tokens=n + 1, stop_token_ids=[])
+        sess.generate(prompt, max_new_tokens=n + 1, stop_token_ids=[], verify_len="all")
 
 
 def test_prompt_beyond_capacity_is_refused_before_running(qwen):
@@ -292,15 +292,15 @@ def test_prompt_beyond_capacity_is_refused_before_running(qwen):
     real_run = sess.backend.run
     sess.backend.run = lambda graph, i, o: (runs.append(graph), real_run(graph, i, o))
     with pytest.raises(DFlashError) as err:
-        sess.generate(list(range(3, 3 + qwen.max_seq_len)), max_new_tokens=1)
+        sess.generate(list(range(3, 3 + qwen.max_seq_len)), max_new_tokens=1, verify_len="all")
     msg = str(err.value)
     assert f"max_seq_len {qwen.max_seq_len}" in msg and "--max-seq-len" in msg
     assert runs == []
     with pytest.raises(DFlashError, match="--max-seq-len"):
-        sess.generate([5, 6], max_new_tokens=qwen.max_seq_len - 1)
+        sess.generate([5, 6], max_new_tokens=qwen.max_seq_len - 1, verify_len="all")
     assert runs == []
     # the session is still usable afterwards
-    assert len(sess.generate([5, 6], max_new_tokens=qwen.max_seq_len - 2, stop_token_ids=[]).output_ids) == qwen.max_seq_len - 2
+    assert len(sess.generate([5, 6], max_new_tokens=qwen.max_seq_len - 2, stop_token_ids=[], verify_len="all").output_ids) == qwen.max_seq_len - 2
 
 
 def test_session_reuse_equals_fresh_sessions(qwen, qwen_rows, qwen_ref):
@@ -314,8 +314,8 @@ def test_session_reuse_equals_fresh_sessions(qwen, qwen_rows, qwen_ref):
     ]
     reused = runtime.load(qwen.artifact)
     for prompt, kw in calls:  # the real (random) draft: proposals depend on the draft's cache too
-        a = reused.generate(prompt, stop_token_ids=[], record_steps=True, **kw)
-        b = runtime.load(qwen.artifact).generate(prompt, stop_token_ids=[], record_steps=True, **kw)
+        a = reused.generate(prompt, stop_token_ids=[], record_steps=True, **kw, verify_len="all")
+        b = runtime.load(qwen.artifact).generate(prompt, stop_token_ids=[], record_steps=True, **kw, verify_len="all")
         assert (a.output_ids, a.acceptance_lengths, a.steps) == (b.output_ids, b.acceptance_lengths, b.steps)
         if "temperature" not in kw:
             assert a.output_ids == qwen_ref(prompt)[: kw["max_new_tokens"]]
@@ -325,7 +325,7 @@ def test_session_reuse_equals_fresh_sessions(qwen, qwen_rows, qwen_ref):
             continue
         ref = qwen_ref(prompt)
         rf.Oracle(reused, qwen_rows, len(prompt), rf.follow(ref, correct=4))
-        a = reused.generate(prompt, stop_token_ids=[], record_steps=True, **kw)
+        a = reused.generate(prompt, stop_token_ids=[], record_steps=True, **kw, verify_len="all")
         assert a.output_ids == ref[: kw["max_new_tokens"]]
         assert a.acceptance_lengths == rf.expected_acceptance(kw["max_new_tokens"], qwen.block_size, 4)
 
@@ -335,7 +335,7 @@ def test_real_draft_accepted_and_mask_ids_kept(ctxfree):
     m, b = ctxfree.mask_id, ctxfree.block_size
     sess = runtime.load(ctxfree.artifact)
     for prompt in ([5, 7, m], [m]):
-        res = sess.generate(prompt, max_new_tokens=14, stop_token_ids=[], record_steps=True)
+        res = sess.generate(prompt, max_new_tokens=14, stop_token_ids=[], record_steps=True, verify_len="all")
         assert res.output_ids == [m] * 14  # the target emits the mask id: it is kept, never filtered
         assert res.acceptance_lengths == rf.expected_acceptance(14, b) == [b] * 3
         assert all(s["proposed"] == [m] * len(s["proposed"]) for s in res.steps)
@@ -344,24 +344,24 @@ def test_real_draft_accepted_and_mask_ids_kept(ctxfree):
         hf_ids, margin = rf.hf_greedy(ctxfree.target_dir, prompt, 14)
         assert hf_ids == res.output_ids and margin.min() > 1e-2
     # a prompt ending in another token: the target repeats it, the draft's mask proposals are rejected
-    res = sess.generate([5, 7, 9], max_new_tokens=10, stop_token_ids=[], record_steps=True)
+    res = sess.generate([5, 7, 9], max_new_tokens=10, stop_token_ids=[], record_steps=True, verify_len="all")
     assert res.output_ids == [9] * 10
     assert res.acceptance_lengths == rf.expected_acceptance(10, b, 0) == [1] * 8  # the last step has no proposal
     # the mask id as a stop token stops at once; as a non-stop it fills the whole budget
-    res = sess.generate([5, m], max_new_tokens=10, stop_token_ids=[m])
+    res = sess.generate([5, m], max_new_tokens=10, stop_token_ids=[m], verify_len="all")
     assert res.output_ids == [m] and res.finish_reason == "stop"
-    res = sess.generate([5, m], max_new_tokens=10, stop_token_ids=[2])
+    res = sess.generate([5, m], max_new_tokens=10, stop_token_ids=[2], verify_len="all")
     assert res.output_ids == [m] * 10 and res.finish_reason == "length"
 
 
 def test_real_draft_exact_capacity_and_reuse(ctxfree):
     m = ctxfree.mask_id
     sess = runtime.load(ctxfree.artifact)
-    first = sess.generate([4, 8, 15, 16, 23, 42, m], max_new_tokens=ctxfree.max_seq_len - 7, stop_token_ids=[])
+    first = sess.generate([4, 8, 15, 16, 23, 42, m], max_new_tokens=ctxfree.max_seq_len - 7, stop_token_ids=[], verify_len="all")
     assert first.output_ids == [m] * (ctxfree.max_seq_len - 7)
     assert first.acceptance_lengths == rf.expected_acceptance(ctxfree.max_seq_len - 7, ctxfree.block_size)
-    again = sess.generate([m], max_new_tokens=9, stop_token_ids=[], record_steps=True)
-    fresh = runtime.load(ctxfree.artifact).generate([m], max_new_tokens=9, stop_token_ids=[], record_steps=True)
+    again = sess.generate([m], max_new_tokens=9, stop_token_ids=[], record_steps=True, verify_len="all")
+    fresh = runtime.load(ctxfree.artifact).generate([m], max_new_tokens=9, stop_token_ids=[], record_steps=True, verify_len="all")
     assert (again.output_ids, again.steps) == (fresh.output_ids, fresh.steps)
 
 
@@ -382,7 +382,7 @@ def test_draft_vocab_limits_proposals_never_the_output(ctxfree, tmp_path):
         art = tmp_path / f"art_{keep_mask}"
         manifest = build(str(ctxfree.target_dir), str(draft), art, max_seq_len=ctxfree.max_seq_len, quiet=True)
         assert manifest["draft"]["draft_vocab_size"] == len(ids)
-        res = runtime.load(art).generate([5, 7, m], max_new_tokens=14, stop_token_ids=[], record_steps=True)
+        res = runtime.load(art).generate([5, 7, m], max_new_tokens=14, stop_token_ids=[], record_steps=True, verify_len="all")
         assert res.output_ids == [m] * 14
         assert all(set(s["proposed"]) <= set(ids) for s in res.steps)
         if keep_mask:
@@ -393,7 +393,7 @@ def test_draft_vocab_limits_proposals_never_the_output(ctxfree, tmp_path):
     full = build(str(ctxfree.target_dir), str(tmp_path / "draft_False"), tmp_path / "art_full",
                  max_seq_len=ctxfree.max_seq_len, quiet=True, draft_vocab="full")
     assert full["draft"]["draft_vocab_size"] is None
-    res = runtime.load(tmp_path / "art_full").generate([5, 7, m], max_new_tokens=14, stop_token_ids=[])
+    res = runtime.load(tmp_path / "art_full").generate([5, 7, m], max_new_tokens=14, stop_token_ids=[], verify_len="all")
     assert res.output_ids == [m] * 14 and res.acceptance_lengths == [b] * 3
 
 
@@ -403,9 +403,9 @@ def test_sampling_is_deterministic_per_seed(qwen):
     prompt = PROMPTS[1]
     outs = {}
     for seed in range(4):
-        a = sess.generate(prompt, max_new_tokens=16, stop_token_ids=[], temperature=1.0, seed=seed)
-        b = sess.generate(prompt, max_new_tokens=16, stop_token_ids=[], temperature=1.0, seed=seed)
-        c = runtime.load(qwen.artifact).generate(prompt, max_new_tokens=16, stop_token_ids=[], temperature=1.0, seed=seed)
+        a = sess.generate(prompt, max_new_tokens=16, stop_token_ids=[], temperature=1.0, seed=seed, verify_len="all")
+        b = sess.generate(prompt, max_new_tokens=16, stop_token_ids=[], temperature=1.0, seed=seed, verify_len="all")
+        c = runtime.load(qwen.artifact).generate(prompt, max_new_tokens=16, stop_token_ids=[], temperature=1.0, seed=seed, verify_len="all")
         assert a.output_ids == b.output_ids == c.output_ids
         outs[seed] = tuple(a.output_ids)
     assert len(set(outs.values())) > 1, "different seeds gave the same sample: temperature is ignored"
@@ -420,11 +420,11 @@ def test_sampling_spec_equals_plain_when_proposals_are_right(qwen, qwen_rows):
         sess = runtime.load(qwen.artifact)
         plain = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], temperature=t, seed=seed, block_size=1)
         rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(plain.output_ids))
-        spec = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], temperature=t, seed=seed, record_steps=True)
+        spec = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], temperature=t, seed=seed, record_steps=True, verify_len="all")
         assert spec.output_ids == plain.output_ids
         assert spec.acceptance_lengths == rf.expected_acceptance(n, qwen.block_size)
         rf.Oracle(sess, qwen_rows, len(prompt), rf.follow(plain.output_ids, correct=2))
-        part = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], temperature=t, seed=seed, record_steps=True)
+        part = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], temperature=t, seed=seed, record_steps=True, verify_len="all")
         first_step = part.steps[0]
         assert first_step["accepted"] == 2
         assert part.output_ids[:4] == plain.output_ids[:4]  # token 0, two accepted, the resampled one
@@ -445,7 +445,7 @@ def test_sampling_distribution_matches_target(qwen, qwen_rows):
     first, second, accepted = np.zeros(rf.VOCAB, int), np.zeros(rf.VOCAB, int), []
     for seed in range(n_seeds):
         # max_new_tokens 3: one proposal is verified after the first token (n_prop = remaining - 1)
-        res = sess.generate(prompt, max_new_tokens=3, stop_token_ids=[], temperature=t, seed=seed, block_size=4, record_steps=True)
+        res = sess.generate(prompt, max_new_tokens=3, stop_token_ids=[], temperature=t, seed=seed, block_size=4, record_steps=True, verify_len="all")
         x1, x2 = res.output_ids[:2]
         first[x1] += 1
         step = res.steps[0]
@@ -467,7 +467,7 @@ def test_sampling_distribution_matches_target(qwen, qwen_rows):
     # block_size 1: the same first tokens for the same seeds (the prefill draws the first uniform)
     for seed in range(0, n_seeds, 70):
         x1 = sess.generate(prompt, max_new_tokens=1, stop_token_ids=[], temperature=t, seed=seed, block_size=1).output_ids
-        y1 = sess.generate(prompt, max_new_tokens=1, stop_token_ids=[], temperature=t, seed=seed, block_size=4).output_ids
+        y1 = sess.generate(prompt, max_new_tokens=1, stop_token_ids=[], temperature=t, seed=seed, block_size=4, verify_len="all").output_ids
         assert x1 == y1
 
 
@@ -479,59 +479,19 @@ def test_argument_errors(qwen):
     with pytest.raises(DFlashError, match="block_size 0 must be between 1 and"):
         sess.generate([5], max_new_tokens=4, block_size=0)
     with pytest.raises(DFlashError, match="temperature must be a finite number >= 0"):
-        sess.generate([5], max_new_tokens=4, temperature=-0.5)
+        sess.generate([5], max_new_tokens=4, temperature=-0.5, verify_len="all")
     with pytest.raises(DFlashError, match=r"outside the vocabulary \[0, 96\)"):
-        sess.generate([5, 96], max_new_tokens=4)
+        sess.generate([5, 96], max_new_tokens=4, verify_len="all")
     with pytest.raises(DFlashError, match="outside the vocabulary"):
-        sess.generate([-1], max_new_tokens=4)
+        sess.generate([-1], max_new_tokens=4, verify_len="all")
 
 
 def test_text_prompt_with_tokenizer(qwen, qwen_ref):
     sess = runtime.load(qwen.artifact)
     assert sess.encode("t5 t6 t7") == [5, 6, 7]
-    res = sess.generate("t5 t6 t7", max_new_tokens=10, stop_token_ids=[])
+    res = sess.generate("t5 t6 t7", max_new_tokens=10, stop_token_ids=[], verify_len="all")
     assert res.output_ids == qwen_ref([5, 6, 7])[:10]
     assert res.text == " ".join(f"t{i}" for i in res.output_ids if i > 2)  # 0-2: special tokens
-    res = runtime.generate(qwen.artifact, "t5 t6 t7", max_new_tokens=4, stop_token_ids=[])
+    res = runtime.generate(qwen.artifact, "t5 t6 t7", max_new_tokens=4, stop_token_ids=[], verify_len="all")
     assert res.output_ids == qwen_ref([5, 6, 7])[:4]
 
-
-def test_saved_verify_len_is_the_default(qwen, qwen_rows, qwen_ref, tmp_path):
-    """`bench --save-verify-len` stores a measured verify length in the manifest; generate uses it unless
-    told otherwise, output stays exact, and a bad stored value is refused at load."""
-    import json
-    import shutil
-
-    from dflash_export.bench import save_verify_len
-
-    art = tmp_path / "art"
-    shutil.copytree(qwen.artifact, art)
-    report = {"suggested_verify_len": 2, "backend": "ort", "verify_cost_curve": {"verify_ms": {0: 1.0}}, "positional_acceptance": [0.5]}
-    save_verify_len(art, report)
-    assert json.loads((art / "manifest.json").read_text())["decoding"]["verify_len"] == 2
-    sess = runtime.load(art)
-    prompt = [3, 1, 4, 1, 5]
-    ref = qwen_ref(prompt)
-    res = sess.generate(prompt, max_new_tokens=20, stop_token_ids=[], record_steps=True)
-    assert res.output_ids == ref[:20]
-    assert max(len(s["proposed"]) for s in res.steps) == 2
-    full = sess.generate(prompt, max_new_tokens=20, stop_token_ids=[], record_steps=True, verify_len=qwen.block_size - 1)
-    assert full.output_ids == ref[:20] and max(len(s["proposed"]) for s in full.steps) == qwen.block_size - 1
-    # a saved default above a smaller block_size is a cap, not an error: that block checks all it proposes
-    small = sess.generate(prompt, max_new_tokens=20, stop_token_ids=[], record_steps=True, block_size=2)
-    assert small.output_ids == ref[:20] and max(len(s["proposed"]) for s in small.steps) == 1
-    with pytest.raises(DFlashError, match="no verify length"):
-        save_verify_len(art, {**report, "suggested_verify_len": 0})
-    m = json.loads((art / "manifest.json").read_text())
-    m["decoding"]["verify_len"] = 0
-    (art / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(DFlashError, match=r"decoding.verify_len is 0, expected an integer from 1 to the draft's block size - 1 = 7; delete the 'decoding'"):
-        runtime.load(art)
-    m["decoding"]["verify_len"] = 8  # beyond the block: never valid
-    (art / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(DFlashError, match=r"decoding.verify_len is 8, expected an integer from 1"):
-        runtime.load(art)
-    m["decoding"] = [3]
-    (art / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(DFlashError, match=r"'decoding' is an array, expected an object like \{\"verify_len\": 3\}"):
-        runtime.load(art)

@@ -103,10 +103,40 @@ def test_int4_speculative_equals_plain_with_accepted_blocks(tmp_path_factory, tm
     for correct in (None, 3):
         spec = runtime.load(art)
         rf.Oracle(spec, rows, len(prompt), rf.follow(plain, correct=correct))
-        res = spec.generate(prompt, max_new_tokens=40, stop_token_ids=[])
+        res = spec.generate(prompt, max_new_tokens=40, stop_token_ids=[], verify_len="all")
         assert res.output_ids == plain
         assert res.acceptance_lengths == rf.expected_acceptance(40, 8, correct)
         assert max(res.acceptance_lengths) == (8 if correct is None else 4)
+
+
+def test_int4_proposal_head_ranks_proposals_only(tmp_path_factory, tmp_path):
+    """--proposal-head int4 on an fp32 artifact with a proposal vocabulary: only the proposal head rows
+    become INT4 (one DequantizeLinear; block: the largest power of two <= 128 dividing the hidden
+    size), `check` passes against a reference ranking with the same dequantized rows, and output
+    equals plain decoding with accepted blocks (the full-precision head verifies)."""
+    import json
+    import shutil
+
+    root = rf.checkpoints("ctxfree", tmp_path_factory)
+    m = rf.ctxfree_mask_id(root / "target")
+    vocab_size = rf.lm_head_matrix(root / "target").shape[0]
+    draft = tmp_path / "draft"
+    shutil.copytree(root / "draft", draft)
+    (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": [i for i in range(0, vocab_size, 3) if i != m] + [m]}))
+    art = tmp_path / "art"
+    manifest = build(str(root / "target"), str(draft), art, max_seq_len=32, quiet=True, proposal_head="int4")
+    hidden = manifest["target"]["hidden_size"]
+    block = max(b for b in (16, 32, 64, 128) if hidden % b == 0)
+    assert manifest["proposal_head"] == {"format": "int4", "method": "rtn", "block": block} and "quantization" not in manifest
+    model = onnx.load(str(art / "target.onnx"))
+    dqs = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert [d.input[0] for d in dqs] == ["draft_head.int4"]
+    rep = run_check(art)
+    assert rep.passed, [r for r in rep.results if not r.passed]
+    sess = runtime.load(art)
+    plain = sess.generate([5, 7, m], max_new_tokens=14, stop_token_ids=[], block_size=1)
+    spec = sess.generate([5, 7, m], max_new_tokens=14, stop_token_ids=[], verify_len="all")
+    assert spec.output_ids == plain.output_ids == [m] * 14 and max(spec.acceptance_lengths) == manifest["draft"]["block_size"]
 
 
 def test_rtn_round_trip_and_packing():

@@ -81,13 +81,15 @@ def test_every_bound_shape_lies_in_a_profile(artifact):
         dict(prompt=[int(t) for t in rng.integers(3, 90, size=S - 1)], max_new_tokens=1),  # longest prefill
         dict(prompt=[int(t) for t in rng.integers(3, 90, size=S - 3)], max_new_tokens=3),  # long first draft context
     ]
-    for case in cases:
-        sess.generate(case.pop("prompt"), stop_token_ids=[], **case)
+    for case in cases:  # every proposal verified: the profiles must hold the largest calls
+        sess.generate(case.pop("prompt"), stop_token_ids=[], verify_len="all" if case.get("block_size") != 1 else None, **case)
     used = {}
     for graph, ins, outs in calls:
         idx = select_profile(ranges[graph], ins, graph)  # raises if no profile covers the call
         used.setdefault(graph, set()).add(ranges[graph][idx].name)
-        assert output_shapes(manifest, graph, ins) == outs, (graph, ins)
+        want = output_shapes(manifest, graph, ins)
+        want.pop("logits", None)  # not bound unless the session keeps logits (TensorRT writes them to scratch)
+        assert want == outs, (graph, ins)
     assert used == {"target": {"prefill", "verify"}, "draft": {"draft_prefill", "draft_step"}}
     # The loop's extremes are what the profiles were derived for.
     t_prefill = [c[1]["input_ids"][0] for c in calls if c[0] == "target" and c[1]["past_key_0"][0] == 0]

@@ -173,12 +173,12 @@ def test_positions_past_200(case):
 
 
 def inverse_cdf_sample(logits: np.ndarray, temperature: float, u: np.ndarray) -> np.ndarray:
-    """Reference sampler: smallest i with CDF_i >= u under softmax(logits / T) (float64 numpy)."""
+    """Reference sampler: smallest i with CDF_i > u under softmax(logits / T) (float64 numpy)."""
     z = logits.astype(np.float64) / temperature
     pr = np.exp(z - z.max(-1, keepdims=True))
     pr /= pr.sum(-1, keepdims=True)
     cdf = np.cumsum(pr, axis=-1)
-    return np.array([int(np.searchsorted(c, x, side="left")) for c, x in zip(cdf, u)])
+    return np.array([int(np.searchsorted(c, x, side="right")) for c, x in zip(cdf, u)])
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.5])
@@ -219,7 +219,13 @@ def test_sampling_inverse_cdf(case, temperature):
     assert np.any(out["next_ids"] != np.argmax(rows, axis=-1)), "sampling never left the argmax"
     _close(out["next_embeddings"], case.embed_weight()[out["next_ids"]], "sampled next_embeddings", atol=0.0)
 
-    # Extreme uniforms: u -> 0 picks the first token with mass, u close to 1 stays inside the vocabulary.
+    # Extreme uniforms: u = 0 picks the first token with mass in the graph's fp32 softmax (at T = 0.001
+    # most tokens underflow to probability 0, token 0 among them; `cdf < u` picked token 0), u close
+    # to 1 stays inside the vocabulary.
+    out = case.run(anchor, past, draft_hidden=dh, temperature=0.001, uniform=np.zeros(16, np.float32))
+    p32 = torch.softmax(torch.from_numpy(out["logits"]) / 0.001, dim=-1).numpy()
+    assert np.any(p32[:, 0] == 0.0), "token 0 keeps mass: the case cannot tell the two rules apart"
+    np.testing.assert_array_equal(out["next_ids"], np.argmax(p32 > 0, axis=-1))
     out = case.run(anchor, past, draft_hidden=dh, temperature=temperature, uniform=np.full(16, 0.9999999, np.float32))
     assert np.all((out["next_ids"] >= 0) & (out["next_ids"] < case.vocab))
     # temperature 0 ignores the uniforms: greedy.

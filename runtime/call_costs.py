@@ -1,0 +1,171 @@
+"""The cost of a decoding step by proposal count on this device: measured on first use in a few
+steps and cached per artifact, backend and hardware in the user cache (never in the
+artifact: the same artifact runs on many devices).
+
+Cache: `$DFLASH_EXPORT_CALL_COSTS`, else `<user cache>/call_costs` (`runtime.files.cache_dir`), one
+JSON file per key. The key hashes the two graph files (content up to 64 MiB, else size, mtime and
+the first and last MiB; external weight files by size and mtime), the backend's description (name,
+version, providers, threads, precision settings) and the host (CPU model, core count, machine).
+A file that is unreadable, of another format or for another key is measured again and replaced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .files import cache_dir, write_atomic
+
+CACHE_FORMAT = "dflash_export.call_costs/1"
+COSTS_ENV = "DFLASH_EXPORT_CALL_COSTS"
+_FULL_HASH_LIMIT = 64 << 20
+_EDGE = 1 << 20
+
+
+@dataclass
+class CallCosts:
+    """Measured decoding-step times on this device: `step_ms[n]` for a step verifying n proposals
+    (n = 0: one target call after a target call, as plain decoding runs; n > 0: a draft call, then a
+    target call verifying n, as speculative decoding runs, each with the loop's own reads and copies),
+    at the points measured (others interpolate linearly), at past length `past_len`.
+
+    The draft call is inside the n > 0 steps because its cost is not only its own: onnxruntime's
+    target threads idle while the draft runs and the next target call starts cold (measured on 2 cores:
+    a 3-proposal verify took 1.14x a plain step back to back and 1.32x after a draft call)."""
+
+    step_ms: dict[int, float]
+    past_len: int
+
+    def step_s(self, n: np.ndarray) -> np.ndarray:
+        """Seconds of a step verifying each count in `n` (float64 array like `n`)."""
+        xs = sorted(self.step_ms)
+        return np.interp(np.asarray(n, np.float64), xs, [self.step_ms[x] for x in xs]) / 1000.0
+
+    def to_json(self) -> dict:
+        return {"step_ms": {str(k): v for k, v in self.step_ms.items()}, "past_len": self.past_len}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CallCosts":
+        """Raises ValueError/TypeError/KeyError/AttributeError on anything malformed."""
+        steps = {int(k): float(v) for k, v in data["step_ms"].items()}
+        if 0 not in steps or len(steps) < 2 or not all(np.isfinite(v) and v > 0 for v in steps.values()):
+            raise ValueError("bad step_ms")
+        return cls(steps, int(data["past_len"]))
+
+
+def measurement_points(block_size: int) -> list[int]:
+    """Proposal counts timed on first use: 0, 1, 3, 7, ... and block_size - 1 (the cost is close to
+    affine between them on every backend measured)."""
+    points, n = {0, block_size - 1}, 1
+    while n < block_size - 1:
+        points.add(n)
+        n = 2 * n + 1
+    return sorted(points)
+
+
+def timed_step(session, n: int, past: int) -> float:
+    """Seconds of one decoding step verifying `n` proposals at past length `past`, as `generate` runs
+    it (draft call when n > 0, target call, one read of the ids). Overwrites buffer rows past the
+    committed length only, so call it between generations."""
+    be, t0 = session.backend, time.perf_counter()
+    if n:
+        be.copy(session.block.rows(0, 1), session.next_embeddings.rows(0, 1))
+        session.run_draft(1, past, session.block_size)
+    be.write(session.input_ids.rows(0, 1), np.array([1], np.int64))
+    session.run_target(1, n, past)
+    session.read_ids(n)
+    return time.perf_counter() - t0
+
+
+def measure(session, rounds: int = 2, past_len: int = 128) -> CallCosts:
+    """Time decoding steps at :func:`measurement_points` on `session`: one warm-up step (the largest,
+    which sizes the memory arenas), then `rounds` rounds, fastest kept per point (load only ever
+    adds time). About 1 + rounds x points steps: 0.5 s for SmolLM2 fp32 on 2 cores."""
+    b = session.block_size
+    past = max(0, min(past_len, session.max_seq_len - 2 * b - 1))
+    points = measurement_points(b)
+    timed_step(session, points[-1], past)
+    best = {n: float("inf") for n in points}
+    for rnd in range(rounds):
+        # n = 0 first: it follows the previous step's target call, as plain steps follow each other
+        order = [0] + (points[1:][rnd % (len(points) - 1):] + points[1:][: rnd % (len(points) - 1)])
+        for n in order:
+            best[n] = min(best[n], timed_step(session, n, past))
+    return CallCosts({n: 1000 * best[n] for n in points}, past)
+
+
+def cache_key(session) -> dict:
+    """What the costs depend on: the graphs, the backend and the host (JSON-ready)."""
+    m, art = session.manifest, session.artifact_dir
+    graphs = {g: _fingerprint(art / m[g]["graph"]) for g in ("target", "draft")}
+    return {
+        "graphs": graphs,
+        "backend": session.backend.describe(),
+        "host": {"machine": platform.machine(), "cpu": _cpu_model(), "cpu_count": os.cpu_count()},
+    }
+
+
+def costs_dir() -> Path:
+    """Where call costs are cached (see module docstring)."""
+    return Path(os.environ[COSTS_ENV]) if os.environ.get(COSTS_ENV) else cache_dir() / "call_costs"
+
+
+def load_or_measure(session) -> tuple[CallCosts, str]:
+    """The cached costs for this session's key, or fresh measurements (then cached when the cache
+    directory is writable; a read-only home only means measuring again next time).
+
+    Returns:
+        (costs, "cached" or "measured").
+    """
+    key = cache_key(session)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    path = costs_dir() / f"{digest}.json"
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") == CACHE_FORMAT and data.get("key") == key:
+            return CallCosts.from_json(data["costs"]), "cached"
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        pass
+    costs = measure(session)
+    record = {"format": CACHE_FORMAT, "key": key, "costs": costs.to_json(),
+              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(record, indent=1).encode())
+    except OSError:
+        pass
+    return costs, "measured"
+
+
+def _fingerprint(path: Path) -> dict:
+    """Content hash of a graph file (bounded read for huge ones) plus its external weight files."""
+    st = path.stat()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if st.st_size <= _FULL_HASH_LIMIT:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        else:
+            h.update(f.read(_EDGE))
+            f.seek(st.st_size - _EDGE)
+            h.update(f.read(_EDGE))
+            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    data = sorted(p for p in path.parent.glob(path.name + ".data*") if p.is_file())
+    return {"sha256": h.hexdigest(), "data": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in data]}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model", "Hardware")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

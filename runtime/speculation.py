@@ -1,0 +1,195 @@
+"""Speculation policies: how many of the draft's proposals the target verifies at each step.
+
+The decoding loop asks its policy once per step (`proposals`) and reports what happened
+(`observe`); it does not care which policy runs (the shape of llama.cpp's common/speculative.cpp).
+
+- :class:`FixedLength`: always `n` proposals (`verify_len=n`; `n = 0` is plain decoding).
+- :class:`AdaptiveLength` (the default): per step, the length with the most expected committed tokens
+  per second, from the measured cost of a target call by proposal count (:mod:`runtime.call_costs`)
+  and a running estimate of acceptance by block position; 0 (a plain step without a draft call) when
+  no length wins.
+
+The choice follows the expected-tokens analysis of Leviathan et al., "Fast Inference from Transformers
+via Speculative Decoding" (ICML 2023, section 3: with acceptance a, verifying n proposals commits
+(1 - a^(n+1)) / (1 - a) tokens on average, and the best n maximises that over the step's cost), made
+per position and online as in SmartSpec (Liu et al., "Optimizing Speculative Decoding for Serving
+Large Language Models Using Goodput", arXiv 2406.14066: the proposal length maximising goodput =
+expected accepted tokens / measured batch time, with acceptance as a moving average). DFlash drafts
+the whole block in one pass whatever n is, so n changes only the verify cost, and the draft's cost is
+paid or skipped as a whole.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import numpy as np
+
+# Prior acceptance of the first proposal. Trained: the shipped SmolLM2 draft's first-position
+# acceptance, greedy, held-out models/prompts/eval.jsonl (`python -m dflash_export bench ARTIFACT
+# --limit 2 --policies 15`: positional_acceptance[0] in bench.json). Untrained (random) drafts: start
+# plain and let the probes find out.
+TRAINED_DRAFT_PRIOR = 0.45
+UNTRAINED_DRAFT_PRIOR = 0.02
+
+
+class Policy(ABC):
+    """Chooses the number of proposals to verify each step (0 = a plain step, no draft call)."""
+
+    name = "abstract"
+
+    def start(self) -> None:
+        """A new generate call begins (a new prompt)."""
+
+    @abstractmethod
+    def proposals(self, limit: int) -> int:
+        """Proposals to verify this step, 0..`limit` (`limit` = what the block and the remaining
+        token budget allow; 0 means only a plain step is possible)."""
+
+    def observe(self, verified: int, accepted: int, seconds: float) -> None:
+        """The step verified `verified` proposals, accepted `accepted` of them and took `seconds`
+        (draft call, target call and the loop's host work)."""
+
+
+class FixedLength(Policy):
+    """Always verify `n` proposals (or fewer when the limit says so); `n = 0` is plain decoding."""
+
+    name = "fixed"
+
+    def __init__(self, n: int):
+        self.n = int(n)
+
+    def proposals(self, limit: int) -> int:
+        return min(self.n, limit)
+
+
+class AcceptanceEstimate:
+    """Running estimate of conditional acceptance by block position.
+
+    p_0 = (hits_0 + w * prior) / (trials_0 + w) and p_j = (hits_j + w * carry * p_(j-1)) / (trials_j + w):
+    a position without evidence is taken to accept a little less than the one before it (the shipped
+    SmolLM2 draft's conditional acceptance by position, held-out prompts: 0.45, 0.34, 0.34, 0.19,
+    0.33), so one accepted long probe lifts the whole curve and deep positions are tried once the
+    shallow ones earn it. A step that verified n proposals and
+    accepted a counts a trial at positions 0..min(a, n-1) and a hit at 0..a-1. Evidence decays by
+    `decay` per observed step (about 1 / (1 - decay) steps of memory), so the estimate follows the
+    text being written.
+
+    Args:
+        prior: prior acceptance of the first proposal, in [0, 1].
+        positions: the most proposals a step can verify (block_size - 1).
+        prior_weight: pseudo-trials the prior is worth.
+        decay: per-step evidence decay, in (0, 1].
+        carry: a position's prior as a fraction of the estimate before it.
+    """
+
+    def __init__(self, prior: float, positions: int, prior_weight: float = 2.0, decay: float = 0.95, carry: float = 0.85):
+        self.prior = min(max(float(prior), 0.0), 1.0)
+        self.carry = float(carry)
+        self.weight = float(prior_weight)
+        self.decay = float(decay)
+        self.trials = np.zeros(positions)
+        self.hits = np.zeros(positions)
+
+    def rates(self, n: int | None = None) -> np.ndarray:
+        """p_j for positions 0..n-1 (default: all)."""
+        n = len(self.trials) if n is None else n
+        out, prior = np.empty(n), self.prior
+        for j in range(n):
+            out[j] = (self.hits[j] + self.weight * prior) / (self.trials[j] + self.weight)
+            prior = self.carry * out[j]
+        return out
+
+    def expected_tokens(self, n: int | None = None) -> np.ndarray:
+        """E[tokens committed] when verifying 0..n proposals: 1 + sum_k prod_{j<k} p_j (`[n + 1]`)."""
+        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.rates(n)))])
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """Count one speculative step (`verified` >= 1 proposals, `accepted` of them)."""
+        self.trials *= self.decay
+        self.hits *= self.decay
+        self.trials[: min(accepted + 1, verified)] += 1.0
+        self.hits[:accepted] += 1.0
+
+    def forget(self, keep: float) -> None:
+        """Scale the evidence by `keep` (a new prompt: the prior and the last text both count)."""
+        self.trials *= keep
+        self.hits *= keep
+
+
+class AdaptiveLength(Policy):
+    """Verify the length with the most expected committed tokens per second (see module docstring).
+
+    A plain step wins unless some n is predicted `margin` times faster (estimates are noisy, and a
+    wrong plain step costs nothing against plain decoding). A plain step is predicted to take
+    `plain_scale * S(0)` and a step verifying n > 0 proposals `spec_scale * S(n)`, S from the measured
+    step costs (`runtime.call_costs.CallCosts`) and each scale a running ratio of observed to
+    predicted times of that kind of step: they absorb the growing past and other load, and correct a
+    disturbed first measurement of what speculation costs relative to plain decoding (a 2-round
+    measurement on a noisy machine can be 30% off) without changing the curve's shape. When plain
+    decoding wins, a speculative step is still tried after `probe_gap` plain steps so a draft that
+    starts to fit the text is noticed (a probe verifies half the block, and its time updates
+    `spec_scale`); each probe after which plain decoding still wins doubles the gap (up to
+    `max_probe_gap`), so a draft that does not pay here costs about one probe in 64 steps. One instance lives as long as its Session, so
+    what it learned carries over to the next generate call.
+
+    Args:
+        costs: step costs measured for this artifact on this device.
+        acceptance: the session's running acceptance estimate.
+    """
+
+    name = "auto"
+
+    def __init__(self, costs, acceptance: AcceptanceEstimate, probe_gap: int = 4, max_probe_gap: int = 64,
+                 scale_smoothing: float = 0.2, margin: float = 1.03):
+        self.costs = costs
+        self.margin = margin  # speculate only when it is predicted this much faster: estimates are noisy
+        self.acceptance = acceptance
+        self.first_probe_gap, self.max_probe_gap = probe_gap, max_probe_gap
+        self.smoothing = scale_smoothing
+        self.plain_scale = self.spec_scale = 1.0
+        self.start()
+
+    def start(self) -> None:
+        self.acceptance.forget(0.5)
+        self.probe_gap, self.plain_run, self.probing = self.first_probe_gap, 0, False
+
+    def step_seconds(self, limit: int) -> np.ndarray:
+        """Predicted seconds of a step verifying n = 0..limit proposals."""
+        t = self.spec_scale * self.costs.step_s(np.arange(limit + 1))
+        t[0] *= self.plain_scale / self.spec_scale
+        return t
+
+    def proposals(self, limit: int) -> int:
+        if limit <= 0:
+            return 0
+        rate = self.acceptance.expected_tokens(limit) / self.step_seconds(limit)
+        rate[0] *= self.margin
+        best = int(np.argmax(rate))
+        if best > 0:
+            self.plain_run, self.probing, self.probe_gap = 0, False, self.first_probe_gap
+            return best
+        self.plain_run += 1
+        if self.plain_run < self.probe_gap:
+            return 0
+        # a probe verifies half the block: accepted, it is evidence for many positions at once
+        self.plain_run, self.probing = 0, True
+        return min(limit, max(1, (len(self.acceptance.trials) + 1) // 2))
+
+    def observe(self, verified: int, accepted: int, seconds: float) -> None:
+        predicted = float(self.costs.step_s(np.array([verified]))[0])
+        if predicted > 0 and seconds > 0:  # a spike moves a scale at most 2x at a time
+            scale = self.spec_scale if verified else self.plain_scale
+            weight = max(self.smoothing, 0.5) if self.probing else self.smoothing  # probes are rare: each counts more
+            scale += weight * (min(max(seconds / predicted, 0.5 * scale), 2.0 * scale) - scale)
+            if verified:
+                self.spec_scale = scale
+            else:
+                self.plain_scale = scale
+        if verified == 0:
+            return
+        self.acceptance.observe(verified, accepted)
+        if self.probing:  # the gap shrinks back only once speculation wins again (see proposals)
+            self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
+            self.probing = False

@@ -1,0 +1,244 @@
+"""The default speculation policy (auto verify length), its cached step costs, and Session lifetime.
+
+Policy arithmetic runs on fixed costs and hand-made acceptance; the loop tests use the tiny pairs: the
+random qwen3 draft (accepts almost nothing: auto must fall back to plain steps and still probe) and the
+context-free pair (accepts whole blocks: auto must speculate).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+import runtime
+import runtime_fixtures as rf
+from runtime import call_costs
+from runtime.call_costs import CallCosts, measurement_points
+from runtime.errors import DFlashError
+from runtime.speculation import UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength, FixedLength
+
+
+@pytest.fixture(scope="session")
+def qwen(tmp_path_factory) -> rf.Pair:
+    return rf.artifact("qwen3", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def ctxfree(tmp_path_factory) -> rf.Pair:
+    return rf.artifact("ctxfree", tmp_path_factory)
+
+
+# CPU-like costs: a plain step 30 ms, the draft + a verify of n proposals 40 + 2n ms.
+CPU_COSTS = CallCosts({0: 30.0, 1: 42.0, 3: 46.0, 7: 54.0, 15: 70.0}, past_len=128)
+
+
+def _policy(rate: float, costs=CPU_COSTS, **kw) -> AdaptiveLength:
+    return AdaptiveLength(costs, AcceptanceEstimate(rate, 15, prior_weight=1e9, carry=1.0), **kw)  # prior pinned
+
+
+# ---- policy arithmetic ---------------------------------------------------------------------------
+def test_expected_tokens_follow_leviathan():
+    """With constant acceptance a, verifying n commits (1 - a^(n+1)) / (1 - a) tokens on average."""
+    est = AcceptanceEstimate(0.6, 15, prior_weight=1e9, carry=1.0)
+    a = 0.6
+    np.testing.assert_allclose(est.expected_tokens(), [(1 - a ** (n + 1)) / (1 - a) for n in range(16)])
+
+
+def test_auto_picks_the_fastest_length_and_plain_when_nothing_wins():
+    # a = 0.9: E(n) / step(n) peaks inside the block (E(15) = 8.15 / 70 ms beats E(7) = 5.7 / 54 ms)
+    exp = [(1 - 0.9 ** (n + 1)) / 0.1 for n in range(16)]
+    step = CPU_COSTS.step_s(np.arange(16))
+    assert _policy(0.9).proposals(15) == int(np.argmax([e / t for e, t in zip(exp, step)]))
+    assert _policy(0.9).proposals(3) == 3  # the token budget caps the length
+    # a = 0.2: the best speculative step commits 1.25 tokens in 42 ms < 1 token in 30 ms: plain
+    assert _policy(0.2).proposals(15) == 0
+    assert _policy(0.9).proposals(0) == 0  # no budget for proposals
+    # a GPU-like device where verifying is nearly free: speculate even at a = 0.2
+    gpu = CallCosts({0: 10.0, 1: 10.5, 15: 11.0}, past_len=128)
+    assert _policy(0.2, gpu).proposals(15) > 0
+
+
+def test_plain_steps_probe_with_a_doubling_gap():
+    """A useless draft: plain steps, a probe after 4 of them, the gap doubling per failed probe up to 64."""
+    pol = _policy(0.2)
+    probes = []
+    for step in range(400):
+        n = pol.proposals(15)
+        if n:
+            probes.append(step)
+        pol.observe(n, 0, float(CPU_COSTS.step_s(np.array([n]))[0]))
+    gaps = np.diff(probes).tolist()
+    assert probes[0] == 3 and gaps[:5] == [8, 16, 32, 64, 64] and set(gaps[3:]) == {64}
+    # probes that accept but do not make speculation pay keep doubling the gap; once speculation
+    # wins, the gap starts again at 4
+    pol = _policy(0.2)
+    pol.probe_gap, pol.probing = 8, True
+    pol.observe(7, 2, 0.054)
+    assert pol.probe_gap == 16 and pol.proposals(15) == 0
+    pol.acceptance.prior = 0.9
+    assert pol.proposals(15) > 0 and pol.probe_gap == 4
+
+
+def test_acceptance_estimate_learns_and_forgets():
+    est = AcceptanceEstimate(0.5, 7, prior_weight=2.0, decay=0.95, carry=0.85)
+    np.testing.assert_allclose(est.rates(), 0.5 * 0.85 ** np.arange(7))  # no evidence: the prior, carried down
+    for _ in range(60):
+        est.observe(7, 7)  # every proposal accepted
+    assert est.rates().min() > 0.9
+    for _ in range(60):
+        est.observe(3, 0)  # now the first is always rejected
+    rates = est.rates()
+    assert rates[0] < 0.1
+    assert est.expected_tokens()[-1] < 1.2  # a long verify no longer pays
+    fresh = AcceptanceEstimate(0.02, 7)
+    fresh.observe(3, 3)  # one accepted probe of 3 lifts the whole curve, deeper positions most
+    r = fresh.rates()
+    assert 0.3 < r[0] < r[1] < r[2] and r[3] == pytest.approx(0.85 * r[2])
+
+
+def test_scales_track_observed_step_times():
+    """Observed steps 2x slower than measured (a longer past) move the scales, not the choice; a first
+    measurement that overrated speculation's cost is corrected by what the probes observe."""
+    pol = _policy(0.9)
+    before = pol.proposals(15)
+    for _ in range(40):
+        n = pol.proposals(15)
+        pol.observe(n, n, 2 * float(CPU_COSTS.step_s(np.array([n]))[0]))
+    assert pol.spec_scale == pytest.approx(2.0, rel=0.05) and pol.proposals(15) == before
+    # measured: speculative steps 40% dearer than they are; a = 0.45 then looks like a loss
+    wrong = CallCosts({n: v * (1.4 if n else 1.0) for n, v in CPU_COSTS.step_ms.items()}, 128)
+    pol = _policy(0.45, wrong)
+    assert pol.proposals(15) == 0
+    chosen = []
+    for _ in range(200):
+        n = pol.proposals(15)
+        chosen.append(n)
+        pol.observe(n, 1 if n else 0, float(CPU_COSTS.step_s(np.array([n]))[0]))  # what steps really cost
+    assert pol.spec_scale == pytest.approx(1 / 1.4, rel=0.05) and chosen[-1] > 0
+    won = next(i for i in range(len(chosen) - 1) if chosen[i] > 0 and chosen[i + 1] > 0)  # chosen, not a probe
+    assert won < 40  # a few probes suffice
+    assert FixedLength(5).proposals(3) == 3 and FixedLength(0).proposals(15) == 0
+
+
+def test_measurement_points():
+    assert measurement_points(16) == [0, 1, 3, 7, 15]
+    assert measurement_points(8) == [0, 1, 3, 7] and measurement_points(2) == [0, 1] and measurement_points(5) == [0, 1, 3, 4]
+
+
+# ---- the loop under the default policy -------------------------------------------------------------
+def test_auto_falls_back_to_plain_with_a_random_draft(qwen):
+    """The random draft accepts (almost) nothing: auto runs mostly plain steps (no draft call), probes
+    now and then, and the output is the target's."""
+    sess = runtime.load(qwen.artifact)
+    prompt = [5, 17, 33, 8, 61]
+    plain = sess.generate(prompt, max_new_tokens=40, stop_token_ids=[], block_size=1)
+    auto = sess.generate(prompt, max_new_tokens=40, stop_token_ids=[], record_steps=True)
+    assert auto.policy == "auto" and auto.output_ids == plain.output_ids
+    lens = [len(s["proposed"]) for s in auto.steps]
+    assert lens.count(0) >= 0.75 * len(lens) and 1 <= len(auto.acceptance_lengths) <= 6
+    assert len(auto.acceptance_lengths) == sum(n > 0 for n in lens)
+
+
+def test_auto_speculates_when_blocks_are_accepted(ctxfree, monkeypatch):
+    """The context-free pair accepts whole blocks. From the untrained draft's pessimistic prior, auto
+    starts plain, its first probe is accepted and it then verifies whole blocks; output equals plain.
+
+    The step costs are fixed (CPU-like) so the test does not depend on this machine's timings."""
+    monkeypatch.setattr(call_costs, "load_or_measure", lambda sess: (CallCosts({0: 30.0, 1: 42.0, 3: 46.0, 7: 54.0}, 64), "fixed"))
+    sess = runtime.load(ctxfree.artifact)
+    sess.acceptance_prior = UNTRAINED_DRAFT_PRIOR  # a checkpoint counts as trained; start pessimistic
+    sess.policy(ctxfree.block_size).smoothing = 0.0  # keep the fixed costs: the tiny graphs take microseconds
+    m = ctxfree.mask_id
+    prompt = [5, 7, m]
+    n = ctxfree.max_seq_len - len(prompt)
+    plain = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], block_size=1)
+    auto = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True)
+    assert auto.output_ids == plain.output_ids == [m] * n
+    lens = [len(s["proposed"]) for s in auto.steps]
+    assert lens[:3] == [0, 0, 0] and lens[3] > 0  # plain until the first probe, which is accepted
+    assert lens[-2] == ctxfree.block_size - 1 and auto.tau > 3.0  # then whole blocks
+
+
+# ---- cached step costs ---------------------------------------------------------------------------
+def test_step_costs_are_measured_once_and_cached(qwen, tmp_path, monkeypatch):
+    monkeypatch.setenv(call_costs.COSTS_ENV, str(tmp_path / "costs"))
+    sess = runtime.load(qwen.artifact)
+    costs, how = call_costs.load_or_measure(sess)
+    assert how == "measured" and sorted(costs.step_ms) == measurement_points(qwen.block_size)
+    assert all(v > 0 for v in costs.step_ms.values())
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["key"]["backend"]["name"] == "ort"
+    # a new session of the same artifact on the same machine reads them without measuring
+    monkeypatch.setattr(call_costs, "measure", lambda s: pytest.fail("measured again"))
+    again, how = call_costs.load_or_measure(runtime.load(qwen.artifact))
+    assert how == "cached" and again.step_ms == costs.step_ms
+    # another thread count is another key
+    monkeypatch.undo()
+    monkeypatch.setenv(call_costs.COSTS_ENV, str(tmp_path / "costs"))
+    _, how = call_costs.load_or_measure(runtime.load(qwen.artifact, threads=1))
+    assert how == "measured" and len(list((tmp_path / "costs").glob("*.json"))) == 2
+
+
+def test_damaged_or_unwritable_cache_means_measuring(qwen, tmp_path, monkeypatch):
+    monkeypatch.setenv(call_costs.COSTS_ENV, str(tmp_path / "costs"))
+    sess = runtime.load(qwen.artifact)
+    call_costs.load_or_measure(sess)
+    (path,) = (tmp_path / "costs").glob("*.json")
+    for damage in ("{not json", json.dumps({"format": call_costs.CACHE_FORMAT, "key": call_costs.cache_key(sess),
+                                            "costs": {"step_ms": {"0": -1.0, "1": 2.0}, "past_len": 1}})):
+        path.write_text(damage)
+        _, how = call_costs.load_or_measure(sess)
+        assert how == "measured" and json.loads(path.read_text())["costs"]["step_ms"]["0"] > 0  # replaced
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv(call_costs.COSTS_ENV, str(tmp_path / "file" / "costs"))  # cannot be a directory
+    res = sess.generate([5, 6], max_new_tokens=6, stop_token_ids=[])
+    assert len(res.output_ids) == 6
+
+
+def test_measurement_leaves_generation_unchanged(qwen, tmp_path, monkeypatch):
+    """Measuring writes only rows past the committed length: the next generate is exact."""
+    monkeypatch.setenv(call_costs.COSTS_ENV, str(tmp_path / "costs"))
+    sess = runtime.load(qwen.artifact)
+    prompt = [3, 1, 4, 1, 5]
+    before = sess.generate(prompt, max_new_tokens=12, stop_token_ids=[], verify_len="all", record_steps=True)
+    call_costs.measure(sess)
+    after = sess.generate(prompt, max_new_tokens=12, stop_token_ids=[], verify_len="all", record_steps=True)
+    assert (after.output_ids, after.steps) == (before.output_ids, before.steps)
+
+
+# ---- Session lifetime and threads ------------------------------------------------------------------
+def test_close_and_context_manager(qwen):
+    with runtime.load(qwen.artifact) as sess:
+        assert len(sess.generate([5, 6], max_new_tokens=3, stop_token_ids=[]).output_ids) == 3
+    assert sess.closed and sess.backend.sessions == {}
+    with pytest.raises(DFlashError, match="this Session is closed; load the artifact again"):
+        sess.generate([5, 6], max_new_tokens=3)
+    sess.close()  # twice is fine
+
+
+def test_a_second_thread_gets_an_error_while_one_generates(qwen, monkeypatch):
+    """The documented choice: a busy Session refuses a concurrent generate at once (no waiting, no
+    shared buffers); the first call's output is unaffected."""
+    sess = runtime.load(qwen.artifact)
+    started, release = threading.Event(), threading.Event()
+    real = sess.run_target
+
+    def slow_target(*args, **kw):
+        started.set()
+        release.wait(10)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sess, "run_target", slow_target)
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("ids", sess.generate([5, 6], max_new_tokens=4, stop_token_ids=[], block_size=1).output_ids))
+    worker.start()
+    assert started.wait(10)
+    with pytest.raises(DFlashError, match="already generating in another thread"):
+        sess.generate([7, 8], max_new_tokens=4)
+    release.set()
+    worker.join(10)
+    monkeypatch.undo()
+    assert result["ids"] == sess.generate([5, 6], max_new_tokens=4, stop_token_ids=[], block_size=1).output_ids
