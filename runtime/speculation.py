@@ -95,15 +95,20 @@ class AcceptanceEstimate:
     def rates(self, n: int | None = None) -> np.ndarray:
         """p_j for positions 0..n-1 (default: all)."""
         n = len(self.trials) if n is None else n
-        out, prior = np.empty(n), self.prior
-        for j in range(n):
-            out[j] = (self.hits[j] + self.weight * prior) / (self.trials[j] + self.weight)
-            prior = self.carry * out[j]
-        return out
+        hits, trials = self.hits[:n].tolist(), self.trials[:n].tolist()  # plain floats: this runs every step
+        out, prior, w = [], self.prior, self.weight
+        for h, t in zip(hits, trials):
+            out.append((h + w * prior) / (t + w))
+            prior = self.carry * out[-1]
+        return np.asarray(out)
 
     def expected_tokens(self, n: int | None = None) -> np.ndarray:
         """E[tokens committed] when verifying 0..n proposals: 1 + sum_k prod_{j<k} p_j (`[n + 1]`)."""
-        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.rates(n)))])
+        out, alive = [1.0], 1.0
+        for p in self.rates(n).tolist():
+            alive *= p
+            out.append(out[-1] + alive)
+        return np.asarray(out)
 
     def observe(self, verified: int, accepted: int) -> None:
         """Count one speculative step (`verified` >= 1 proposals, `accepted` of them)."""
@@ -129,7 +134,7 @@ class AdaptiveLength(Policy):
     disturbed first measurement of what speculation costs relative to plain decoding (a 2-round
     measurement on a noisy machine can be 30% off) without changing the curve's shape. When plain
     decoding wins, a speculative step is still tried after `probe_gap` plain steps so a draft that
-    starts to fit the text is noticed (a probe verifies half the block, and its time updates
+    starts to fit the text is noticed (a probe verifies one proposal, and its time updates
     `spec_scale`); each probe after which plain decoding still wins doubles the gap (up to
     `max_probe_gap`), so a draft that does not pay here costs about one probe in 64 steps. One instance lives as long as its Session, so
     what it learned carries over to the next generate call.
@@ -149,6 +154,7 @@ class AdaptiveLength(Policy):
         self.first_probe_gap, self.max_probe_gap = probe_gap, max_probe_gap
         self.smoothing = scale_smoothing
         self.plain_scale = self.spec_scale = 1.0
+        self._step_s = costs.step_s(np.arange(len(acceptance.trials) + 1))  # the measured curve, once
         self.start()
 
     def start(self) -> None:
@@ -157,8 +163,8 @@ class AdaptiveLength(Policy):
 
     def step_seconds(self, limit: int) -> np.ndarray:
         """Predicted seconds of a step verifying n = 0..limit proposals."""
-        t = self.spec_scale * self.costs.step_s(np.arange(limit + 1))
-        t[0] *= self.plain_scale / self.spec_scale
+        t = self.spec_scale * self._step_s[: limit + 1]
+        t[0] = self.plain_scale * self._step_s[0]
         return t
 
     def proposals(self, limit: int) -> int:
@@ -173,12 +179,13 @@ class AdaptiveLength(Policy):
         self.plain_run += 1
         if self.plain_run < self.probe_gap:
             return 0
-        # a probe verifies half the block: accepted, it is evidence for many positions at once
+        # a probe verifies one proposal, the cheapest speculative step (an accepted one also lifts the
+        # deeper positions' prior, see AcceptanceEstimate)
         self.plain_run, self.probing = 0, True
-        return min(limit, max(1, (len(self.acceptance.trials) + 1) // 2))
+        return 1
 
     def observe(self, verified: int, accepted: int, seconds: float) -> None:
-        predicted = float(self.costs.step_s(np.array([verified]))[0])
+        predicted = float(self._step_s[min(verified, len(self._step_s) - 1)])
         if predicted > 0 and seconds > 0:  # a spike moves a scale at most 2x at a time
             scale = self.spec_scale if verified else self.plain_scale
             weight = max(self.smoothing, 0.5) if self.probing else self.smoothing  # probes are rare: each counts more

@@ -47,7 +47,11 @@ sess = runtime.load(sys.argv[1])
 out = {{}}
 out["greedy"] = sess.generate([5, 6, 7], max_new_tokens=20, stop_token_ids=[]).output_ids
 out["plain"] = sess.generate([5, 6, 7], max_new_tokens=20, stop_token_ids=[], block_size=1).output_ids
-out["sampled"] = sess.generate([1, 40, 33], max_new_tokens=12, stop_token_ids=[], temperature=0.8, seed=7).output_ids
+out["sampled"] = sess.generate([1, 40, 33], max_new_tokens=12, stop_token_ids=[], temperature=0.8, seed=7, verify_len="all").output_ids
+# a pair that accepts whole blocks: the torch-free loop commits accepted proposals too
+m = int(sys.argv[3])
+blocks = runtime.load(sys.argv[2]).generate([5, 7, m], max_new_tokens=14, stop_token_ids=[], verify_len="all")
+out["blocks"] = [blocks.output_ids, blocks.acceptance_lengths]
 res = sess.generate("t5 t6 t7", max_new_tokens=6, stop_token_ids=[])
 out["text"] = [res.output_ids, res.text]
 out["loaded"] = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
@@ -61,11 +65,12 @@ def qwen(tmp_path_factory) -> rf.Pair:
     return rf.artifact("qwen3", tmp_path_factory)
 
 
-def test_runtime_generates_without_torch_or_transformers(qwen, tmp_path):
+def test_runtime_generates_without_torch_or_transformers(qwen, tmp_path, tmp_path_factory):
+    ctxfree = rf.artifact("ctxfree", tmp_path_factory)
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(blocked=BLOCKED))
     proc = subprocess.run(
-        [sys.executable, str(script), str(qwen.artifact)],
+        [sys.executable, str(script), str(qwen.artifact), str(ctxfree.artifact), str(ctxfree.mask_id)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -82,8 +87,10 @@ def test_runtime_generates_without_torch_or_transformers(qwen, tmp_path):
     assert child["greedy"] == sess.generate([5, 6, 7], max_new_tokens=20, stop_token_ids=[]).output_ids
     assert child["plain"] == child["greedy"]
     assert child["sampled"] == sess.generate(
-        [1, 40, 33], max_new_tokens=12, stop_token_ids=[], temperature=0.8, seed=7
+        [1, 40, 33], max_new_tokens=12, stop_token_ids=[], temperature=0.8, seed=7, verify_len="all"
     ).output_ids
+    assert child["blocks"] == [[ctxfree.mask_id] * 14, rf.expected_acceptance(14, ctxfree.block_size)]
+    assert max(child["blocks"][1]) == ctxfree.block_size  # whole blocks accepted
     res = sess.generate("t5 t6 t7", max_new_tokens=6, stop_token_ids=[])
     assert child["text"] == [res.output_ids, res.text]
 

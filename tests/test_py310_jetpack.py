@@ -49,20 +49,27 @@ def test_runtime_on_python310_onnxruntime_1_23(py310_env, tmp_path_factory):
     import runtime
 
     pair = rf.artifact("qwen3", tmp_path_factory)
+    ctxfree = rf.artifact("ctxfree", tmp_path_factory)  # accepts whole blocks
     expected = runtime.load(pair.artifact).generate([5, 7, 9], max_new_tokens=12, stop_token_ids=[])
     script = (
         "import json, sys, runtime\n"
         "s = runtime.load(sys.argv[1])\n"
         "a = s.generate([5, 7, 9], max_new_tokens=12, stop_token_ids=[])\n"
         "b = s.generate([5, 7, 9], max_new_tokens=12, stop_token_ids=[], block_size=1)\n"
+        "m = int(sys.argv[3])\n"
+        "c = runtime.load(sys.argv[2]).generate([5, 7, m], max_new_tokens=14, stop_token_ids=[], verify_len='all')\n"
         "import onnxruntime\n"
         "print(json.dumps({'spec': a.output_ids, 'plain': b.output_ids, 'torch': 'torch' in sys.modules,"
-        " 'ort': onnxruntime.__version__, 'py': sys.version_info[:2]}))\n"
+        " 'blocks': [c.output_ids, c.acceptance_lengths], 'ort': onnxruntime.__version__, 'py': sys.version_info[:2]}))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    proc = subprocess.run([str(py310_env), "-c", script, str(pair.artifact)], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([str(py310_env), "-c", script, str(pair.artifact), str(ctxfree.artifact), str(ctxfree.mask_id)],
+                          capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-1500:]}"
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["py"] == [3, 10] and out["ort"] == "1.23.2" and out["torch"] is False
     assert out["spec"] == expected.output_ids
     assert out["plain"] == expected.output_ids
+    # onnxruntime 1.23.2 commits accepted blocks (verify calls of 1 + N rows with the sampling branch bound)
+    assert out["blocks"] == [[ctxfree.mask_id] * 14, rf.expected_acceptance(14, ctxfree.block_size)]
+    assert max(out["blocks"][1]) == ctxfree.block_size
