@@ -44,9 +44,17 @@ class CallCosts:
     past_len: int
 
     def step_s(self, n: np.ndarray) -> np.ndarray:
-        """Seconds of a step verifying each count in `n` (float64 array like `n`)."""
+        """Seconds of a step verifying each count in `n` (float64 array like `n`): linear between the
+        measured points, extended with the last segment's slope beyond them (a block_size override
+        larger than the draft's block verifies more than was measured)."""
         xs = sorted(self.step_ms)
-        return np.interp(np.asarray(n, np.float64), xs, [self.step_ms[x] for x in xs]) / 1000.0
+        ys = [self.step_ms[x] for x in xs]
+        n = np.asarray(n, np.float64)
+        out = np.interp(n, xs, ys)
+        if len(xs) >= 2:
+            slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+            out = np.where(n > xs[-1], ys[-1] + slope * (n - xs[-1]), out)
+        return out / 1000.0
 
     def to_json(self) -> dict:
         return {"step_ms": {str(k): v for k, v in self.step_ms.items()}, "past_len": self.past_len}
@@ -90,12 +98,15 @@ def measure(session, rounds: int = 2, past_len: int = 128) -> CallCosts:
     adds time). About 1 + rounds x points steps: 0.5 s for SmolLM2 fp32 on 2 cores."""
     b = session.block_size
     past = max(0, min(past_len, session.max_seq_len - 2 * b - 1))
-    points = measurement_points(b)
+    # a step at `past` writes 1 + n rows: keep every point inside the buffers (max_seq_len may be < b)
+    points = sorted({min(n, session.max_seq_len - past - 1) for n in measurement_points(b)})
     timed_step(session, points[-1], past)
     best = {n: float("inf") for n in points}
     for rnd in range(rounds):
         # n = 0 first: it follows the previous step's target call, as plain steps follow each other
-        order = [0] + (points[1:][rnd % (len(points) - 1):] + points[1:][: rnd % (len(points) - 1)])
+        rest = points[1:]
+        shift = rnd % len(rest) if rest else 0
+        order = [0] + rest[shift:] + rest[:shift]
         for n in order:
             best[n] = min(best[n], timed_step(session, n, past))
     return CallCosts({n: 1000 * best[n] for n in points}, past)
@@ -104,12 +115,16 @@ def measure(session, rounds: int = 2, past_len: int = 128) -> CallCosts:
 def cache_key(session) -> dict:
     """What the costs depend on: the graphs, the backend and the host (JSON-ready)."""
     m, art = session.manifest, session.artifact_dir
-    graphs = {g: _fingerprint(art / m[g]["graph"]) for g in ("target", "draft")}
-    return {
-        "graphs": graphs,
+    files = {g: art / m[g]["graph"] for g in ("target", "draft")}
+    if session.backend.name == "trt":  # the engines run, not the ONNX graphs
+        files.update({f"{g}.plan": art / name for g, name in m.get("trt", {}).get("plans", {}).items()})
+    key = {
+        "graphs": {g: _fingerprint(path) for g, path in files.items()},
+        "shape": {"block_size": session.block_size, "max_seq_len": session.max_seq_len, "keep_logits": session.keep_logits},
         "backend": session.backend.describe(),
         "host": {"machine": platform.machine(), "cpu": _cpu_model(), "cpu_count": os.cpu_count()},
     }
+    return json.loads(json.dumps(key, default=str))  # JSON-native, so a stored key compares equal
 
 
 def costs_dir() -> Path:
@@ -131,7 +146,7 @@ def load_or_measure(session) -> tuple[CallCosts, str]:
         data = json.loads(path.read_text())
         if data.get("format") == CACHE_FORMAT and data.get("key") == key:
             return CallCosts.from_json(data["costs"]), "cached"
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
         pass
     costs = measure(session)
     record = {"format": CACHE_FORMAT, "key": key, "costs": costs.to_json(),

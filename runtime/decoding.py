@@ -196,6 +196,8 @@ class Session:
         proposals' target-head argmax to `token_ids` (read both with :meth:`read_ids`), and the tap features of every row to `taps` from row
         `taps_row`. Rows of the cache past `past + n_ids + n_proposals` are untouched.
         """
+        if self.closed:
+            raise DFlashError("this Session is closed; load the artifact again")
         rows = n_ids + n_proposals
         inputs = {
             "input_ids": self.input_ids.rows(0, n_ids),
@@ -224,6 +226,8 @@ class Session:
         """One draft call: new context = `taps` rows [0, n_context) appended at row `past` of the
         draft's context cache, block = `block` rows [0, block_size); writes block_size - 1 hidden
         rows to `draft_hidden`."""
+        if self.closed:
+            raise DFlashError("this Session is closed; load the artifact again")
         inputs = {"context_hidden": self.taps.rows(0, n_context), "block_embeddings": self.block.rows(0, block_size)}
         outputs = {"draft_hidden": self.draft_hidden.rows(0, block_size - 1)}
         _bind_kv(self.d_kv, past, n_context, inputs, outputs)
@@ -249,9 +253,9 @@ class Session:
 
     def close(self) -> None:
         """Release the backend's graphs and device memory; the session cannot generate afterwards."""
-        if self.closed:
-            return
         with self._lock:
+            if self.closed:
+                return
             self.closed = True
             close = getattr(self.backend, "close", None)
             if close is not None:
@@ -355,6 +359,8 @@ class Session:
                 f"`python -m dflash_export build --max-seq-len {len(ids) + max_new_tokens}` (or larger)"
             )
         if verify_len is not None and verify_len not in ("auto", "all"):
+            if isinstance(verify_len, str) or isinstance(verify_len, bool):
+                raise DFlashError(f'verify_len must be "auto", "all" or an integer (got {verify_len!r})')
             verify_len = _as_int(verify_len, "verify_len")
             if b == 1 and verify_len != 1:
                 raise DFlashError(f"block_size 1 (plain decoding) verifies no proposals; omit verify_len (got {verify_len})")
@@ -398,7 +404,7 @@ class Session:
         steps: list[dict] = []
         while not stopped and len(out) < max_new:
             n_prop = policy.proposals(min(b - 1, max_new - len(out) - 1))  # never verify more than can be committed
-            t_step = clock()
+            t_step, catch_up = clock(), n_prop > 0 and pending > b
             if n_prop > 0:  # the draft reads all context since its last call, then fills the block
                 be.copy(self.block.rows(0, 1), self.next_embeddings.rows(anchor_row, 1))
                 self.run_draft(pending, draft_len, b)
@@ -418,7 +424,9 @@ class Session:
             target_len += acc + 1
             pending += acc + 1
             anchor_row = acc
-            policy.observe(n_prop, acc, clock() - t_step)
+            # a draft call that caught up on many context rows (the prompt, a long plain run) is not
+            # the step cost the policy models: its time is not reported
+            policy.observe(n_prop, acc, 0.0 if catch_up else clock() - t_step)
             if n_prop > 0:
                 acceptance.append(acc + 1)
             if record_steps:

@@ -138,11 +138,11 @@ class OrtBackend(Backend):
             raise DFlashError("onnxruntime is not installed: pip install onnxruntime") from None
         self._ort = ort
         self.greedy_without_uniforms = empty_rows_supported(ort)
-        self.threads = threads or os.cpu_count() or 1
+        self.threads = int(threads or os.cpu_count() or 1)
         self.int4_accuracy_level = int4_accuracy_level if manifest.get("quantization") else None
         # one IOBinding per graph, and what each name is bound to: a call rebinds only what moved
         self._bindings: dict[str, tuple] = {}
-        self.providers = providers or ["CPUExecutionProvider"]
+        self.providers = list(providers or ["CPUExecutionProvider"])
         self.sessions = {}
         for graph in graphs:
             path = Path(artifact_dir) / manifest[graph]["graph"]

@@ -49,7 +49,8 @@ class Policy(ABC):
 
     def observe(self, verified: int, accepted: int, seconds: float) -> None:
         """The step verified `verified` proposals, accepted `accepted` of them and took `seconds`
-        (draft call, target call and the loop's host work)."""
+        (draft call, target call and the loop's host work; 0 when the step's time is not
+        representative, e.g. a draft call catching up on a long context)."""
 
 
 class FixedLength(Policy):
