@@ -180,7 +180,7 @@ class Session:
         # after them, so one device-to-host read per step fetches both
         self.token_ids = be.alloc(np.int64, 2 * mb)
         self.next_embeddings = be.alloc(self.dtype, mb, (hidden,))
-        self.logits = be.alloc(np.float32, mb, (int(t["vocab_size"]),))
+        self.logits = be.alloc(np.float32, mb, (int(t["vocab_size"]),)) if self.keep_logits else None
         self.block = be.alloc(self.dtype, mb, (hidden,))
         self.draft_hidden = be.alloc(self.dtype, mb, (hidden,))
         mask_row = _load_mask_embedding(self.artifact_dir / m["mask_embedding"], hidden).astype(self.dtype)

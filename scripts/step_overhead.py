@@ -49,7 +49,7 @@ def main() -> int:
     if args.spin_child is not None:
         spin_child(args.artifact, args.proposals, args.past, args.spin_child == "1")
         return 0
-    sess = runtime.load(args.artifact)
+    sess = runtime.load(args.artifact, keep_logits=True)  # allocates the logits buffer; toggled per call below
     n, past = args.proposals, args.past
     be = sess.backend
     reused_run = be.run

@@ -249,7 +249,11 @@ def test_costs_extrapolate_and_measurement_fits_small_buffers(qwen, tmp_path, mo
     verifies more than was measured); an artifact whose buffers hold fewer rows than a block is
     measured at points that fit."""
     costs = CallCosts({0: 30.0, 7: 44.0, 15: 60.0}, 128)
-    np.testing.assert_allclose(costs.step_s(np.array([15, 31])), [0.060, 0.092])
+    np.testing.assert_allclose(costs.step_s(np.array([0, 7, 15, 31])), [0.030, 0.044, 0.060, 0.092])
+    # one disturbed point (n = 1 measured 8 ms low) is smoothed by the line through the others
+    noisy = CallCosts({0: 35.0, 1: 38.0, 3: 49.8, 7: 57.5, 15: 71.6}, 128)
+    s1, s3 = noisy.step_s(np.array([1, 3]))
+    assert s3 - s1 < 0.006 and s1 > 0.040
     monkeypatch.setenv(call_costs.COSTS_ENV, str(tmp_path / "costs"))
     sess = runtime.load(qwen.artifact)
     sess.max_seq_len = 6  # as if built with --max-seq-len 6 (block 8)
@@ -264,3 +268,14 @@ def test_bad_verify_len_and_step_api_after_close(qwen):
     sess.close()
     with pytest.raises(DFlashError, match="this Session is closed"):
         sess.run_target(1, 0, 0)
+
+
+def test_keep_logits_binds_the_logits(qwen):
+    """Logits are written only when asked for; then the posterior is their argmax."""
+    assert runtime.load(qwen.artifact).logits is None
+    sess = runtime.load(qwen.artifact, keep_logits=True)
+    sess.backend.write(sess.input_ids.rows(0, 3), np.array([5, 6, 7], np.int64))
+    sess.run_target(3, 0, 0)
+    posterior, _ = sess.read_ids(0)
+    logits = sess.backend.read(sess.logits.rows(0, 1))
+    assert np.isfinite(logits).all() and int(np.argmax(logits[0])) == int(posterior[0])
