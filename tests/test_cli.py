@@ -41,14 +41,15 @@ def assert_user_error(status: int, stderr: str, match: str, progress: bool = Fal
 
 
 def test_generate_json_with_steps(qwen):
-    proc = run_cli("generate", str(qwen.artifact), "--prompt-ids", "1,2,3", "--json", "--steps", "--max-new-tokens", "12")
+    proc = run_cli("generate", str(qwen.artifact), "--prompt-ids", "1,2,3", "--json", "--steps", "--max-new-tokens", "12",
+                   "--verify-len", "all")  # auto's choices depend on each process's timings
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1
     out = json.loads(lines[0])
     for key in ("output_ids", "text", "finish_reason", "acceptance_lengths", "tau", "tokens_per_s", "steps"):
         assert key in out, key
-    ref = runtime.load(qwen.artifact).generate([1, 2, 3], max_new_tokens=12, record_steps=True)  # manifest stops
+    ref = runtime.load(qwen.artifact).generate([1, 2, 3], max_new_tokens=12, record_steps=True, verify_len="all")  # manifest stops
     assert out["output_ids"] == ref.output_ids
     assert out["finish_reason"] == ref.finish_reason
     assert out["acceptance_lengths"] == ref.acceptance_lengths
@@ -56,7 +57,13 @@ def test_generate_json_with_steps(qwen):
     assert out["steps"] == ref.steps
     assert all(set(s) == {"proposed", "accepted", "committed"} for s in out["steps"])
     assert out["tokens_per_s"] > 0
-    assert out["tau"] == pytest.approx(ref.tau)
+    assert out["tau"] == pytest.approx(ref.tau) and out["policy"] == "fixed"
+    # the default policy: the same tokens, whatever lengths it chose
+    proc = run_cli("generate", str(qwen.artifact), "--prompt-ids", "1,2,3", "--json", "--max-new-tokens", "12")
+    auto = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert auto["policy"] == "auto" and auto["output_ids"] == ref.output_ids
+    proc = run_cli("generate", str(qwen.artifact), "--prompt-ids", "1,2,3", "--verify-len", "some")
+    assert proc.returncode == 2 and "--verify-len: must be auto, all or an integer (got 'some')" in proc.stderr
 
 
 def test_generate_json_in_process(qwen, capsys):
