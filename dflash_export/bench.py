@@ -356,7 +356,8 @@ def _plot(report: dict, path: Path) -> None:
                     width, label=pol)
     axes[1].set_xticks(range(len(cats)), cats, rotation=30)
     axes[1].axhline(1.0, color="gray", lw=0.8)
-    axes[1].legend(title="verify")
+    if report["policies"]:
+        axes[1].legend(title="verify")
     axes[1].set(title="speedup over plain decoding", ylabel="x")
     curve = report["verify_cost_curve"]
     axes[2].plot([int(k) for k in curve["verify_ms"]], list(curve["verify_ms"].values()), marker="o")
