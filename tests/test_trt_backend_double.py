@@ -455,3 +455,22 @@ def test_check_runs_engines_through_the_backend(engines, doubles):
     out, _, _ = engines
     rep = run_check(out, backend="trt")
     assert rep.passed and rep.precision == "fp32" and len(rep.results) == 36
+
+
+def test_accepted_blocks_through_the_double(tmp_path_factory, doubles):
+    """A pair that accepts whole blocks (the context-free pair) through the TensorRT path: the engines'
+    verify profile, the scratch bindings and the one-read ids commit every accepted proposal."""
+    import runtime
+    import runtime_fixtures as rf
+    from dflash_export.engine import build_engines
+
+    pair = rf.artifact("ctxfree", tmp_path_factory)
+    out = tmp_path_factory.mktemp("trt_double_blocks") / "artifact"
+    shutil.copytree(pair.artifact, out)
+    build_engines(out, precision="fp32", trt=FakeTensorRT("10.3.0.30"), gpu=GPU, quiet=True)
+    m = pair.mask_id
+    with runtime.load(out, backend="trt") as sess:
+        res = sess.generate([5, 7, m], max_new_tokens=14, stop_token_ids=[], verify_len="all")
+    assert res.output_ids == [m] * 14
+    assert res.acceptance_lengths == rf.expected_acceptance(14, pair.block_size) and max(res.acceptance_lengths) == pair.block_size
+    assert not doubles["cuda"].blocks  # closed: every device buffer freed
