@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import DFlashError
-from runtime.files import cache_dir as user_cache_dir
+from runtime.files import cache_dir  # converted checkpoints live in the user cache
 
 from .checkpoint import TargetSpec, build_target_layer_ids, resolve_hub_snapshot, share_permissions
 
@@ -24,11 +24,6 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # `<empty_output>`: a special token that SmolLM2's chat format never produces.
 EMBEDDED_MASK_TOKEN_ID = 16
-
-
-def cache_dir() -> Path:
-    """Cache for converted checkpoints: the user cache of `runtime.files.cache_dir`."""
-    return user_cache_dir()
 
 
 def registry() -> dict[str, Any]:

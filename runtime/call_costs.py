@@ -52,11 +52,9 @@ class CallCosts:
         n = np.asarray(n, np.float64)
         xs = np.array(sorted(k for k in self.step_ms if k > 0), np.float64)
         ys = np.array([self.step_ms[int(k)] for k in xs])
-        if len(xs) >= 2:
-            slope, intercept = np.polyfit(xs, ys, 1)
-            slope = max(float(slope), 0.0)
-            intercept = float(np.mean(ys) - slope * np.mean(xs))
-            spec = intercept + slope * n
+        if len(xs) >= 2:  # least squares; the line passes through the points' mean
+            slope = max(float(np.polyfit(xs, ys, 1)[0]), 0.0)
+            spec = ys.mean() + slope * (n - xs.mean())
         else:
             spec = np.full_like(n, ys[0] if len(ys) else self.step_ms[0])
         return np.where(n > 0, spec, self.step_ms[0]) / 1000.0

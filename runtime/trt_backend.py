@@ -289,6 +289,7 @@ class TrtBackend(CudaMemoryBackend):
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         self.engines, self.contexts, self.profiles, self.active, self.io_dtypes = {}, {}, {}, {}, {}
+        self.output_names: dict[str, list[str]] = {}
         self._checked: set = set()
         expected = {g: {t["name"]: t["dtype"] for t in [*manifest["io"][g]["inputs"], *manifest["io"][g]["outputs"]]}
                     for g in ("target", "draft")}
@@ -304,6 +305,7 @@ class TrtBackend(CudaMemoryBackend):
                 raise DFlashError(f"TensorRT could not create an execution context for {path.name} (out of GPU memory?)")
             names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
             inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+            self.output_names[graph] = [n for n in names if n not in inputs]
             dtypes = {n: np.dtype(trt.nptype(engine.get_tensor_dtype(n))) for n in names}
             bad = {n: (str(dtypes[n]), want) for n, want in expected[graph].items() if n not in dtypes or dtypes[n] != np.dtype(want)}
             if bad:
@@ -336,7 +338,7 @@ class TrtBackend(CudaMemoryBackend):
             ctx.set_tensor_address(name, self._bind(graph, name, v, False, pending))
         for name, v in outputs.items():
             ctx.set_tensor_address(name, self._bind(graph, name, v, True, pending))
-        for name in self._unwanted_outputs(graph, outputs):  # TensorRT writes every output somewhere
+        for name in (n for n in self.output_names[graph] if n not in outputs):  # TensorRT writes every output somewhere
             shape = tuple(int(x) for x in ctx.get_tensor_shape(name))
             ctx.set_tensor_address(name, self._scratch_for(graph, name, self.io_dtypes[graph][name], shape).buffer.ptr)
         key = (graph, tuple(shapes.items()), tuple((n, v.shape) for n, v in outputs.items()))
@@ -346,11 +348,6 @@ class TrtBackend(CudaMemoryBackend):
         if not ctx.execute_async_v3(self.stream):
             raise DFlashError(f"TensorRT failed to run the {graph} engine (see its log above)")
         self._finish(pending)
-
-    def _unwanted_outputs(self, graph: str, outputs: dict[str, View]) -> list[str]:
-        engine = self.engines[graph]
-        return [n for n in self.io_dtypes[graph] if n not in outputs
-                and engine.get_tensor_mode(n) == self.trt.TensorIOMode.OUTPUT]
 
     def _versions(self) -> dict:
         return {"tensorrt": str(self.trt.__version__)}
