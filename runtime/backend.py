@@ -112,6 +112,11 @@ class Backend(ABC):
         Graph outputs missing from `outputs` are not wanted: a backend drops them or writes them to
         scratch memory of its own."""
 
+    def max_call_rows(self, graph: str) -> int | None:
+        """The most new rows one call of `graph` may take on top of a non-empty cache (None: any).
+        TensorRT engines are limited by their optimization profiles (`profiles.call_row_limit`)."""
+        return None
+
     def describe(self) -> dict:
         """What call timings on this backend depend on (name, versions, device, settings): the
         key of the cached call costs (`runtime.call_costs`). JSON-ready."""

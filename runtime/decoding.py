@@ -1,114 +1,34 @@
-"""The DFlash draft/verify decoding loop over two graphs, with static KV buffers.
-
-Implements `spec_generate` of the DFlash reference (Chen et al., 2026, arXiv 2602.06036;
-dflash-facts section 5):
-
-1. Prefill: the target runs on the prompt; its last posterior is the first new token and the tap
-   features of every prompt position become the draft's first context.
-2. Each step: the draft fills the block `[last committed, MASK x (B - 1)]`; ONE target call takes
-   the last committed token plus the draft's hidden states, turns them into proposals with the
-   target's LM head, and verifies them; the longest prefix where proposal j equals posterior j is
-   accepted, plus the bonus token posterior[acc] (acc + 1 tokens per step).
-3. Rollback is a length update: both caches are static buffers and the rows past the committed
-   length are simply overwritten next step.
+"""A loaded artifact (:class:`Session`): both graphs, their static KV buffers, the tokenizer, and the
+public API: `generate`, `stream` and `chat` (the loop itself is :mod:`runtime.loop`).
 
 Only token ids (and, once per step, one embedding row copied inside the backend) move between the
-graphs and the host. `block_size=1` runs plain autoregressive decoding on the same target graph.
+graphs and the host; with top_k / top_p, also the logits rows being verified. `block_size=1` runs
+plain autoregressive decoding on the same target graph.
 """
 
 from __future__ import annotations
 
-import math
 import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
-from .backend import Backend, View
+from .backend import Backend
 from .errors import DFlashError
 from . import call_costs
+from .loop import CachedContext, DecodeLoop
 from .manifest import DTYPES, greedy_form_exported, load_manifest
+from .options import GenerationOptions, as_int
+from .results import GenerationResult, StreamChunk
 from .speculation import (TRAINED_DRAFT_PRIOR, UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength,
                           FixedLength, Policy)
+from .tokenizer import check_messages
+
+__all__ = ["Session", "GenerationStream", "GenerationResult", "StreamChunk", "MAX_BLOCK_SIZE"]
 
 # Scratch buffers are sized for blocks up to this many tokens (or the draft's block size, if larger).
 MAX_BLOCK_SIZE = 64
-
-
-@dataclass
-class GenerationResult:
-    """What one `generate` call produced.
-
-    Attributes:
-        output_ids: the new tokens only (a committed stop token is included, as the last id).
-        text: the decoded reply (special tokens skipped).
-        finish_reason: "stop" (a stop token was committed) or "length" (max_new_tokens reached).
-        acceptance_lengths: acc + 1 per speculative step (dflash-facts section 5; a stop token may
-            cut the committed run shorter on the last step).
-        tokens_per_s: new tokens / wall time including prefill (seconds).
-        decode_tokens_per_s: tokens after the first / time after prefill.
-        prefill_s, draft_s, verify_s, host_s: wall time split (seconds); host_s is the decode time
-            spent outside the two graphs.
-        steps: per step, when requested: {"proposed": [...], "accepted": int, "committed": [...]}
-            ("proposed" is empty on plain steps).
-        policy: the speculation policy that chose the verify lengths ("auto" or "fixed").
-    """
-
-    output_ids: list[int]
-    text: str | None
-    finish_reason: str
-    acceptance_lengths: list[int]
-    tokens_per_s: float
-    decode_tokens_per_s: float
-    prefill_s: float
-    draft_s: float
-    verify_s: float
-    host_s: float
-    steps: list[dict] = field(default_factory=list)
-    policy: str = "fixed"
-
-    @property
-    def tau(self) -> float:
-        """Acceptance length: mean tokens committed per speculative step (1.0 when none ran)."""
-        return float(np.mean(self.acceptance_lengths)) if self.acceptance_lengths else 1.0
-
-    def to_dict(self, with_steps: bool = False) -> dict:
-        """JSON-ready dict (the `generate --json` schema)."""
-        out = {
-            "output_ids": self.output_ids,
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "acceptance_lengths": self.acceptance_lengths,
-            "tau": self.tau,
-            "tokens_per_s": self.tokens_per_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "prefill_s": self.prefill_s,
-            "draft_s": self.draft_s,
-            "verify_s": self.verify_s,
-            "host_s": self.host_s,
-            "policy": self.policy,
-        }
-        if with_steps:
-            out["steps"] = self.steps
-        return out
-
-
-def accepted_prefix(proposals: np.ndarray, posterior: np.ndarray) -> int:
-    """Length of the longest prefix with `proposals[j] == posterior[j]` (int64 arrays, len(posterior) >= len(proposals))."""
-    n = len(proposals)
-    mismatch = np.flatnonzero(proposals != posterior[:n])
-    return int(mismatch[0]) if mismatch.size else n
-
-
-def cut_at_stop(tokens: Sequence[int], stop_ids: set[int]) -> tuple[list[int], bool]:
-    """Cut a committed run right after its first stop token. Returns (kept tokens, stopped)."""
-    for i, tok in enumerate(tokens):
-        if tok in stop_ids:
-            return list(tokens[: i + 1]), True
-    return list(tokens), False
 
 
 class Session:
@@ -152,6 +72,7 @@ class Session:
         self.acceptance_prior = TRAINED_DRAFT_PRIOR if m["draft"].get("trained") else UNTRAINED_DRAFT_PRIOR
         self.auto: dict[int, AdaptiveLength] = {}  # by block size: what the policy learned lasts the session
         self.closed = False
+        self.context = CachedContext()  # what the caches hold: the next request reuses its common prefix
         # One generate at a time: the static buffers belong to the session, not to a call.
         self._lock = threading.Lock()
         self.tokenizer = None
@@ -174,7 +95,8 @@ class Session:
         self.input_ids = be.alloc(np.int64, S)
         self.temperature = be.alloc(np.float32, 1)
         self.uniform = be.alloc(np.float32, mb)
-        self._sampling = False
+        self._sampling = False  # the graph samples (temperature > 0 without top_k / top_p)
+        self._host_sampling = False  # the loop samples from the logits rows (top_k / top_p)
         self._greedy_skips_sampling = greedy_form_exported(m) and be.greedy_without_uniforms
         # a target call writes its 1 + N posterior ids at rows [0, N + 1) and its N proposal ids right
         # after them, so one device-to-host read per step fetches both
@@ -194,7 +116,8 @@ class Session:
         `draft_hidden`, with the target cache's rows [0, past) as its past; writes the new K/V at row
         `past`, 1 + n_proposals posterior ids (their embeddings to `next_embeddings`) and then the
         proposals' target-head argmax to `token_ids` (read both with :meth:`read_ids`), and the tap features of every row to `taps` from row
-        `taps_row`. Rows of the cache past `past + n_ids + n_proposals` are untouched.
+        `taps_row`. Rows of the cache past `past + n_ids + n_proposals` are untouched. (Calling this
+        directly leaves :attr:`context` stale: call :meth:`reset` before the next `generate`.)
         """
         if self.closed:
             raise DFlashError("this Session is closed; load the artifact again")
@@ -212,23 +135,37 @@ class Session:
             "next_embeddings": self.next_embeddings.rows(0, n_proposals + 1),
             "taps": self.taps.rows(taps_row, rows),
         }
-        if self.keep_logits:
+        if self.logits is not None and (self.keep_logits or self._host_sampling):
             outputs["logits"] = self.logits.rows(0, n_proposals + 1)
         _bind_kv(self.t_kv, past, rows, inputs, outputs)
         self.backend.run("target", inputs, outputs)
+
+    def set_sampling(self, temperature: float, on_host: bool = False) -> None:
+        """What the next target calls do: sample at `temperature` in the graph (0: greedy), or, with
+        `on_host`, run greedy and write their logits rows to :meth:`logits_buffer` for the host."""
+        self._host_sampling = bool(on_host)
+        graph_t = 0.0 if on_host else float(temperature)
+        self._sampling = graph_t > 0
+        self.backend.write(self.temperature.rows(0, 1), np.array([graph_t], np.float32))
+
+    def logits_buffer(self):
+        """The `[rows, V]` fp32 logits buffer (allocated on first use unless `keep_logits`)."""
+        if self.logits is None:
+            self.logits = self.backend.alloc(np.float32, self.max_block, (int(self.manifest["target"]["vocab_size"]),))
+        return self.logits
 
     def read_ids(self, n_proposals: int) -> tuple[np.ndarray, np.ndarray]:
         """(posterior `[1 + n]`, proposals `[n]`) int64 of the last target call, in one read."""
         ids = self.backend.read(self.token_ids.rows(0, 2 * n_proposals + 1))
         return ids[: n_proposals + 1], ids[n_proposals + 1 :]
 
-    def run_draft(self, n_context: int, past: int, block_size: int) -> None:
-        """One draft call: new context = `taps` rows [0, n_context) appended at row `past` of the
-        draft's context cache, block = `block` rows [0, block_size); writes block_size - 1 hidden
-        rows to `draft_hidden`."""
+    def run_draft(self, n_context: int, past: int, block_size: int, taps_row: int = 0) -> None:
+        """One draft call: new context = `taps` rows [taps_row, taps_row + n_context) appended at row
+        `past` of the draft's context cache, block = `block` rows [0, block_size); writes
+        block_size - 1 hidden rows to `draft_hidden`."""
         if self.closed:
             raise DFlashError("this Session is closed; load the artifact again")
-        inputs = {"context_hidden": self.taps.rows(0, n_context), "block_embeddings": self.block.rows(0, block_size)}
+        inputs = {"context_hidden": self.taps.rows(taps_row, n_context), "block_embeddings": self.block.rows(0, block_size)}
         outputs = {"draft_hidden": self.draft_hidden.rows(0, block_size - 1)}
         _bind_kv(self.d_kv, past, n_context, inputs, outputs)
         self.backend.run("draft", inputs, outputs)
@@ -244,8 +181,9 @@ class Session:
             return FixedLength(block_size - 1)
         if verify_len is None or verify_len == "auto":
             if self.call_costs is None:
-                self._sampling = False
+                self.set_sampling(0.0)
                 self.call_costs, _ = call_costs.load_or_measure(self)
+                self.context = CachedContext()  # the measurement wrote over the caches
             if block_size not in self.auto:
                 self.auto[block_size] = AdaptiveLength(self.call_costs, AcceptanceEstimate(self.acceptance_prior, block_size - 1))
             return self.auto[block_size]
@@ -268,7 +206,7 @@ class Session:
         self.close()
 
     # ---- public API --------------------------------------------------------------------
-    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+    def encode(self, prompt: str | Sequence[int], chat: bool = False, enable_thinking: bool | None = None) -> list[int]:
         """Prompt text (optionally as a one-turn chat) or ids -> ids.
 
         Raises:
@@ -277,18 +215,16 @@ class Session:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise DFlashError("the prompt is empty; pass some text or token ids")
-            if self.tokenizer is None:
-                raise DFlashError("this artifact has no tokenizer; pass token ids instead of text")
-            ids = (
-                self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-                if chat
-                else self.tokenizer.encode(prompt)
-            )
+            if chat:
+                return self.encode_messages([{"role": "user", "content": prompt}], enable_thinking)
+            ids = self._require_tokenizer().encode(prompt)
             if not ids:
                 raise DFlashError("the prompt tokenizes to no tokens; pass some text or token ids")
             return ids
+        if isinstance(prompt, (bytes, dict)) or prompt is None:
+            raise DFlashError("the prompt must be text or a sequence of token ids")
         try:
-            ids = [_as_int(i, "prompt token id") for i in prompt]
+            ids = [as_int(i, "prompt token id") for i in prompt]
         except TypeError:
             raise DFlashError("the prompt must be text or a sequence of token ids") from None
         if not ids:
@@ -299,9 +235,82 @@ class Session:
             raise DFlashError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         return ids
 
+    def encode_messages(self, messages, enable_thinking: bool | None = None) -> list[int]:
+        """OpenAI-style messages (`[{"role": "system"|"user"|"assistant", "content": str}, ...]`) -> the
+        ids of the model's chat template with the generation prompt. `enable_thinking` (Qwen3's
+        template option) defaults to what the draft was trained on (the manifest's
+        `draft.enable_thinking`; False when absent: the released drafts are non-thinking).
+
+        Raises:
+            DFlashError: malformed messages, no tokenizer or no chat template.
+        """
+        messages = check_messages(messages)
+        if enable_thinking is None:
+            enable_thinking = bool(self.manifest["draft"].get("enable_thinking", False))
+        elif not isinstance(enable_thinking, bool):
+            raise DFlashError(f"enable_thinking must be true or false (got {enable_thinking!r})")
+        ids = self._require_tokenizer().apply_chat_template(messages, enable_thinking=enable_thinking)
+        if not ids:
+            raise DFlashError("the chat template renders these messages to no tokens")
+        return ids
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise DFlashError("this artifact has no tokenizer; pass token ids instead of text")
+        return self.tokenizer
+
+    def stream(self, prompt: str | Sequence[int] | None = None, *, messages=None, chat: bool = False,
+               enable_thinking: bool | None = None, **options) -> "GenerationStream":
+        """Start a generation whose output arrives as it is committed.
+
+        Args:
+            prompt: text or token ids; or `messages` (OpenAI-style chat turns, rendered with the
+                model's chat template), not both.
+            chat: wrap a text prompt in the chat template as one user turn.
+            enable_thinking: see :meth:`encode_messages`.
+            **options: the fields of :class:`runtime.options.GenerationOptions` (max_new_tokens,
+                temperature, top_p, top_k, seed, stop, stop_token_ids, block_size, verify_len,
+                record_steps, reuse_prefix).
+
+        Returns:
+            a :class:`GenerationStream`: iterate it for :class:`StreamChunk` s (text deltas that never
+            split a character, and the committed ids); `.result` afterwards. The chunks' texts
+            concatenate to `generate(...).text`. Close it (or leave the `with` block) to stop early:
+            the session keeps what was committed and can reuse it.
+
+        Raises:
+            DFlashError: bad prompt or options, a request beyond the KV buffers, another generation
+                running on this session, or a closed session.
+        """
+        try:
+            opts = GenerationOptions(**options)
+        except TypeError as exc:
+            raise DFlashError(f"unknown generation option ({exc}); see runtime.options.GenerationOptions") from None
+        if (prompt is None) == (messages is None):
+            raise DFlashError("pass either a prompt or messages (exactly one)")
+        ids = self.encode(prompt, chat=chat, enable_thinking=enable_thinking) if messages is None \
+            else self.encode_messages(messages, enable_thinking)
+        b = self._check_request(ids, opts)
+        if not self._lock.acquire(blocking=False):
+            raise DFlashError(
+                "this Session is already generating in another thread; its KV buffers serve one call at a time "
+                "(load one Session per thread, or serialise the calls)"
+            )
+        try:
+            if self.closed:
+                raise DFlashError("this Session is closed; load the artifact again")
+            policy = self.policy(b, opts.verify_len)
+            policy.start()
+            stops = set(self.stop_token_ids if opts.stop_token_ids is None else opts.stop_token_ids)
+            loop = DecodeLoop(self, ids, opts, b, policy, stops)
+        except BaseException:
+            self._lock.release()
+            raise
+        return GenerationStream(loop, self._lock)
+
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | None = None,
         max_new_tokens: int = 128,
         stop_token_ids: Sequence[int] | None = None,
         temperature: float = 0.0,
@@ -310,11 +319,12 @@ class Session:
         seed: int = 0,
         record_steps: bool = False,
         verify_len: int | str | None = None,
+        **more,
     ) -> GenerationResult:
         """Generate a reply with DFlash speculative decoding (lossless w.r.t. the target).
 
         Args:
-            prompt: text, or a sequence of token ids (at least one).
+            prompt: text, or a sequence of token ids (at least one); or pass `messages=`.
             max_new_tokens: at most this many new tokens (>= 1).
             stop_token_ids: ids that end the reply once committed (default: the manifest's; [] for none).
             temperature: 0 for greedy; > 0 samples the target posterior at this temperature (exact
@@ -329,6 +339,8 @@ class Session:
                 the first call on a device measures the costs in well under a second and caches them).
                 "all" verifies every proposal (block_size - 1); an integer 1..block_size-1 exactly that
                 many. The draft always fills the whole block it was trained on.
+            **more: messages, enable_thinking, top_p, top_k, stop (strings), reuse_prefix: see
+                :meth:`stream` and :class:`runtime.options.GenerationOptions`.
 
         Returns:
             GenerationResult.
@@ -336,118 +348,95 @@ class Session:
         Raises:
             DFlashError: empty prompt, bad arguments, or prompt + max_new_tokens beyond the buffers.
         """
-        ids = self.encode(prompt, chat=chat)
-        b = self.block_size if block_size is None else _as_int(block_size, "block_size")
+        prompt_args = {k: more.pop(k) for k in ("messages", "enable_thinking") if k in more}
+        with self.stream(prompt, chat=chat, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                         temperature=temperature, block_size=block_size, seed=seed, record_steps=record_steps,
+                         verify_len=verify_len, **prompt_args, **more) as stream:
+            for _ in stream:
+                pass
+        return stream.result
+
+    def chat(self, messages, **options) -> GenerationResult:
+        """`generate(messages=messages, **options)`: one assistant turn after OpenAI-style messages."""
+        return self.generate(messages=messages, **options)
+
+    def reset(self) -> None:
+        """Forget the cached context: the next request prefills from position 0."""
+        with self._lock:
+            self.context = CachedContext()
+
+    def _check_request(self, ids: list[int], opts: GenerationOptions) -> int:
+        """The request's block size, after checking it and the KV capacity against this artifact."""
+        b = self.block_size if opts.block_size is None else opts.block_size
         if not 1 <= b <= self.max_block:
             raise DFlashError(f"block_size {b} must be between 1 and {self.max_block}")
-        max_new_tokens = _as_int(max_new_tokens, "max_new_tokens")
-        if max_new_tokens < 1:
-            raise DFlashError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
-        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-            raise DFlashError(f"temperature must be a finite number >= 0 (got {temperature!r})")
-        seed = _as_int(seed, "seed")
-        if seed < 0:
-            raise DFlashError(f"seed must be a non-negative integer (got {seed})")
-        if stop_token_ids is not None:
-            if isinstance(stop_token_ids, (int, str)):
-                raise DFlashError("stop_token_ids must be a list of token ids (or None for the model's defaults)")
-            stop_token_ids = [_as_int(t, "stop token id") for t in stop_token_ids]
-        if len(ids) + max_new_tokens > self.max_seq_len:
+        if len(ids) + opts.max_new_tokens > self.max_seq_len:
+            n = len(ids)
             raise DFlashError(
-                f"prompt ({len(ids)} token{'s' if len(ids) != 1 else ''}) + max_new_tokens ({max_new_tokens}) = {len(ids) + max_new_tokens} exceeds "
-                f"the KV buffers' max_seq_len {self.max_seq_len}; shorten the request or rebuild with "
-                f"`python -m dflash_export build --max-seq-len {len(ids) + max_new_tokens}` (or larger)"
+                f"prompt ({n} token{'s' if n != 1 else ''}) + max_new_tokens ({opts.max_new_tokens}) = "
+                f"{n + opts.max_new_tokens} exceeds the KV buffers' max_seq_len {self.max_seq_len}; shorten the "
+                f"request or rebuild with `python -m dflash_export build --max-seq-len {n + opts.max_new_tokens}` (or larger)"
             )
-        if verify_len is not None and verify_len not in ("auto", "all"):
-            if isinstance(verify_len, str) or isinstance(verify_len, bool):
-                raise DFlashError(f'verify_len must be "auto", "all" or an integer (got {verify_len!r})')
-            verify_len = _as_int(verify_len, "verify_len")
-            if b == 1 and verify_len != 1:
-                raise DFlashError(f"block_size 1 (plain decoding) verifies no proposals; omit verify_len (got {verify_len})")
-            if not 1 <= verify_len <= max(b - 1, 1):
+        v = opts.verify_len
+        if isinstance(v, int):
+            if b == 1 and v != 1:
+                raise DFlashError(f"block_size 1 (plain decoding) verifies no proposals; omit verify_len (got {v})")
+            if not 1 <= v <= max(b - 1, 1):
                 raise DFlashError(f"verify_len must be between 1 and block_size - 1 = {b - 1} "
-                                  f"(got {verify_len}); block_size {b} proposes {b - 1} tokens per step")
-        stops = set(self.stop_token_ids if stop_token_ids is None else (int(s) for s in stop_token_ids))
-        rng = np.random.default_rng(seed)
-        if not self._lock.acquire(blocking=False):
-            raise DFlashError(
-                "this Session is already generating in another thread; its KV buffers serve one call at a time "
-                "(load one Session per thread)"
-            )
+                                  f"(got {v}); block_size {b} proposes {b - 1} tokens per step")
+        vocab = int(self.manifest["target"]["vocab_size"])
+        if opts.top_k > vocab:
+            raise DFlashError(f"top_k {opts.top_k} exceeds the vocabulary size {vocab}")
+        return b
+
+
+class GenerationStream:
+    """The chunks of one generation as they are committed (see :meth:`Session.stream`).
+
+    Iterate it once; `result` is the :class:`GenerationResult` after the last chunk (None if it was
+    closed early). `close()` (or leaving a `with` block) stops the generation at the current step and
+    frees the session for the next call.
+    """
+
+    def __init__(self, loop: DecodeLoop, lock: threading.Lock):
+        self._loop, self._lock = loop, lock
+        self._chunks = loop.run()
+        self._open = True
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._loop.result
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        if not self._open:
+            raise StopIteration
         try:
-            if self.closed:
-                raise DFlashError("this Session is closed; load the artifact again")
-            policy = self.policy(b, verify_len)
-            policy.start()
-            return self._decode(ids, max_new_tokens, stops, float(temperature), b, policy, rng, record_steps)
-        finally:
+            return next(self._chunks)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the generation (if still running) and release the session."""
+        if self._open:
+            self._open = False
+            self._chunks.close()
             self._lock.release()
 
-    def _decode(self, ids, max_new, stops, temperature, b, policy, rng, record_steps) -> GenerationResult:
-        be = self.backend
-        clock = time.perf_counter
-        draft_s = verify_s = 0.0
-        t_start = clock()
-        self._sampling = temperature > 0
-        be.write(self.temperature.rows(0, 1), np.array([temperature], np.float32))
-        be.write(self.input_ids.rows(0, len(ids)), np.asarray(ids, np.int64))
-        be.write(self.uniform.rows(0, 1), rng.random(1, dtype=np.float32) if temperature > 0 else np.zeros(1, np.float32))
-        self.run_target(len(ids), 0, 0)  # prefill
-        first = int(self.read_ids(0)[0][0])
-        t_prefill = clock()
-        out, stopped = cut_at_stop([first], stops)
-        target_len = len(ids)  # committed rows in the target cache (the last committed token is not in it yet)
-        draft_len = 0  # committed rows in the draft's context cache
-        pending = len(ids)  # taps rows [0, pending): committed context the draft has not read yet
-        anchor_row = 0  # next_embeddings row holding the embedding of the last committed token
-        acceptance: list[int] = []
-        steps: list[dict] = []
-        while not stopped and len(out) < max_new:
-            n_prop = policy.proposals(min(b - 1, max_new - len(out) - 1))  # never verify more than can be committed
-            t_step, catch_up = clock(), n_prop > 0 and pending > b
-            if n_prop > 0:  # the draft reads all context since its last call, then fills the block
-                be.copy(self.block.rows(0, 1), self.next_embeddings.rows(anchor_row, 1))
-                self.run_draft(pending, draft_len, b)
-                draft_s += clock() - t_step
-                draft_len, pending = draft_len + pending, 0
-            be.write(self.input_ids.rows(0, 1), np.array([out[-1]], np.int64))
-            if temperature > 0:
-                be.write(self.uniform.rows(0, n_prop + 1), rng.random(n_prop + 1, dtype=np.float32))
-            t0 = clock()
-            self.run_target(1, n_prop, target_len, taps_row=pending)
-            verify_s += clock() - t0
-            posterior, proposals = self.read_ids(n_prop)
-            acc = accepted_prefix(proposals, posterior)
-            committed = [int(t) for t in proposals[:acc]] + [int(posterior[acc])]
-            kept, stopped = cut_at_stop(committed, stops)
-            out += kept
-            target_len += acc + 1
-            pending += acc + 1
-            anchor_row = acc
-            # a draft call that caught up on many context rows (the prompt, a long plain run) is not
-            # the step cost the policy models: its time is not reported
-            policy.observe(n_prop, acc, 0.0 if catch_up else clock() - t_step)
-            if n_prop > 0:
-                acceptance.append(acc + 1)
-            if record_steps:
-                steps.append({"proposed": [int(t) for t in proposals], "accepted": acc, "committed": kept})
-        t_end = clock()
-        total, decode = t_end - t_start, t_end - t_prefill
-        text = self.tokenizer.decode(out) if self.tokenizer is not None else None
-        return GenerationResult(
-            output_ids=out,
-            text=text,
-            finish_reason="stop" if stopped else "length",
-            acceptance_lengths=acceptance,
-            tokens_per_s=len(out) / total if total > 0 else 0.0,
-            decode_tokens_per_s=(len(out) - 1) / decode if decode > 0 and len(out) > 1 else 0.0,
-            prefill_s=t_prefill - t_start,
-            draft_s=draft_s,
-            verify_s=verify_s,
-            host_s=max(decode - draft_s - verify_s, 0.0),
-            steps=steps,
-            policy=policy.name,
-        )
+    def __enter__(self) -> "GenerationStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 def _bind_kv(buffers, past: int, rows: int, inputs: dict, outputs: dict) -> None:
@@ -459,15 +448,6 @@ def _bind_kv(buffers, past: int, rows: int, inputs: dict, outputs: dict) -> None
         kind = "key" if i % 2 == 0 else "value"
         inputs[f"past_{kind}_{i // 2}"] = buf.rows(0, past)
         outputs[f"{kind}_{i // 2}"] = buf.rows(past, rows)
-
-
-def _as_int(value, what: str) -> int:
-    """An integer argument (bools and non-integral floats refused) or a DFlashError naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        if isinstance(value, (float, np.floating)) and float(value).is_integer():
-            return int(value)
-        raise DFlashError(f"{what} must be an integer (got {value!r})")
-    return int(value)
 
 
 def _load_mask_embedding(path: Path, hidden: int) -> np.ndarray:

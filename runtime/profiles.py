@@ -30,6 +30,10 @@ TARGET_DIMS = ("new_tokens", "proposals", "past_len", "sampled_rows")
 DRAFT_DIMS = ("context_len", "block_size", "past_context_len")
 
 Range = tuple[int, int, int]
+# Most prompt rows one target call prefills on top of a cached prefix (KV reuse), and most context
+# rows one draft call reads on top of its cache (catching up after plain steps): longer runs are
+# split into calls of this many rows, so these profiles' attention scratch stays O(E * S).
+EXTEND_ROWS = 256
 Shape = tuple[int, ...]
 
 
@@ -98,22 +102,28 @@ def dim_ranges(manifest: dict, max_block_size: int | None = None) -> dict[str, l
     - sampled rows U (uniform's length, graphs exported since draft_vocab support): 0 when greedy, 1 + N
       when sampling (1 at prefill). Older graphs tie uniform to "proposals + 1" and ignore this range.
     - draft "draft_prefill": the first draft call, C = prompt length in [1, S-1], B in [2, mb], Pc = 0.
-    - draft "draft_step": C = accepted + 1 in [1, mb], B in [2, mb], Pc in [1, S-1].
+    - target "extend": a prompt's new rows on a reused prefix, T in [1, E], N = 0, P in [1, S-1]
+      (E = EXTEND_ROWS; the loop splits longer runs, see :func:`call_row_limit`).
+    - draft "draft_step": C = accepted + 1 (or, catching up after plain steps or on a reused prompt,
+      up to E rows) in [1, max(mb, E)], B in [2, mb], Pc in [1, S-1].
     """
     S = int(manifest["max_seq_len"])
     mb = int(max_block_size or max_block(manifest))
     b = int(manifest["draft"]["block_size"])
     top = max(1, S - 1)
+    ext = min(top, EXTEND_ROWS)
     return {
         "target": [
             ("prefill", {"new_tokens": _clamp(1, min(top, 256), top), "proposals": (0, 0, 0), "past_len": (0, 0, 0),
                          "sampled_rows": (0, 0, 1)}),
             ("verify", {"new_tokens": (1, 1, 1), "proposals": _clamp(0, b - 1, mb - 1), "past_len": _clamp(1, S // 2, top),
                         "sampled_rows": _clamp(0, 0, mb)}),
+            ("extend", {"new_tokens": _clamp(1, ext, ext), "proposals": (0, 0, 0), "past_len": _clamp(1, S // 2, top),
+                        "sampled_rows": (0, 0, 1)}),
         ],
         "draft": [
             ("draft_prefill", {"context_len": _clamp(1, min(top, 256), top), "block_size": _clamp(2, b, mb), "past_context_len": (0, 0, 0)}),
-            ("draft_step", {"context_len": _clamp(1, max(1, b // 2), mb), "block_size": _clamp(2, b, mb), "past_context_len": _clamp(1, S // 2, top)}),
+            ("draft_step", {"context_len": _clamp(1, max(1, b // 2), max(mb, ext)), "block_size": _clamp(2, b, mb), "past_context_len": _clamp(1, S // 2, top)}),
         ],
     }
 
@@ -162,6 +172,16 @@ def select_profile(profiles: list[Profile], shapes: dict[str, Shape], graph: str
         "up to their max block: use a smaller block, or rebuild the engines (`python -m dflash_export engine DIR "
         "--max-block N`, or `build --max-seq-len N` for longer requests)"
     )
+
+
+def call_row_limit(profiles: list[Profile], graph: str) -> int:
+    """The most new rows one call on top of a non-empty cache may take under these profiles: prompt
+    rows for the target ("extend"; 1 with engines built before it: their "verify" takes T = 1), context
+    rows for the draft ("draft_step")."""
+    rows, past = ("input_ids", "past_key_0") if graph == "target" else ("context_hidden", "past_key_0")
+    limits = [p.shapes[rows][2][0] for p in profiles
+              if rows in p.shapes and past in p.shapes and p.shapes[past][2][0] >= 1]
+    return max(limits, default=1)
 
 
 def output_shapes(manifest: dict, graph: str, input_shapes: dict[str, Shape]) -> dict[str, Shape]:

@@ -7,6 +7,8 @@ from typing import Any
 
 from .errors import DFlashError
 
+CHAT_ROLES = ("system", "user", "assistant")
+
 
 class ChatTokenizer:
     """Encodes prompts and decodes replies the way Hugging Face's fast tokenizer does.
@@ -36,9 +38,9 @@ class ChatTokenizer:
         """Plain text -> ids, with the tokenizer's own special tokens (e.g. BOS) as HF adds them."""
         return self._tok.encode(text, add_special_tokens=True).ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, str]], enable_thinking: bool = False) -> list[int]:
         """Render a conversation with the generation prompt and tokenize it (as HF's
-        `apply_chat_template(..., add_generation_prompt=True, enable_thinking=False)`).
+        `apply_chat_template(..., add_generation_prompt=True, enable_thinking=enable_thinking)`).
 
         Raises:
             DFlashError: the checkpoint has no chat template.
@@ -65,7 +67,7 @@ class ChatTokenizer:
         extra = {k: v for k, v in self.special_tokens.items() if isinstance(k, str) and k not in ("messages",)}
         try:
             text = env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=True, enable_thinking=False, **extra
+                messages=messages, add_generation_prompt=True, enable_thinking=enable_thinking, **extra
             )
         except jinja2.TemplateError as exc:
             raise DFlashError(f"the model's chat template cannot be rendered: {exc}") from None
@@ -74,3 +76,36 @@ class ChatTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Ids -> text, special tokens skipped."""
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+def check_messages(messages) -> list[dict[str, str]]:
+    """OpenAI-style chat messages, checked: a non-empty list of {"role": system|user|assistant,
+    "content": str or a list of {"type": "text", "text": str} parts}; returns them with string content.
+
+    Raises:
+        DFlashError: naming the first malformed message.
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise DFlashError("messages must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise DFlashError(f"messages[{i}] must be an object with role and content")
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise DFlashError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} (got {role!r})")
+        if isinstance(content, list):  # content parts: only text is supported
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise DFlashError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                      "are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise DFlashError(f"messages[{i}].content must be a string (got {type(content).__name__})")
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise DFlashError(f"messages[{i}] has unsupported fields {extra} (tools and function calls are not supported)")
+        out.append({"role": role, "content": content})
+    return out

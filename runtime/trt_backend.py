@@ -25,7 +25,7 @@ import numpy as np
 
 from .backend import ADDRESS_ALIGNMENT, Backend, Buffer, View, is_aligned
 from .errors import DFlashError
-from .profiles import Profile, max_block, select_profile
+from .profiles import Profile, call_row_limit, max_block, select_profile
 
 # cudaMemcpyKind values (CUDA runtime API).
 H2D, D2H, D2D = 1, 2, 3
@@ -322,6 +322,9 @@ class TrtBackend(CudaMemoryBackend):
             ]
             self.engines[graph], self.contexts[graph], self.io_dtypes[graph] = engine, ctx, dtypes
             self.active[graph] = 0  # a new context starts on profile 0
+
+    def max_call_rows(self, graph: str) -> int | None:
+        return call_row_limit(self.profiles[graph], graph)
 
     def run(self, graph: str, inputs: dict[str, View], outputs: dict[str, View]) -> None:
         ctx = self.contexts[graph]

@@ -63,12 +63,14 @@ def _record(sess) -> list[tuple[str, dict, dict]]:
 
 def test_every_bound_shape_lies_in_a_profile(artifact):
     import runtime
-    from runtime.profiles import output_shapes, select_profile, shape_ranges
+    from runtime.profiles import call_row_limit, output_shapes, select_profile, shape_ranges
 
     sess = runtime.load(artifact)
     manifest = sess.manifest
     S = manifest["max_seq_len"]
     ranges = shape_ranges(manifest)
+    # the loop splits calls as it would on engines with these profiles
+    sess.backend.max_call_rows = lambda graph: call_row_limit(ranges[graph], graph)
     calls = _record(sess)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, 90, size=5)]
@@ -80,6 +82,8 @@ def test_every_bound_shape_lies_in_a_profile(artifact):
         dict(prompt=prompt, max_new_tokens=20, temperature=0.8, seed=3),
         dict(prompt=[int(t) for t in rng.integers(3, 90, size=S - 1)], max_new_tokens=1),  # longest prefill
         dict(prompt=[int(t) for t in rng.integers(3, 90, size=S - 3)], max_new_tokens=3),  # long first draft context
+        dict(prompt=prompt, max_new_tokens=10),
+        dict(prompt=prompt + [7, 8, 9, 10], max_new_tokens=10),  # extends a reused prefix (KV reuse)
     ]
     for case in cases:  # every proposal verified: the profiles must hold the largest calls
         sess.generate(case.pop("prompt"), stop_token_ids=[], verify_len="all" if case.get("block_size") != 1 else None, **case)
@@ -90,7 +94,7 @@ def test_every_bound_shape_lies_in_a_profile(artifact):
         want = output_shapes(manifest, graph, ins)
         want.pop("logits", None)  # not bound unless the session keeps logits (TensorRT writes them to scratch)
         assert want == outs, (graph, ins)
-    assert used == {"target": {"prefill", "verify"}, "draft": {"draft_prefill", "draft_step"}}
+    assert used == {"target": {"prefill", "verify", "extend"}, "draft": {"draft_prefill", "draft_step"}}
     # The loop's extremes are what the profiles were derived for.
     t_prefill = [c[1]["input_ids"][0] for c in calls if c[0] == "target" and c[1]["past_key_0"][0] == 0]
     assert max(t_prefill) == S - 1 and min(t_prefill) == 1

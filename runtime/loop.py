@@ -1,0 +1,246 @@
+"""One generation on a Session's buffers: prefill (reusing cached rows), then draft/verify steps.
+
+Implements `spec_generate` of the DFlash reference (Chen et al., 2026, arXiv 2602.06036;
+dflash-facts section 5):
+
+1. Prefill: the target runs on the prompt tokens not already in its cache; its last posterior is
+   the first new token and the tap features of those positions become the draft's context.
+2. Each step: the draft fills the block `[last committed, MASK x (B - 1)]`; ONE target call takes
+   the last committed token plus the draft's hidden states, turns them into proposals with the
+   target's LM head, and verifies them; the longest prefix where proposal j equals posterior j is
+   accepted, plus the bonus token posterior[acc] (acc + 1 tokens per step).
+3. Rollback is a length update: both caches are static buffers and the rows past the committed
+   length are simply overwritten next step.
+
+What the caches hold is :class:`CachedContext`, kept on the Session and updated after every graph
+call, so the next request reuses the rows of its longest common prefix (multi-turn chat, a fixed
+system prompt), and a stream closed half-way leaves it consistent.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from .options import GenerationOptions
+from .results import GenerationResult, StreamChunk, accepted_prefix, cut_at_stop
+from .sampling import HostSampler
+from .speculation import Policy
+from .text_stream import IncrementalText, StopStrings
+
+
+@dataclass
+class CachedContext:
+    """The committed sequence the Session's caches hold.
+
+    Attributes:
+        ids: tokens whose K/V are target cache rows [0, len(ids)) (the last committed token is not
+            among them: it is the next step's input).
+        draft_len: rows of the draft's context cache (the features of ids[:draft_len]); the tap features
+            of ids[draft_len:] wait in the `taps` buffer's rows [0, len(ids) - draft_len).
+    """
+
+    ids: list[int] = field(default_factory=list)
+    draft_len: int = 0
+
+    @property
+    def pending(self) -> int:
+        """Tap rows the draft has not read yet."""
+        return len(self.ids) - self.draft_len
+
+    def keep_prefix(self, prompt: list[int]) -> int:
+        """Keep the rows of the longest common prefix with `prompt`, leaving at least its last token
+        to prefill (its logits give the first new token). Returns the rows kept."""
+        n, limit = 0, min(len(self.ids), len(prompt) - 1)
+        while n < limit and self.ids[n] == prompt[n]:
+            n += 1
+        del self.ids[n:]
+        self.draft_len = min(self.draft_len, n)  # a shorter draft cache re-reads the taps the prefill writes
+        return n
+
+
+class DecodeLoop:
+    """The state of one generate/stream call. Iterate :meth:`run` for the chunks; `result` afterwards.
+
+    Args:
+        session: the Session whose buffers and graphs are used (its lock held by the caller).
+        prompt: prompt token ids.
+        opts: validated options.
+        block_size: tokens per draft block (1 = plain decoding).
+        policy: chooses the proposals verified per step.
+        stop_ids: ids that end the reply once committed.
+    """
+
+    def __init__(self, session, prompt: list[int], opts: GenerationOptions, block_size: int, policy: Policy,
+                 stop_ids: set[int]):
+        self.s, self.prompt, self.opts, self.b, self.policy, self.stop_ids = session, prompt, opts, block_size, policy, stop_ids
+        self.rng = np.random.default_rng(opts.seed)
+        self.sampler = None
+        if opts.samples_on_host:
+            logits = session.logits_buffer()
+            self.sampler = HostSampler(opts.temperature, opts.top_k, opts.top_p,
+                                       lambda j: session.backend.read(logits.rows(j, 1))[0])
+        tok = session.tokenizer
+        self.text = IncrementalText(tok.decode) if tok is not None else None
+        self.stops = StopStrings(opts.stop)
+        self.out: list[int] = []
+        self.reply = ""  # the text streamed so far
+        self.acceptance: list[int] = []
+        self.steps: list[dict] = []
+        self.anchor_row = 0  # next_embeddings row holding the embedding of the last committed token
+        self.anchor_valid = True  # False when a host sample is not the token whose embedding that row holds
+        self.finish_reason = "length"
+        self.result: GenerationResult | None = None
+
+    # ---- the calls --------------------------------------------------------------------------
+    def _prefill(self) -> tuple[int, int]:
+        """Prefill the prompt tokens the cache lacks. Returns (first new token, prompt rows reused)."""
+        s, be, ctx = self.s, self.s.backend, self.s.context
+        if not self.opts.reuse_prefix:
+            ctx.ids, ctx.draft_len = [], 0
+        reused = ctx.keep_prefix(self.prompt)  # a failed call below leaves these rows valid
+        s.set_sampling(self.opts.temperature, on_host=self.sampler is not None)
+        limit = be.max_call_rows("target") or len(self.prompt)
+        self._write_uniforms(0)  # the prefill's one uniform (row 0), drawn once however many calls
+        pos = reused
+        while pos < len(self.prompt):  # on a reused prefix, in calls the engine's profiles take
+            n = len(self.prompt) - pos if pos == 0 else min(len(self.prompt) - pos, limit)
+            be.write(s.input_ids.rows(0, n), np.asarray(self.prompt[pos:pos + n], np.int64))
+            s.run_target(n, 0, pos, taps_row=ctx.pending)
+            pos += n
+            ctx.ids = self.prompt[:pos]
+        first = int(s.read_ids(0)[0][0])
+        if self.sampler is not None:
+            token = self.sampler.sample(0, float(self.rng.random(dtype=np.float32)))
+            self.anchor_valid, first = token == first, token
+        return first, reused
+
+    def _write_uniforms(self, n_prop: int) -> None:
+        s = self.s
+        if self.opts.temperature > 0 and self.sampler is None:
+            s.backend.write(s.uniform.rows(0, n_prop + 1), self.rng.random(n_prop + 1, dtype=np.float32))
+        elif n_prop == 0:
+            s.backend.write(s.uniform.rows(0, 1), np.zeros(1, np.float32))
+
+    def _draft_catch_up(self) -> None:
+        """Draft call(s) reading every pending context row (one call unless the engine's profiles
+        limit the rows per call); the last one's block is the proposal."""
+        s, ctx = self.s, self.s.context
+        limit = (s.backend.max_call_rows("draft") or ctx.pending) if ctx.draft_len > 0 else ctx.pending
+        start = ctx.draft_len
+        while True:
+            row = ctx.draft_len - start
+            n = min(len(ctx.ids) - ctx.draft_len, limit)
+            s.run_draft(n, ctx.draft_len, self.b, taps_row=row)
+            ctx.draft_len += n
+            if ctx.draft_len == len(ctx.ids):
+                break
+        # the taps rows [0, read) were consumed: the next target call writes from row 0 (pending = 0)
+
+    def _step(self, n_prop: int) -> tuple[list[int], int, list[int]]:
+        """One draft (if n_prop > 0) + target call. Returns (committed ids, accepted, proposals)."""
+        s, be, ctx = self.s, self.s.backend, self.s.context
+        if n_prop > 0:  # the draft reads all context since its last call, then fills the block
+            be.copy(s.block.rows(0, 1), s.next_embeddings.rows(self.anchor_row, 1))
+            t0 = time.perf_counter()
+            self._draft_catch_up()
+            self.draft_s += time.perf_counter() - t0
+        be.write(s.input_ids.rows(0, 1), np.array([self.out[-1]], np.int64))
+        self._write_uniforms(n_prop)
+        uniforms = self.rng.random(n_prop + 1, dtype=np.float32) if self.sampler is not None else None
+        t0 = time.perf_counter()
+        s.run_target(1, n_prop, len(ctx.ids), taps_row=ctx.pending)
+        self.verify_s += time.perf_counter() - t0
+        posterior, proposals = s.read_ids(n_prop)
+        if self.sampler is None:
+            acc = accepted_prefix(proposals, posterior)
+            bonus = int(posterior[acc])
+        else:
+            acc, bonus = self.sampler.verify(proposals, uniforms)
+            self.anchor_valid = bonus == int(posterior[acc])  # row acc embeds the greedy token
+        ctx.ids += [self.out[-1]] + [int(t) for t in proposals[:acc]]
+        self.anchor_row = acc
+        return [int(t) for t in proposals[:acc]] + [bonus], acc, proposals
+
+    # ---- text -------------------------------------------------------------------------------
+    def _commit(self, ids: list[int]) -> StreamChunk:
+        """Add committed ids to the reply, cutting at a stop token or stop string."""
+        kept, stopped = cut_at_stop(ids, self.stop_ids)
+        if self.text is None:
+            self.out += kept
+            if stopped:
+                self.finish_reason = "stop"
+            return StreamChunk("", kept)
+        taken, text = [], ""
+        for t in kept:  # one id at a time: a stop string ends the reply at the id that completes it
+            taken.append(t)
+            text += self.stops.feed(self.text.push([t]))
+            if self.stops.stopped:
+                stopped = True
+                break
+        self.out += taken
+        self.reply += text
+        if stopped:
+            self.finish_reason = "stop"
+        return StreamChunk(text, taken)
+
+    def _finish_text(self) -> str:
+        if self.text is None:
+            return ""
+        tail = self.stops.feed(self.text.finish()) + self.stops.finish()
+        self.reply += tail
+        return tail
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def run(self) -> Iterator[StreamChunk]:
+        """Prefill, then decode until a stop or max_new_tokens; yields each step's chunk."""
+        clock = time.perf_counter
+        self.draft_s = self.verify_s = 0.0
+        t_start = clock()
+        first, reused = self._prefill()
+        t_prefill = clock()
+        chunk = self._commit([first])
+        yield chunk
+        max_new = self.opts.max_new_tokens
+        while self.finish_reason != "stop" and len(self.out) < max_new:
+            limit = min(self.b - 1, max_new - len(self.out) - 1)  # never verify more than can be committed
+            n_prop = self.policy.proposals(limit) if self.anchor_valid else 0
+            t_step, catch_up = clock(), n_prop > 0 and self.s.context.pending > self.b
+            committed, acc, proposals = self._step(n_prop)
+            chunk = self._commit(committed)
+            # a draft call that caught up on many context rows (the prompt, a long plain run) is not
+            # the step cost the policy models: its time is not reported
+            self.policy.observe(n_prop, acc, 0.0 if catch_up else clock() - t_step)
+            if n_prop > 0:
+                self.acceptance.append(acc + 1)
+            if self.opts.record_steps:
+                self.steps.append({"proposed": [int(t) for t in proposals], "accepted": acc, "committed": chunk.token_ids})
+            yield chunk
+        tail = self._finish_text()
+        if tail:
+            yield StreamChunk(tail, [])
+        t_end = clock()
+        self.result = self._result(t_start, t_prefill, t_end, reused)
+
+    def _result(self, t_start: float, t_prefill: float, t_end: float, reused: int) -> GenerationResult:
+        total, decode = t_end - t_start, t_end - t_prefill
+        out = self.out
+        return GenerationResult(
+            output_ids=list(out),
+            text=self.reply if self.text is not None else None,
+            finish_reason=self.finish_reason,
+            acceptance_lengths=self.acceptance,
+            tokens_per_s=len(out) / total if total > 0 else 0.0,
+            decode_tokens_per_s=(len(out) - 1) / decode if decode > 0 and len(out) > 1 else 0.0,
+            prefill_s=t_prefill - t_start,
+            draft_s=self.draft_s,
+            verify_s=self.verify_s,
+            host_s=max(decode - self.draft_s - self.verify_s, 0.0),
+            steps=self.steps,
+            policy=self.policy.name,
+            prompt_tokens=len(self.prompt),
+            reused_tokens=reused,
+        )

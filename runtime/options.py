@@ -1,0 +1,128 @@
+"""Validated generation options: what `Session.generate` / `stream` / `chat` and the server accept.
+
+Every check raises one :class:`DFlashError` naming the option, its allowed range and the value given,
+so the server can answer it as a 400 and the command line print it without a traceback.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .errors import DFlashError
+
+# Longest stop string accepted (characters): they are matched on the decoded text, and a streamed
+# reply holds back that many characters until it knows they do not start a stop string.
+MAX_STOP_CHARS = 256
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """One request's options, checked for types and ranges (limits of the artifact are checked by the
+    Session: vocabulary, block size, KV capacity).
+
+    Attributes:
+        max_new_tokens: at most this many new tokens (>= 1).
+        temperature: 0 for greedy; > 0 samples the target's processed distribution.
+        top_p: nucleus sampling, in (0, 1] (1 = off): keep the smallest set of most likely tokens whose
+            probability reaches top_p (Holtzman et al., 2020; Hugging Face's TopPLogitsWarper order:
+            temperature, then top_k, then top_p).
+        top_k: keep the k most likely tokens (ties with the k-th kept); 0 = off.
+        seed: seed of the sampling random numbers (>= 0).
+        stop: stop strings; the reply ends before the first one (which is not returned).
+        stop_token_ids: ids that end the reply once committed (None: the manifest's; () for none).
+        block_size: tokens per draft block (None: the draft's; 1: plain decoding).
+        verify_len: "auto" / None, "all" or an integer (see `Session.generate`).
+        record_steps: keep each step's proposals and acceptance in `result.steps`.
+        reuse_prefix: reuse the KV cache rows of the longest common token prefix with the session's
+            previous request (prefill only the new tokens); output is the same either way.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] | None = None
+    block_size: int | None = None
+    verify_len: int | str | None = None
+    record_steps: bool = False
+    reuse_prefix: bool = True
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
+        set_("max_new_tokens", as_int(self.max_new_tokens, "max_new_tokens"))
+        if self.max_new_tokens < 1:
+            raise DFlashError(f"max_new_tokens must be at least 1 (got {self.max_new_tokens})")
+        set_("temperature", _as_float(self.temperature, "temperature"))
+        if self.temperature < 0:
+            raise DFlashError(f"temperature must be a finite number >= 0 (got {self.temperature!r})")
+        set_("top_p", _as_float(self.top_p, "top_p"))
+        if not 0 < self.top_p <= 1:
+            raise DFlashError(f"top_p must be in (0, 1] (got {self.top_p!r}); 1 turns it off")
+        set_("top_k", as_int(self.top_k, "top_k"))
+        if self.top_k < 0:
+            raise DFlashError(f"top_k must be >= 0 (got {self.top_k}); 0 turns it off")
+        set_("seed", as_int(self.seed, "seed"))
+        if self.seed < 0:
+            raise DFlashError(f"seed must be a non-negative integer (got {self.seed})")
+        set_("stop", _stop_strings(self.stop))
+        if self.stop_token_ids is not None:
+            if isinstance(self.stop_token_ids, (int, str)):
+                raise DFlashError("stop_token_ids must be a list of token ids (or None for the model's defaults)")
+            set_("stop_token_ids", tuple(as_int(t, "stop token id") for t in self.stop_token_ids))
+        if self.block_size is not None:
+            set_("block_size", as_int(self.block_size, "block_size"))
+        v = self.verify_len
+        if v is not None and v not in ("auto", "all"):
+            if isinstance(v, (str, bool)):
+                raise DFlashError(f'verify_len must be "auto", "all" or an integer (got {v!r})')
+            set_("verify_len", as_int(v, "verify_len"))
+        for flag in ("record_steps", "reuse_prefix"):
+            if not isinstance(getattr(self, flag), bool):
+                raise DFlashError(f"{flag} must be true or false (got {getattr(self, flag)!r})")
+
+    @property
+    def samples_on_host(self) -> bool:
+        """Sampling with top_p / top_k runs on the host from the target's logits (the graph samples
+        temperature alone; greedy decoding ignores both, as they never remove the argmax)."""
+        return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0)
+
+
+def as_int(value, what: str) -> int:
+    """An integer argument (bools and non-integral floats refused) or a DFlashError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if isinstance(value, (float, np.floating)) and float(value).is_integer():
+            return int(value)
+        raise DFlashError(f"{what} must be an integer (got {value!r})")
+    return int(value)
+
+
+def _as_float(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value):
+        raise DFlashError(f"{what} must be a finite number (got {value!r})")
+    return float(value)
+
+
+def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    try:
+        stop = tuple(stop)
+    except TypeError:
+        raise DFlashError(f"stop must be a string or a list of strings (got {stop!r})") from None
+    if len(stop) > MAX_STOP_STRINGS:
+        raise DFlashError(f"at most {MAX_STOP_STRINGS} stop strings are accepted (got {len(stop)})")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise DFlashError(f"each stop string must be a non-empty string (got {s!r})")
+        if len(s) > MAX_STOP_CHARS:
+            raise DFlashError(f"stop strings are limited to {MAX_STOP_CHARS} characters (got {len(s)})")
+    return stop

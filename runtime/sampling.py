@@ -1,0 +1,97 @@
+"""Host-side sampling with top_k / top_p, kept exact under speculation.
+
+The target graph samples temperature alone (inverse CDF over its softmax). With top_k or top_p the
+loop reads the target's fp32 logits rows and samples here instead: row j's processed distribution is
+softmax(logits_j / T) restricted to the top_k most likely tokens and then to the top_p nucleus,
+renormalised (the order of Hugging Face's TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper).
+Speculation stays exact as in the graph: the draft proposes its argmax, proposal j is accepted iff it
+equals the sample drawn from row j, and the first mismatching row's sample is committed (each row's
+distribution is conditioned on the accepted proposals before it, which are the committed tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+# Candidates examined first for top_p alone: a partial sort of this many ids (O(V)) is enough when
+# they already hold top_p of the mass; otherwise the whole row is sorted.
+_NUCLEUS_FIRST = 256
+
+
+def processed_distribution(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0
+                           ) -> tuple[np.ndarray, np.ndarray]:
+    """The sampling distribution of one logits row.
+
+    Args:
+        logits: fp32 `[V]` raw logits.
+        temperature: > 0.
+        top_k: keep tokens whose logit is >= the k-th largest (0: all).
+        top_p: keep the most likely tokens until their cumulative probability reaches top_p (the token
+            that crosses it included; at least one token), in (0, 1].
+
+    Returns:
+        (ids int64 `[K]`, probabilities float64 `[K]` summing to 1), most likely first.
+    """
+    z = logits.astype(np.float64) / temperature
+    v = z.shape[0]
+    if top_k and top_k < v:
+        kth = np.partition(z, v - top_k)[v - top_k]
+        ids = np.flatnonzero(z >= kth)  # ties with the k-th are kept, as Hugging Face does
+    elif top_p < 1 and v > _NUCLEUS_FIRST:
+        ids = np.argpartition(z, v - _NUCLEUS_FIRST)[v - _NUCLEUS_FIRST:]
+    else:
+        ids = np.arange(v)
+    ids = ids[np.argsort(-z[ids], kind="stable")]
+    zmax = z[ids[0]]
+    total = np.exp(z - zmax).sum() if top_p < 1 else None  # the softmax denominator over the whole row
+    p = np.exp(z[ids] - zmax)
+    if top_p < 1:
+        if top_k and top_k < v:
+            total = p.sum()  # top_p applies to the top_k distribution
+        cum = np.cumsum(p) / total
+        if cum[-1] < top_p and len(ids) < v and not top_k:  # the nucleus reaches past the candidates
+            ids = np.argsort(-z, kind="stable")
+            p = np.exp(z[ids] - zmax)
+            cum = np.cumsum(p) / total
+        keep = int(np.searchsorted(cum, top_p, side="left")) + 1  # the token reaching top_p is kept
+        ids, p = ids[:keep], p[:keep]
+    return ids, p / p.sum()
+
+
+def sample_index(probs: np.ndarray, u: float) -> int:
+    """Inverse-CDF sample: the first index whose cumulative probability exceeds `u` in [0, 1)."""
+    cdf = np.cumsum(probs)
+    return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(probs) - 1)
+
+
+class HostSampler:
+    """Samples the target's posterior rows on the host (top_k / top_p) and verifies proposals.
+
+    Args:
+        temperature, top_k, top_p: see :func:`processed_distribution`.
+        read_row: `j -> fp32 [V]` logits of row j of the last target call.
+    """
+
+    def __init__(self, temperature: float, top_k: int, top_p: float, read_row: Callable[[int], np.ndarray]):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.read_row = read_row
+
+    def sample(self, row: int, u: float) -> int:
+        """A token id sampled from row `row`'s processed distribution with uniform `u`."""
+        ids, probs = processed_distribution(self.read_row(row), self.temperature, self.top_k, self.top_p)
+        return int(ids[sample_index(probs, u)])
+
+    def verify(self, proposals: np.ndarray, uniforms: np.ndarray) -> tuple[int, int]:
+        """Exact speculative sampling over rows 0..len(proposals).
+
+        Returns:
+            (accepted proposals `acc`, the token committed after them: row acc's sample).
+        """
+        for j, proposal in enumerate(proposals.tolist()):
+            token = self.sample(j, float(uniforms[j]))
+            if token != proposal:
+                return j, token
+        n = len(proposals)
+        return n, self.sample(n, float(uniforms[n]))
