@@ -54,6 +54,7 @@ def verify_cost_curve(sess, past_len: int = 256, reps: int = 7) -> dict:
         t0 = time.perf_counter()
         sess.run_draft(1, past_len, b)
         times.append(time.perf_counter() - t0)
+    sess.reset()  # the calls above wrote over the cached context
     return {"past_len": past_len, "verify_ms": curve, "draft_ms": 1000 * min(times[1:])}
 
 
@@ -164,7 +165,7 @@ def run_bench(args) -> int:
     t0 = time.perf_counter()
     costs = sess.policy(b).costs if "auto" in policies else None  # as generate does on first use
     costs_s = time.perf_counter() - t0
-    sess.generate([1, 2, 3], max_new_tokens=4, stop_token_ids=[], block_size=b, verify_len=max(b - 1, 1))  # warm-up
+    sess.generate([1, 2, 3], max_new_tokens=4, stop_token_ids=[], block_size=b, verify_len=max(b - 1, 1), reuse_prefix=False)  # warm-up
     rows = [_bench_prompt(sess, p, ids, args, b, policies, torch_ctx) for p, ids in zip(prompts, encoded)]
     curve = verify_cost_curve(sess)
     report = _summarise(rows, curve, b, policies, args, sess)
@@ -189,11 +190,11 @@ def run_bench(args) -> int:
 
 def _bench_prompt(sess, p: dict, ids: list[int], args, b: int, policies: list[str], torch_ctx) -> dict:
     """Plain, then every policy, on one prompt (interleaved per prompt, so drifting load hits all alike)."""
-    plain = sess.generate(ids, max_new_tokens=args.max_new_tokens, block_size=1)
+    plain = sess.generate(ids, max_new_tokens=args.max_new_tokens, block_size=1, reuse_prefix=False)
     row = {"id": p["id"], "category": p["category"], "prompt_tokens": len(ids), "plain": _timing(plain), "policies": {}}
     for label in policies:
         res = sess.generate(ids, max_new_tokens=args.max_new_tokens, block_size=b, record_steps=True,
-                            verify_len=None if label == "auto" else int(label))
+                            verify_len=None if label == "auto" else int(label), reuse_prefix=False)
         row["policies"][label] = {
             **_timing(res),
             "lossless_match": res.output_ids == plain.output_ids,
@@ -223,8 +224,8 @@ def long_context(sess, encoded: list[list[int]], past_lengths: list[int], b: int
         if past + new_tokens > sess.max_seq_len or past < 1:
             continue
         ids = (stream * (past // max(len(stream), 1) + 1))[:past]
-        plain = sess.generate(ids, max_new_tokens=new_tokens, block_size=1, stop_token_ids=[])
-        spec = sess.generate(ids, max_new_tokens=new_tokens, block_size=b, stop_token_ids=[]) if b > 1 else plain
+        plain = sess.generate(ids, max_new_tokens=new_tokens, block_size=1, stop_token_ids=[], reuse_prefix=False)
+        spec = sess.generate(ids, max_new_tokens=new_tokens, block_size=b, stop_token_ids=[], reuse_prefix=False) if b > 1 else plain
         out.append({"past_len": past, "plain_tokens_per_s": plain.decode_tokens_per_s,
                     "plain_ms_per_step": 1000 * (plain.verify_s + plain.host_s) / max(len(plain.output_ids) - 1, 1),
                     "auto_tokens_per_s": spec.decode_tokens_per_s, "auto_tau": spec.tau,

@@ -83,6 +83,9 @@ def cmd_generate(args) -> int:
         seed=args.seed,
         record_steps=args.steps,
         verify_len=None if args.verify_len == "auto" else args.verify_len,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop,
     )
     if args.json:
         print(json.dumps(res.to_dict(with_steps=args.steps)))
@@ -137,6 +140,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="proposals verified per step: auto (default: chosen per step from this device's measured "
                         "costs and the running acceptance, 0 when speculation would not pay), all, or 1..block_size-1")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples the target's distribution")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling in (0, 1] (default 1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop string (repeatable): the reply ends before it")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling random numbers (default 0)")
     g.add_argument("--backend", default="ort", help="ort (onnxruntime CPU), ort-cuda or trt (TensorRT engines)")
     g.add_argument("--json", action="store_true", help="print one JSON object")

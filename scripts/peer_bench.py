@@ -37,7 +37,7 @@ def ours_rates(session, prompts: list[list[int]], n_new: int) -> list[float]:
     """Our runtime, plain decoding (block size 1), after one warm-up prompt."""
     rates = []
     for ids in prompts[:1] + prompts:
-        res = session.generate(ids, max_new_tokens=n_new, block_size=1, stop_token_ids=[])
+        res = session.generate(ids, max_new_tokens=n_new, block_size=1, stop_token_ids=[], reuse_prefix=False)
         rates.append(res.decode_tokens_per_s)
     return rates[1:]
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         first = next(iter(sessions.values()))
         prompts = [first.encode(t, chat=True) for t in eval_prompts(args.prompts, args.limit)]
         for sess in sessions.values():  # a request the KV buffers cannot hold fails here, not mid-run
-            sess.generate(prompts[0], max_new_tokens=args.max_new_tokens, block_size=1, stop_token_ids=[])
+            sess.generate(prompts[0], max_new_tokens=args.max_new_tokens, block_size=1, stop_token_ids=[], reuse_prefix=False)
     except runtime.DFlashError as exc:
         raise SystemExit(f"peer_bench: {exc}") from None
     threads = os.cpu_count() or 1

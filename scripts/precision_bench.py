@@ -51,12 +51,12 @@ def main(argv=None) -> int:
     rates = {(a, mode): [] for a in args.artifacts for mode in ("plain", "spec")}
     taus = {a: [] for a in args.artifacts}
     for sess in sessions.values():  # warm-up: first calls allocate
-        sess.generate(prompts[0], chat=True, max_new_tokens=8, block_size=1)
+        sess.generate(prompts[0], chat=True, max_new_tokens=8, block_size=1, reuse_prefix=False)
     for _ in range(args.repeats):
         for prompt in prompts:
             for a, sess in sessions.items():
-                plain = sess.generate(prompt, chat=True, max_new_tokens=args.max_new_tokens, block_size=1)
-                spec = sess.generate(prompt, chat=True, max_new_tokens=args.max_new_tokens, verify_len=args.verify_len)
+                plain = sess.generate(prompt, chat=True, max_new_tokens=args.max_new_tokens, block_size=1, reuse_prefix=False)
+                spec = sess.generate(prompt, chat=True, max_new_tokens=args.max_new_tokens, verify_len=args.verify_len, reuse_prefix=False)
                 rates[(a, "plain")].append(plain.tokens_per_s)
                 rates[(a, "spec")].append(spec.tokens_per_s)
                 taus[a].append(spec.tau)
