@@ -347,7 +347,7 @@ def test_build_engines_records_profiles_and_device(engines):
     t = manifest["trt"]
     assert t["tensorrt_version"] == "10.3.0.30" and t["gpu"] == GPU and t["precision"] == "fp32"
     assert t["profiles"] == profiles_to_json(shape_ranges(manifest))
-    assert [p["name"] for p in t["profiles"]["target"]] == ["prefill", "verify"]
+    assert [p["name"] for p in t["profiles"]["target"]] == ["prefill", "verify", "extend"]
     assert (out / "target.plan").is_file() and (out / "draft.plan").is_file() and (out / "timing.cache").is_file()
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary files left
     rec = {Path(r["onnx"]).name: r for r in fake.built}
@@ -369,6 +369,11 @@ def test_generate_matches_onnxruntime_through_the_double(engines, doubles):
         a = ort_sess.generate(prompt, stop_token_ids=[], record_steps=True, verify_len=verify, **kw)
         b = trt_sess.generate(prompt, stop_token_ids=[], record_steps=True, verify_len=verify, **kw)
         assert b.output_ids == a.output_ids and b.acceptance_lengths == a.acceptance_lengths and b.steps == a.steps, kw
+    # KV reuse: the new rows of a prompt extending the cached one go through the "extend" profile
+    longer = prompt + a.output_ids[:5] + [9, 10, 11]
+    a2 = ort_sess.generate(longer, stop_token_ids=[], max_new_tokens=12, verify_len="all", reuse_prefix=False)
+    b2 = trt_sess.generate(longer, stop_token_ids=[], max_new_tokens=12, verify_len="all")
+    assert b2.reused_tokens == len(prompt) + 5 and b2.output_ids == a2.output_ids
     # the default policy measures the double's step costs and still gives the target's output
     auto = trt_sess.generate(prompt, stop_token_ids=[], max_new_tokens=30)
     assert auto.policy == "auto" and auto.output_ids == ort_sess.generate(prompt, stop_token_ids=[], max_new_tokens=30, block_size=1).output_ids
