@@ -1,0 +1,137 @@
+"""`python -m runtime serve DIR ...` (OpenAI-compatible server) and `python -m runtime chat DIR ...`.
+
+User errors (a bad artifact directory, a missing server library, an address in use) print one
+`error:` line to stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import os
+import sys
+
+from .errors import DFlashError
+from .manifest import load_manifest
+
+API_KEY_ENV = "DFLASH_EXPORT_API_KEY"  # the key without putting it on the command line (visible in ps)
+BACKENDS = ("ort", "ort-cuda", "trt")
+# the serve extra and what it pulls in: a missing one is answered with the pip command
+SERVER_LIBRARIES = ("starlette", "uvicorn", "anyio", "h11", "click")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: `serve` and `chat` subcommands."""
+    p = argparse.ArgumentParser(prog="python -m runtime", description="Serve or chat with a dflash_export artifact.")
+    sub = p.add_subparsers(dest="command", metavar="{serve,chat}")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs: pip install 'dflash_export[serve]')")
+    s.add_argument("dir", help="artifact directory (from `python -m dflash_export build`)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
+    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require `Authorization: Bearer KEY` on /v1 requests (default: ${API_KEY_ENV}, else none)")
+    s.add_argument("--backend", choices=BACKENDS, default="ort")
+    s.add_argument("--queue-size", type=int, default=16, help="requests that may wait while one generates (default: 16)")
+    s.add_argument("--model-name", help="the model id clients use (default: the target checkpoint's name)")
+    s.set_defaults(func=cmd_serve)
+    c = sub.add_parser("chat", help="interactive multi-turn chat in the terminal, streamed")
+    c.add_argument("dir", help="artifact directory")
+    c.add_argument("--backend", choices=BACKENDS, default="ort")
+    c.add_argument("--system", help="system prompt")
+    c.add_argument("--max-tokens", type=int, help="reply length limit (default: what fits, at most 512)")
+    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--verify-len", default=None, help='"auto" (default), "all" or an integer: proposals verified per step')
+    c.set_defaults(func=cmd_chat)
+    return p
+
+
+def cmd_serve(args) -> int:
+    """Load the artifact and serve it until Ctrl-C."""
+    if not 0 <= args.port <= 65535:
+        raise DFlashError(f"--port must be between 0 and 65535 (got {args.port})")
+    if args.queue_size < 1:
+        raise DFlashError(f"--queue-size must be at least 1 (got {args.queue_size})")
+    if args.api_key is not None and not args.api_key.strip():
+        raise DFlashError("--api-key is empty")
+    import runtime
+
+    try:
+        from .server import create_app, listen_socket, uvicorn_server
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in SERVER_LIBRARIES:
+            raise
+        raise DFlashError(f"the server needs {exc.name}, which is not installed: pip install 'dflash_export[serve]'") from None
+    load_manifest(args.dir)  # the cheap checks first: a bad directory, then an address in use
+    sock = listen_socket(args.host, args.port)
+    with contextlib.closing(sock), runtime.load(args.dir, backend=args.backend) as sess:
+        app = create_app(sess, model_name=args.model_name, api_key=args.api_key, queue_size=args.queue_size)
+        _warm_up(sess)
+        host, port = sock.getsockname()[:2]
+        api = app.state.api
+        print(f"serving {api.model_name!r} on http://{_url_host(host)}:{port}/v1 ({args.backend}, max_seq_len "
+              f"{sess.max_seq_len}, one generation at a time, queue {args.queue_size})", file=sys.stderr, flush=True)
+        if args.api_key is None and not _is_loopback(args.host):
+            print(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
+                  file=sys.stderr)
+        uvicorn_server(app).run(sockets=[sock])
+    return 0
+
+
+def _warm_up(sess) -> None:
+    """One short generation, so the first request does not pay for the step-cost measurement
+    (`--verify-len auto` measures it once per device and caches it) or the graphs' first run."""
+    ids = sess.encode("Hello")
+    sess.generate(ids, max_new_tokens=2, stop_token_ids=[])
+    sess.reset()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def cmd_chat(args) -> int:
+    """Load the artifact and chat on stdin/stdout."""
+    import runtime
+
+    from .chat_cli import run_chat
+    from .options import GenerationOptions
+
+    verify_len = args.verify_len
+    if verify_len is not None and verify_len.lstrip("-").isdigit():
+        verify_len = int(verify_len)
+    options = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                   verify_len=verify_len)
+    GenerationOptions(**options, max_new_tokens=args.max_tokens or 1)  # bad values fail before loading
+    with runtime.load(args.dir, backend=args.backend) as sess:
+        return run_chat(sess, system=args.system, max_tokens=args.max_tokens, **options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 2 usage or user error)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except DFlashError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
