@@ -316,11 +316,13 @@ class _Reply:
 
 
 def _usage(result) -> dict:
-    """Token counts: the prompt as tokenized (with the chat template) and every id generated (a
-    committed stop token included)."""
+    """Token counts: the prompt as tokenized (with the chat template), every id generated (a committed
+    stop token included) and, as OpenAI's prompt caching reports it, the prompt tokens whose KV rows
+    were reused from the previous request."""
     completion = len(result.output_ids)
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": result.prompt_tokens + completion}
+            "total_tokens": result.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": result.reused_tokens}}
 
 
 class _DisconnectWatch:

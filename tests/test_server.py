@@ -142,6 +142,7 @@ def completion_text(client, stream: bool, prompt, **kw):
 def expect_usage(usage, res) -> None:
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
         res.prompt_tokens, len(res.output_ids), res.prompt_tokens + len(res.output_ids))
+    assert 0 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
 
 
 # ---- replies -------------------------------------------------------------------------------------
@@ -212,6 +213,17 @@ def test_sampling_parameters_are_accepted(client):
     assert a == client.chat.completions.create(**kw).choices[0].message.content
     r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, extra_body={"enable_thinking": False})
     assert r.usage.completion_tokens >= 1
+
+
+def test_kv_reuse_is_reported_and_can_be_turned_off(client):
+    """usage.prompt_tokens_details.cached_tokens: the prompt rows reused from the previous request."""
+    kw = dict(model=MODEL, messages=MSGS, max_tokens=4, temperature=0, extra_body=FIXED)
+    first = client.chat.completions.create(**kw)
+    again = client.chat.completions.create(**kw)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    off = client.chat.completions.create(**{**kw, "extra_body": {**FIXED, "reuse_prefix": False}})
+    assert off.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.choices[0].message.content == again.choices[0].message.content == off.choices[0].message.content
 
 
 def test_models_and_health(served, client):
