@@ -203,7 +203,9 @@ class OpenAIApi:
         except DFlashError as exc:
             message = str(exc).replace("max_new_tokens", "max_tokens")
             too_long = n + opts["max_new_tokens"] > limit
-            raise ApiError(400, message, param=("max_tokens" if n < limit else where) if too_long else None,
+            # the artifact's limits on options: their messages start with the option's name
+            named = message.split(" ", 1)[0] if message.split(" ", 1)[0] in ("top_k", "verify_len") else None
+            raise ApiError(400, message, param=("max_tokens" if n < limit else where) if too_long else named,
                            code="context_length_exceeded" if too_long else None) from None
         return opts
 
@@ -268,9 +270,15 @@ class OpenAIApi:
                 raise too_big
             chunks.append(chunk)
         try:
-            return json.loads(b"".join(chunks))
+            body = json.loads(b"".join(chunks))
         except (ValueError, RecursionError) as exc:
             raise ApiError(400, f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+        try:  # JSON may escape a lone UTF-16 surrogate ("\ud800"): not text the tokenizer can take
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ApiError(400, f"the request body holds a lone surrogate ({exc.object[exc.start:exc.end]!r}), "
+                                "which is not valid Unicode text", code="invalid_json") from None
+        return body
 
 
 class _Reply:

@@ -274,6 +274,8 @@ BAD_REQUESTS = [  # (path, body, param, a phrase of the message)
     ("comp", _comp(prompt="   "), "prompt", "empty"),
     ("comp", _comp(enable_thinking=True), "enable_thinking", "unrecognized"),
     ("comp", {"model": MODEL}, "prompt", "required"),
+    ("comp", _comp(top_k=97, temperature=1), "top_k", "vocabulary size 96"),
+    ("comp", _comp(verify_len=8), "verify_len", "between 1 and block_size - 1 = 7"),
     # beyond the KV buffers (max_seq_len 64): the limit is named
     ("comp", _comp(prompt="t5 " * 70), "prompt", "max_seq_len"),
     ("comp", _comp(max_tokens=100), "max_tokens", "max_seq_len 64"),
@@ -328,7 +330,8 @@ def test_no_op_values_of_unsupported_parameters_are_accepted(served):
 
 def test_malformed_unknown_and_oversize_requests(served, client):
     srv = served[0]
-    for raw in (b"{bad", b"", b"\xff\xfe", b"[" * 100000 + b"]" * 100000):
+    surrogate = json.dumps(_chat(messages=[{"role": "user", "content": "t5 \ud800"}])).encode()  # escaped: valid JSON
+    for raw in (b"{bad", b"", b"\xff\xfe", b"[" * 100000 + b"]" * 100000, surrogate):
         status, _, out = post(srv, PATHS["chat"], None, raw=raw)
         assert expect_error(status, out, 400)["code"] == "invalid_json"
     status, _, out = post(srv, PATHS["chat"], [1, 2])
@@ -385,6 +388,24 @@ def test_unexpected_error_is_500_and_the_server_keeps_serving(served, client, mo
     assert err["type"] == "server_error" and "boom" in err["message"]
     with pytest.raises(openai.InternalServerError):
         client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=3)
+    monkeypatch.undo()
+    assert client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_error_mid_stream_ends_it_with_an_error_event(served, client, monkeypatch):
+    srv, sess, api = served
+    real = sess.stream
+
+    def fail(*a, **kw):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(sess, "stream", lambda *a, **kw: _ActAfter(real(*a, **kw), 2, fail))
+    got = []
+    with pytest.raises(openai.APIError, match="device lost"):
+        for c in client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, temperature=0,
+                                                stream=True, extra_body=FIXED):
+            got.append(c)
+    assert len(got) >= 2  # the headers and first chunks were out: the error came as an event
     monkeypatch.undo()
     assert client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=3).usage.completion_tokens >= 1
 
@@ -468,7 +489,7 @@ def test_client_disconnect_stops_the_generation(served, client, monkeypatch):
     assert time.perf_counter() - start < 10  # the session was free
 
 
-def test_full_queue_answers_429(chat_art, ref):
+def test_full_queue_answers_429_and_a_client_leaving_frees_its_place(chat_art, ref):
     release = threading.Event()
     with runtime.load(chat_art) as sess:
         probe = Probe(sess, 1, lambda: release.wait(30))
@@ -478,19 +499,27 @@ def test_full_queue_answers_429(chat_art, ref):
         with ServerThread(app) as srv, ThreadPoolExecutor(2) as pool:
             c = make_client(srv)
             ask = lambda: chat_text(c, False, max_tokens=6)  # noqa: E731
-            running = pool.submit(ask)
+            running = pool.submit(ask)  # held after its first step
             wait_for(worker, lambda: worker.current is not None)
-            waiting = pool.submit(ask)
+            host, port = srv.url.removeprefix("http://").split(":")
+            leaver = http.client.HTTPConnection(host, int(port), timeout=60)  # waits, then hangs up
+            leaver.request("POST", PATHS["chat"], body=json.dumps(_chat(max_tokens=6)))
             wait_for(worker, lambda: len(worker.pending) == 1)
             status, headers, out = post(srv, PATHS["chat"], _chat(max_tokens=2))
             err = expect_error(status, out, 429)
             assert err["code"] == "queue_full" and int(headers["retry-after"]) >= 1
             with pytest.raises(openai.RateLimitError):
                 c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
+            leaver.sock.shutdown(socket.SHUT_RDWR)
+            leaver.close()
+            wait_for(worker, lambda: len(worker.pending) == 0)  # its place is free at once
+            waiting = pool.submit(ask)
+            wait_for(worker, lambda: len(worker.pending) == 1)
             release.set()
             want = ref.chat(MSGS, max_new_tokens=6, **FIXED).text
             assert running.result(60)[0] == waiting.result(60)[0] == want
             assert chat_text(c, True, max_tokens=6)[0] == want
+            assert len(probe.streams) == 3  # the request that left never generated
 
 
 def _rss_bytes() -> int:
@@ -621,7 +650,7 @@ def test_chat_ctrl_c_stops_the_reply_and_the_chat_goes_on(chat_art, ref):
             st = real(*a, **kw)
             if not interrupted:
                 interrupted.append(True)
-                return _InterruptAfter(st, 2)
+                return _ActAfter(st, 2, lambda: os.kill(os.getpid(), signal.SIGINT))  # as Ctrl-C does
             return st
 
         sess.stream = stream
@@ -634,16 +663,20 @@ def test_chat_ctrl_c_stops_the_reply_and_the_chat_goes_on(chat_art, ref):
     assert second == ref.chat(msgs, max_new_tokens=30, stop_token_ids=[]).text
 
 
-class _InterruptAfter:
-    """A stream that sends this process SIGINT (as Ctrl-C does) after `n` chunks."""
+class _ActAfter:
+    """A stream that calls `action` (send SIGINT, raise) after `n` chunks."""
 
-    def __init__(self, stream, n: int):
-        self.stream, self.n = stream, n
+    def __init__(self, stream, n: int, action):
+        self.stream, self.n, self.action = stream, n, action
+
+    @property
+    def result(self):
+        return self.stream.result
 
     def __iter__(self):
         for i, chunk in enumerate(self.stream):
             if i == self.n:
-                os.kill(os.getpid(), signal.SIGINT)
+                self.action()
             yield chunk
 
     def __enter__(self):
