@@ -60,7 +60,8 @@ def cmd_serve(args) -> int:
     import runtime
 
     try:
-        from .server import create_app, listen_socket, uvicorn_server
+        from .serve_run import listen_socket, uvicorn_server
+        from .server import create_app
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] not in SERVER_LIBRARIES:
             raise

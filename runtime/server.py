@@ -15,7 +15,8 @@ or disconnect detection. The import is lazy (`runtime/__main__.py` checks for th
 
 Serving model: batch 1. Generations run one at a time in a worker thread (runtime/serve_worker.py);
 requests are checked and tokenized first (400 at once for a bad one), then wait in a bounded FIFO
-queue (429 with Retry-After when full). Request bodies are parsed by runtime/serve_params.py.
+queue (429 with Retry-After when full). Request bodies are parsed by runtime/serve_params.py, replies
+made by runtime/serve_replies.py; runtime/serve_run.py runs the app on uvicorn.
 """
 
 from __future__ import annotations
@@ -25,13 +26,9 @@ import contextlib
 import hmac
 import json
 import logging
-import socket
-import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -41,6 +38,7 @@ from starlette.routing import Route
 from .errors import DFlashError
 from .options import GenerationOptions
 from .serve_params import DEFAULT_MAX_TOKENS, ApiError, ParsedRequest, parse_request
+from .serve_replies import Reply, as_api_error, sse
 from .serve_worker import Job, QueueFull, Worker
 
 log = logging.getLogger("runtime.server")
@@ -148,7 +146,7 @@ class OpenAIApi:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         loop = asyncio.get_running_loop()
         job = await loop.run_in_executor(self._prepare, self._prepare_job, req, loop)
-        reply = _Reply(req, self.model_name)
+        reply = Reply(req, self.model_name)
         handed_over = False
         try:
             async with _DisconnectWatch(request) as watch:
@@ -156,7 +154,7 @@ class OpenAIApi:
                 if first is None:
                     return Response(status_code=499)  # the client is gone; nobody reads this
                 if first[0] == "error":
-                    raise _as_api_error(first[1])
+                    raise as_api_error(first[1])
                 if not req.stream:
                     body = await self._collect(watch, job, first, reply)
                     return Response(status_code=499) if body is None else JSONResponse(body)
@@ -209,33 +207,33 @@ class OpenAIApi:
                            code="context_length_exceeded" if too_long else None) from None
         return opts
 
-    async def _collect(self, watch: "_DisconnectWatch", job: Job, event, reply: "_Reply") -> dict | None:
+    async def _collect(self, watch: "_DisconnectWatch", job: Job, event, reply: Reply) -> dict | None:
         """The whole reply (chunks skipped: the result holds the text); None if the client left."""
         while event[0] == "chunk":
             event = await watch.next_event(job)
             if event is None:
                 return None
         if event[0] == "error":
-            raise _as_api_error(event[1])
+            raise as_api_error(event[1])
         return reply.full(event[1])
 
-    async def _events(self, job: Job, event, reply: "_Reply"):
+    async def _events(self, job: Job, event, reply: Reply):
         """The server-sent events of a streamed reply, from its first event on."""
         if reply.kind == "chat":
-            yield _sse(reply.chunk(role=True))
+            yield sse(reply.chunk(role=True))
         while True:
             kind, payload = event
             if kind == "chunk":
                 if payload.text:
-                    yield _sse(reply.chunk(text=payload.text))
+                    yield sse(reply.chunk(text=payload.text))
             elif kind == "done":
-                yield _sse(reply.chunk(finish=payload.finish_reason))
+                yield sse(reply.chunk(finish=payload.finish_reason))
                 if reply.include_usage:
-                    yield _sse(reply.usage_chunk(payload))
+                    yield sse(reply.usage_chunk(payload))
                 yield b"data: [DONE]\n\n"
                 return
             else:  # headers are sent: the error goes in the stream, as OpenAI does
-                yield _sse(_as_api_error(payload).body())
+                yield sse(as_api_error(payload).body())
                 return
             event = await job.events.get()
 
@@ -279,58 +277,6 @@ class OpenAIApi:
             raise ApiError(400, f"the request body holds a lone surrogate ({exc.object[exc.start:exc.end]!r}), "
                                 "which is not valid Unicode text", code="invalid_json") from None
         return body
-
-
-class _Reply:
-    """The OpenAI response objects of one request (its id and creation time shared by every chunk)."""
-
-    def __init__(self, req: ParsedRequest, model: str):
-        self.kind, self.model, self.include_usage = req.kind, model, req.include_usage
-        chat = req.kind == "chat"
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.object = "chat.completion" if chat else "text_completion"
-        self.created = int(time.time())
-
-    def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def full(self, result) -> dict:
-        """The non-streamed response."""
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}}
-        else:
-            choice = {"index": 0, "text": result.text}
-        choice.update(logprobs=None, finish_reason=result.finish_reason)
-        return {**self._head(self.object), "choices": [choice], "usage": _usage(result)}
-
-    def chunk(self, text: str | None = None, role: bool = False, finish: str | None = None) -> dict:
-        """One streamed chunk: the role (chat's first), a text delta, or the finish reason."""
-        if self.kind == "chat":
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta}
-            obj = "chat.completion.chunk"
-        else:
-            choice, obj = {"index": 0, "text": text or ""}, "text_completion"
-        choice.update(logprobs=None, finish_reason=finish)
-        out = {**self._head(obj), "choices": [choice]}
-        if self.include_usage:
-            out["usage"] = None  # as OpenAI: null on every chunk but the last
-        return out
-
-    def usage_chunk(self, result) -> dict:
-        """The last chunk with `stream_options.include_usage`: no choices, the usage counts."""
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": _usage(result)}
-
-
-def _usage(result) -> dict:
-    """Token counts: the prompt as tokenized (with the chat template), every id generated (a committed
-    stop token included) and, as OpenAI's prompt caching reports it, the prompt tokens whose KV rows
-    were reused from the previous request."""
-    completion = len(result.output_ids)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": result.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": result.reused_tokens}}
 
 
 class _DisconnectWatch:
@@ -379,19 +325,6 @@ class _EventStream(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
-def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-
-def _as_api_error(exc: BaseException) -> ApiError:
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, DFlashError):
-        return ApiError(400, str(exc))
-    return ApiError(500, f"internal server error ({type(exc).__name__}: {exc}); see the server log",
-                    type="server_error")
-
-
 def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
@@ -407,7 +340,7 @@ async def _answer(handler, request: Request, *args) -> Response:
         return Response(status_code=499)
     except Exception as exc:
         log.exception("request failed")
-        return _error_response(_as_api_error(exc))
+        return _error_response(as_api_error(exc))
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -418,57 +351,6 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    return _error_response(_as_api_error(exc))
+    return _error_response(as_api_error(exc))
 
 
-# ---- running it -------------------------------------------------------------------------------------
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (port 0: a free one), so clients may connect before uvicorn starts.
-
-    Raises:
-        DFlashError: the address cannot be bound (in use, not local, no permission).
-    """
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, _, _, _, addr = infos[0]
-        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on such sockets, and without it a
-        # kept-alive connection waits ~40 ms (Nagle against delayed ACK) for each response's body
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(128)
-    except OSError as exc:
-        raise DFlashError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
-    return sock
-
-
-def uvicorn_server(app, log_level: str = "info"):
-    """A uvicorn.Server for `app`: the pure-Python h11 protocol, no websockets, and a short grace
-    period on shutdown (a streamed reply is cancelled rather than waited for)."""
-    config = uvicorn.Config(app, http="h11", ws="none", lifespan="on", log_level=log_level,
-                            timeout_graceful_shutdown=3)
-    return uvicorn.Server(config)
-
-
-class ServerThread:
-    """`app` served by uvicorn in a background thread (tests and the benchmark); a context manager.
-
-    Attributes:
-        url: e.g. "http://127.0.0.1:40123".
-    """
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        self._sock = listen_socket(host, port)
-        self.url = f"http://{host}:{self._sock.getsockname()[1]}"
-        self.server = uvicorn_server(app, log_level)
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
-                                        name="uvicorn", daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self._thread.join(30)
-        self._sock.close()

@@ -1,0 +1,66 @@
+"""Running the server's app: a listening socket made before uvicorn starts, uvicorn's settings, and a
+background-thread server for tests and benchmarks."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import uvicorn
+
+from .errors import DFlashError
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: a free one), so clients may connect before uvicorn starts.
+
+    Raises:
+        DFlashError: the address cannot be bound (in use, not local, no permission).
+    """
+    sock = None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, addr = infos[0]
+        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on such sockets, and without it a
+        # kept-alive connection waits ~40 ms (Nagle against delayed ACK) for each response's body
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as exc:
+        if sock is not None:
+            sock.close()
+        raise DFlashError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+    return sock
+
+
+def uvicorn_server(app, log_level: str = "info"):
+    """A uvicorn.Server for `app`: the pure-Python h11 protocol, no websockets, and a short grace
+    period on shutdown (a streamed reply is cancelled rather than waited for)."""
+    config = uvicorn.Config(app, http="h11", ws="none", lifespan="on", log_level=log_level,
+                            timeout_graceful_shutdown=3)
+    return uvicorn.Server(config)
+
+
+class ServerThread:
+    """`app` served by uvicorn in a background thread (tests and the benchmark); a context manager.
+
+    Attributes:
+        url: e.g. "http://127.0.0.1:40123".
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self._sock = listen_socket(host, port)
+        self.url = f"http://{host}:{self._sock.getsockname()[1]}"
+        self.server = uvicorn_server(app, log_level)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
+                                        name="uvicorn", daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(30)
+        self._sock.close()

@@ -1,0 +1,194 @@
+"""The server under concurrency: the FIFO queue and its 429, clients that hang up (streamed or
+waiting), and a bounded load test (8 clients x 25 requests) with a memory check.
+
+Test doubles wrap `Session.stream` to hold a generation at a chosen step; the tests wait on the
+worker's condition variable, never on sleeps. See serve_fixtures for the setup.
+"""
+
+from __future__ import annotations
+
+import gc
+import http.client
+import json
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+pytest.register_assert_rewrite("serve_fixtures")  # its helpers assert
+
+import runtime  # noqa: E402
+from runtime.serve_run import ServerThread  # noqa: E402
+from runtime.server import create_app  # noqa: E402
+from runtime.serve_worker import Job  # noqa: E402
+from serve_fixtures import (FIXED, MODEL, MSGS, PATHS, chat_body, chat_text, comp_body, completion_text,  # noqa: E402
+                            expect_error, make_client, post)
+
+pytest_plugins = ["serve_fixtures"]  # its fixtures: chat_art, ref, served, client
+
+
+class Probe:
+    """Wraps `Session.stream` to count the chunks generated and, after `hold_after` chunks of a
+    generation, wait for `gate()` before the next (so a test decides how far a generation gets)."""
+
+    def __init__(self, sess, hold_after: int, gate):
+        self.real, self.hold_after, self.gate = sess.stream, hold_after, gate
+        self.streams: list[ProbedStream] = []
+
+    def __call__(self, *args, **kw):
+        st = ProbedStream(self.real(*args, **kw), self)
+        self.streams.append(st)
+        return st
+
+
+class ProbedStream:
+    def __init__(self, stream, probe: Probe):
+        self.stream, self.probe, self.chunks, self.closed = stream, probe, 0, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.chunks == self.probe.hold_after:
+            self.probe.gate()  # (on a timeout it goes on: the test then sees a generation that ran on)
+        chunk = next(self.stream)
+        self.chunks += 1
+        return chunk
+
+    @property
+    def result(self):
+        return self.stream.result
+
+    def close(self):
+        self.closed = True
+        self.stream.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def wait_for(worker, predicate, timeout: float = 30.0) -> None:
+    with worker.cond:
+        assert worker.cond.wait_for(predicate, timeout), "the worker never reached the expected state"
+
+
+def test_client_disconnect_stops_the_generation(served, client, monkeypatch):
+    srv, sess, api = served
+    worker = api.worker
+    # the 4th step waits until the job is cancelled (or 10 s): without a detected disconnect the
+    # generation would run on to 50 tokens
+    probe = Probe(sess, 3, lambda: worker.current.cancelled.wait(10))
+    monkeypatch.setattr(sess, "stream", probe)
+    host, port = srv.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", PATHS["comp"], body=json.dumps(comp_body(stream=True, temperature=0, max_tokens=50, stop=None,
+                                                              **FIXED)), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = 0
+    while events < 2:  # read two chunks, then hang up
+        line = resp.fp.readline()
+        events += line.startswith(b"data: ")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    resp.close()
+    conn.close()
+    wait_for(worker, lambda: worker.current is None and worker.served > 0)
+    (st,) = probe.streams
+    # stopped at the step after the hang-up (the 3rd or 4th: the client saw two), not after 50 tokens
+    assert st.closed and st.result is None and 2 <= st.chunks <= 4, (st.closed, st.result, st.chunks)
+    monkeypatch.undo()
+    start = time.perf_counter()
+    assert client.completions.create(model=MODEL, prompt="t5 t6", max_tokens=3).usage.completion_tokens >= 1
+    assert time.perf_counter() - start < 10  # the session was free
+
+
+def test_full_queue_answers_429_and_a_client_leaving_frees_its_place(chat_art, ref):
+    release = threading.Event()
+    with runtime.load(chat_art) as sess:
+        probe = Probe(sess, 1, lambda: release.wait(30))
+        sess.stream = probe
+        app = create_app(sess, model_name=MODEL, queue_size=1)
+        worker = app.state.api.worker
+        with ServerThread(app) as srv, ThreadPoolExecutor(2) as pool:
+            c = make_client(srv)
+            ask = lambda: chat_text(c, False, max_tokens=6)  # noqa: E731
+            running = pool.submit(ask)  # held after its first step
+            wait_for(worker, lambda: worker.current is not None)
+            host, port = srv.url.removeprefix("http://").split(":")
+            leaver = http.client.HTTPConnection(host, int(port), timeout=60)  # waits, then hangs up
+            leaver.request("POST", PATHS["chat"], body=json.dumps(chat_body(max_tokens=6)))
+            wait_for(worker, lambda: len(worker.pending) == 1)
+            status, headers, out = post(srv, PATHS["chat"], chat_body(max_tokens=2))
+            err = expect_error(status, out, 429)
+            assert err["code"] == "queue_full" and int(headers["retry-after"]) >= 1
+            with pytest.raises(openai.RateLimitError):
+                c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
+            leaver.sock.shutdown(socket.SHUT_RDWR)
+            leaver.close()
+            wait_for(worker, lambda: len(worker.pending) == 0)  # its place is free at once
+            waiting = pool.submit(ask)
+            wait_for(worker, lambda: len(worker.pending) == 1)
+            release.set()
+            want = ref.chat(MSGS, max_new_tokens=6, **FIXED).text
+            assert running.result(60)[0] == waiting.result(60)[0] == want
+            assert chat_text(c, True, max_tokens=6)[0] == want
+            assert len(probe.streams) == 3  # the request that left never generated
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the RSS from /proc")
+def test_load_8_clients(served, ref):
+    """8 concurrent clients x 25 requests: none fails, every greedy reply equals the single-request one,
+    no job is left behind and the RSS stays put (after a warm-up round)."""
+    srv, sess, api = served
+    prompts = [("chat", [{"role": "user", "content": f"t{10 + i} t{20 + i} t{30 + i}"}]) for i in range(3)]
+    prompts += [("comp", f"t{40 + i} t{50 + i}") for i in range(3)]
+    want = [(ref.chat(p, max_new_tokens=8, **FIXED) if k == "chat" else ref.generate(p, max_new_tokens=8, **FIXED)).text
+            for k, p in prompts]
+
+    def client_run(seed: int, n: int) -> list[str]:
+        c = make_client(srv)
+        bad = []
+        for r in range(n):
+            i = (seed + r) % len(prompts)
+            kind, p = prompts[i]
+            stream = (seed + r) % 2 == 0
+            if kind == "chat":
+                text = chat_text(c, stream, messages=p, max_tokens=8)[0]
+            else:
+                text = completion_text(c, stream, p, max_tokens=8)[0]
+            if text != want[i]:
+                bad.append(f"{kind} {p!r}: {text!r} != {want[i]!r}")
+        c.close()
+        return bad
+
+    def round_(n: int) -> list[str]:
+        with ThreadPoolExecutor(8) as pool:
+            return [b for f in [pool.submit(client_run, s, n) for s in range(8)] for b in f.result(120)]
+
+    assert round_(3) == []  # warm-up: allocator pools, client connections, code paths
+    gc.collect()
+    before, start = _rss_bytes(), time.perf_counter()
+    assert round_(25) == []
+    elapsed = time.perf_counter() - start
+    gc.collect()
+    after = _rss_bytes()
+    assert elapsed < 120, f"200 requests took {elapsed:.1f} s"
+    assert after - before < 24 << 20, f"RSS grew by {(after - before) / 2**20:.1f} MiB"
+    assert api.worker.status()["waiting"] == 0 and api.worker.current is None
+    left = [o for o in gc.get_objects() if type(o) is Job]  # (type(): no lazy module's __class__ lookup)
+    assert not left, f"{len(left)} jobs were not freed"
