@@ -184,6 +184,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
 
+    def forward(self, h, rope_q, rope_k, past_k, past_v, causal):
+        """One causal target layer: `h [S, d]` -> (`h [S, d]`, new keys, new values `[S, Hkv, D]`).
+
+        `rope_q` / `rope_k` are the (cos, sin) tables of the queries (times the score scale, see
+        `Attention.query`) and the keys; `causal` is the `causal_bias` of the S new rows. The whole
+        layer runs inside this module call, so every exported node of it carries the layer's name
+        scope (`model.layers.i`): `layer_replication` cuts one layer's nodes out by that scope.
+        """
+        x = self.input_layernorm(h)
+        q = self.self_attn.query(x, *rope_q)
+        k, v = self.self_attn.key_value(x, *rope_k)
+        attn = self.self_attn.attend(q, past_k, past_v, k, v, causal)
+        h = h + self.self_attn.o_proj(attn)
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, k, v
+
 
 class _TargetBody(nn.Module):
     def __init__(self, spec: TargetSpec):
@@ -300,13 +316,8 @@ class TargetForExport(nn.Module):
         causal = causal_bias(s, attn0.num_heads // attn0.num_kv_heads)
         taps, new_kv = {}, []
         for i, layer in enumerate(self.model.layers):
-            x = layer.input_layernorm(h)
-            q = layer.self_attn.query(x, cos_q, sin_q)
-            k, v = layer.self_attn.key_value(x, cos, sin)
+            h, k, v = layer(h, (cos_q, sin_q), (cos, sin), past[2 * i], past[2 * i + 1], causal)
             new_kv += [k, v]
-            attn = layer.self_attn.attend(q, past[2 * i], past[2 * i + 1], k, v, causal)
-            h = h + layer.self_attn.o_proj(attn)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in self.tap_layers and i != a.num_layers - 1:
                 taps[i] = h
         h = self.model.norm(h)

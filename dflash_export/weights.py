@@ -174,7 +174,8 @@ def check_weight_names(own: dict[str, tuple[int, ...]], source: WeightSource, wh
                               "damaged checkpoint?); convert it to bf16, fp16 or fp32")
 
 
-def _set_parameter(module: nn.Module, name: str, value: torch.Tensor) -> None:
+def set_parameter(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Replace parameter `name` (dotted) of `module` by a frozen parameter holding `value`."""
     owner, _, leaf = name.rpartition(".")
     setattr(module.get_submodule(owner) if owner else module, leaf, nn.Parameter(value, requires_grad=False))
 
@@ -206,9 +207,9 @@ def bind_weights(module: nn.Module, source: WeightSource, where: str) -> dict[st
         read = partial(source.read_as, name, p.dtype)
         if p.numel() > STREAM_MIN_ELEMENTS:
             readers[name] = read
-            _set_parameter(module, name, placeholder(p.shape, p.dtype))
+            set_parameter(module, name, placeholder(p.shape, p.dtype))
         else:
-            _set_parameter(module, name, read().clone())
+            set_parameter(module, name, read().clone())
     return readers
 
 
@@ -224,5 +225,5 @@ def load_module_weights(module: nn.Module, source: WeightSource, where: str) -> 
     tied = getattr(module, "lm_head", 0) is None
     check_weight_names({k: tuple(p.shape) for k, p in params.items()}, source, where, tied)
     for name in params:
-        _set_parameter(module, name, source.read(name))
+        set_parameter(module, name, source.read(name))
     return module
