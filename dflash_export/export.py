@@ -9,6 +9,7 @@ parser's list (`trt10_onnx_ops.tsv`, shipped with the package) and no weight may
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -172,19 +173,23 @@ def _same_or_transposed(a: np.ndarray, b: np.ndarray) -> bool:
     return a.ndim == 2 and a.shape == b.shape[::-1] and np.array_equal(a.T, b)
 
 
-def _attach_readers(model, readers: dict) -> None:
-    """Replace each streamed initializer's placeholder with a lazy tensor that calls its reader."""
+def lazy_weight(read, dtype, shape, name: str):
+    """An onnx_ir tensor of `dtype` and `shape` whose values `read()` (a torch tensor) gives when it is
+    written, and not before."""
     import onnx_ir as ir
 
+    return ir.LazyTensor(lambda: ir.tensor(read().numpy()), dtype=dtype, shape=shape, name=name)
+
+
+def _attach_readers(model, readers: dict) -> None:
+    """Replace each streamed initializer's placeholder with a lazy tensor that calls its reader."""
     inits = model.graph.initializers
     absent = [name for name in readers if name not in inits]
     if absent:
         raise AssertionError(f"streamed weights {absent[:3]} are not initializers of the traced graph")
     for name, read in readers.items():
         value = inits[name].const_value
-        inits[name].const_value = ir.LazyTensor(
-            lambda read=read: ir.tensor(read().numpy()), dtype=value.dtype, shape=value.shape, name=name
-        )
+        inits[name].const_value = lazy_weight(read, value.dtype, value.shape, name)
 
 
 def _check_streamed(model, readers: dict) -> None:
@@ -215,13 +220,16 @@ def save_graph(model, path: Path, progress: bool = False) -> None:
                 callback=lambda tensor, info: bar.update(tensor.nbytes))
 
 
-def _export(module, args, names, dynamic_shapes, path: Path, readers: dict | None = None,
-            progress: bool = False, rewrite=None) -> None:
-    """Trace `module` and write it to `path`. `readers` (from `weights.bind_weights`) supply the values
-    of placeholder parameters: they are read only while the weights are written. Linear layers sharing
-    an input are packed into one GEMM (`graph_passes`). `rewrite(model, packed)` edits the optimized
-    onnx_ir model before it is saved (INT4 weights, `quantize.rewrite_int4`); `packed` maps each packed
-    weight to its parts."""
+def _trace(module, args, names, dynamic_shapes, readers: dict):
+    """Trace `module` and optimize it; `readers` (from `weights.bind_weights`) supply the values of
+    placeholder parameters, which stay unread (lazy tensors) through optimization.
+
+    Returns:
+        the optimized onnx_ir model.
+
+    Raises:
+        AssertionError: the optimizer folded or merged a streamed weight.
+    """
     import logging
 
     # the exporter logs one warning per missing optional torchvision operator: noise for LLMs
@@ -241,20 +249,34 @@ def _export(module, args, names, dynamic_shapes, path: Path, readers: dict | Non
             verbose=False,
             report=False,
         )
-        _attach_readers(program.model, readers or {})
+        _attach_readers(program.model, readers)
         program.optimize()
-    _check_streamed(program.model, readers or {})
-    packed = pack_shared_input_gemms(program.model)
+    _check_streamed(program.model, readers)
+    return program.model
+
+
+def _finish(model, path: Path, readers: dict, progress: bool, rewrite) -> None:
+    """Pack linear layers sharing an input into one GEMM (`graph_passes`), apply `rewrite(model, packed)`
+    (INT4 weights, `quantize.rewrite_int4`; `packed` maps each packed weight to its parts) and write
+    `model` to `path`: streamed weights are read only now, one at a time."""
+    _check_streamed(model, readers)
+    packed = pack_shared_input_gemms(model)
     if rewrite is not None:
-        rewrite(program.model, packed)
-    save_graph(program.model, Path(path), progress)
+        rewrite(model, packed)
+    save_graph(model, Path(path), progress)
 
 
-def export_target(module, path: Path, readers: dict | None = None, progress: bool = False, rewrite=None) -> None:
-    """Export a :class:`TargetForExport` to `path` with dynamic T (>= 1), N (>= 0), P (>= 0) and U
-    (sampled rows: 1 + N or 0).
+def _export(module, args, names, dynamic_shapes, path: Path, readers: dict | None = None,
+            progress: bool = False, rewrite=None) -> None:
+    """Trace `module` (all of it) and write it to `path` (see `_trace` and `_finish`)."""
+    readers = readers or {}
+    _finish(_trace(module, args, names, dynamic_shapes, readers), path, readers, progress, rewrite)
 
-    The dummy sizes (T=3, N=4, P=5) are distinct and >= 2 so the exporter does not specialise
+
+def _target_inputs(module) -> tuple:
+    """(dummy args, io names, dynamic shapes) to trace a TargetForExport with.
+
+    The dummy sizes (T=3, N=4, P=6, U=5) are distinct and >= 2 so the exporter does not specialise
     any dimension to 0, 1 or to another dimension.
     """
     spec = module.spec
@@ -273,7 +295,58 @@ def export_target(module, path: Path, readers: dict | None = None, progress: boo
     P = torch.export.Dim("past_len", min=0, max=1 << 20)
     U = torch.export.Dim("sampled_rows", min=0, max=1 << 10)  # 1 + N when sampling, 0 when greedy
     dyn = ({0: T}, {0: N}, None, {0: U}, tuple({0: P} for _ in range(2 * a.num_layers)))
-    _export(module, args, target_io_names(a.num_layers), dyn, path, readers, progress, rewrite)
+    return args, target_io_names(a.num_layers), dyn
+
+
+class ReplicationWarning(UserWarning):
+    """Layer replication did not apply to a target: every layer was traced (slower, same graph)."""
+
+
+def export_target(module, path: Path, readers: dict | None = None, progress: bool = False, rewrite=None,
+                  replicate: str = "auto") -> None:
+    """Export a :class:`TargetForExport` to `path` with dynamic T (>= 1), N (>= 0), P (>= 0) and U
+    (sampled rows: 1 + N or 0).
+
+    Args:
+        readers: initializer name -> reader of the streamed weights (`weights.bind_weights`).
+        progress: print a bar while weights are written and one line of phase times (stderr).
+        rewrite: `rewrite(model, packed)` edits the optimized graph before it is saved (`_finish`).
+        replicate: "auto" traces a `layer_replication.TEMPLATE_LAYERS`-layer template and copies its
+            middle layer to every layer (the same graph; tracing time independent of the depth), or,
+            when the template's structure is not the expected one, warns (`ReplicationWarning`) and
+            traces every layer; "always" raises `layer_replication.ReplicationError` instead of
+            falling back; "never" traces every layer.
+    """
+    from . import layer_replication as lr
+
+    if replicate not in ("auto", "always", "never"):
+        raise ValueError(f"replicate must be auto, always or never (got {replicate!r})")
+    readers = readers or {}
+    t0 = time.perf_counter()
+    model, how = None, f"traced and optimized {module.spec.arch.num_layers} layers"
+    if replicate != "never" and lr.replicable(module):
+        try:
+            template, template_readers = lr.template_target(module, readers)
+            model = _trace(template, *_target_inputs(template), template_readers)
+            t1 = time.perf_counter()
+            lr.replicate_layers(model, module, readers)
+            how = (f"traced and optimized a {lr.TEMPLATE_LAYERS}-layer template in {t1 - t0:.1f}s, copied its "
+                   f"middle layer to {module.spec.arch.num_layers} layers in {time.perf_counter() - t1:.1f}s")
+        except lr.ReplicationError as exc:
+            if replicate == "always":
+                raise
+            warnings.warn(f"layer replication does not apply to this target ({exc}); tracing every layer",
+                          ReplicationWarning, stacklevel=2)
+            model = None
+    if model is None:
+        t0 = time.perf_counter()
+        model = _trace(module, *_target_inputs(module), readers)
+        how += f" in {time.perf_counter() - t0:.1f}s"
+    t2 = time.perf_counter()
+    _finish(model, path, readers, progress, rewrite)
+    if progress:
+        print(f"{Path(path).name}: {how}; packed and wrote it in {time.perf_counter() - t2:.1f}s",
+              file=sys.stderr, flush=True)
 
 
 def export_draft(module, path: Path, readers: dict | None = None, progress: bool = False) -> None:
