@@ -113,7 +113,9 @@ def cmd_chat(args) -> int:
         verify_len = int(verify_len)
     options = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                    verify_len=verify_len)
-    GenerationOptions(**options, max_new_tokens=args.max_tokens or 1)  # bad values fail before loading
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise DFlashError(f"--max-tokens must be at least 1 (got {args.max_tokens})")
+    GenerationOptions(**options)  # bad values fail before the model loads
     with runtime.load(args.dir, backend=args.backend) as sess:
         return run_chat(sess, system=args.system, max_tokens=args.max_tokens, **options)
 
