@@ -16,6 +16,7 @@ from collections import deque
 from typing import Any
 
 from .errors import DFlashError
+from .serve_params import ApiError
 
 log = logging.getLogger("runtime.server")
 
@@ -101,11 +102,13 @@ class Worker:
             self.cond.notify_all()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel every job and end the thread (waits up to `timeout` for the running step)."""
+        """Cancel every job and end the thread (waits up to `timeout` for the running step). Waiting
+        jobs, and the running one at its next step, get a 503 error event."""
         with self.cond:
             self._stopping = True
             for job in self.pending:
                 job.cancelled.set()
+                job.emit("error", _stopped())
             self.pending.clear()
             if self.current is not None:
                 self.current.cancelled.set()
@@ -146,8 +149,10 @@ class Worker:
                     job.steps += 1
                     job.emit("chunk", chunk)
                     if job.cancelled.is_set():
-                        return  # leaving the `with` closes the stream: the generation stops here
-                result = stream.result
+                        break  # leaving the `with` closes the stream: the generation stops here
+                else:
+                    job.emit("done", stream.result)
+                    return
         except DFlashError as exc:
             job.emit("error", exc)
             return
@@ -155,4 +160,9 @@ class Worker:
             log.exception("generation failed")
             job.emit("error", exc)
             return
-        job.emit("done", result)
+        job.emit("error", _stopped())  # read only when the server stops (a client that left reads nothing)
+
+
+def _stopped() -> ApiError:
+    return ApiError(503, "the generation was stopped: the server is shutting down", type="server_error",
+                    code="shutting_down")

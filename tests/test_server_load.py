@@ -192,3 +192,37 @@ def test_load_8_clients(served, ref):
     assert api.worker.status()["waiting"] == 0 and api.worker.current is None
     left = [o for o in gc.get_objects() if type(o) is Job]  # (type(): no lazy module's __class__ lookup)
     assert not left, f"{len(left)} jobs were not freed"
+
+
+def test_stopping_the_worker_answers_what_waits_with_503(chat_art):
+    """What the lifespan's shutdown does: a running job stops at its next step, waiting ones leave, and
+    every one of them gets a 503 event (not silence)."""
+    import asyncio
+
+    from runtime.serve_worker import Worker
+
+    release = threading.Event()
+    with runtime.load(chat_art) as sess:
+        sess.stream = Probe(sess, 1, lambda: release.wait(30))
+        worker = Worker(sess, queue_size=4)
+        worker.start()
+
+        async def run() -> list:
+            loop = asyncio.get_running_loop()
+            jobs = [Job(loop, [5, 6, 7], {"max_new_tokens": 20, "stop_token_ids": []}) for _ in range(3)]
+            for job in jobs:
+                worker.submit(job)
+            wait_for(worker, lambda: worker.current is jobs[0] and len(worker.pending) == 2)
+            threading.Thread(target=worker.stop).start()  # it waits for the running step
+            wait_for(worker, lambda: not worker.pending)
+            release.set()
+            last = []
+            for job in jobs:
+                event = await asyncio.wait_for(job.events.get(), 30)
+                while event[0] == "chunk":
+                    event = await asyncio.wait_for(job.events.get(), 30)
+                last.append(event)
+            return last
+
+        last = asyncio.run(run())
+    assert [(kind, err.status, err.code) for kind, err in last] == [("error", 503, "shutting_down")] * 3
