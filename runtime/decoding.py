@@ -290,7 +290,7 @@ class Session:
             raise DFlashError("pass either a prompt or messages (exactly one)")
         ids = self.encode(prompt, chat=chat, enable_thinking=enable_thinking) if messages is None \
             else self.encode_messages(messages, enable_thinking)
-        b = self._check_request(ids, opts)
+        b = self.check_request(ids, opts)
         if not self._lock.acquire(blocking=False):
             raise DFlashError(
                 "this Session is already generating in another thread; its KV buffers serve one call at a time "
@@ -365,8 +365,14 @@ class Session:
         with self._lock:
             self.context = CachedContext()
 
-    def _check_request(self, ids: list[int], opts: GenerationOptions) -> int:
-        """The request's block size, after checking it and the KV capacity against this artifact."""
+    def check_request(self, ids: list[int], opts: GenerationOptions) -> int:
+        """The block size a request of prompt `ids` with `opts` runs at, after checking it against this
+        artifact (block size, KV capacity, verify_len, top_k), without running anything: the server
+        checks requests before they queue.
+
+        Raises:
+            DFlashError: naming the limit the request exceeds.
+        """
         b = self.block_size if opts.block_size is None else opts.block_size
         if not 1 <= b <= self.max_block:
             raise DFlashError(f"block_size {b} must be between 1 and {self.max_block}")

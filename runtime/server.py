@@ -197,7 +197,7 @@ class OpenAIApi:
             opts["max_new_tokens"] = min(DEFAULT_MAX_TOKENS, limit - n)
         try:
             # the same check Session.stream makes, before the request waits in the queue
-            self.session._check_request(ids, GenerationOptions(**opts))
+            self.session.check_request(ids, GenerationOptions(**opts))
         except DFlashError as exc:
             message = str(exc).replace("max_new_tokens", "max_tokens")
             too_long = n + opts["max_new_tokens"] > limit

@@ -36,7 +36,15 @@ class ChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Plain text -> ids, with the tokenizer's own special tokens (e.g. BOS) as HF adds them."""
-        return self._tok.encode(text, add_special_tokens=True).ids
+        return self._encode(text, add_special_tokens=True)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: tokenizers would raise a TypeError
+            raise DFlashError(f"the text is not valid Unicode (a lone surrogate at character {exc.start}); "
+                              "send UTF-8 text") from None
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def apply_chat_template(self, messages: list[dict[str, str]], enable_thinking: bool = False) -> list[int]:
         """Render a conversation with the generation prompt and tokenize it (as HF's
@@ -71,7 +79,7 @@ class ChatTokenizer:
             )
         except jinja2.TemplateError as exc:
             raise DFlashError(f"the model's chat template cannot be rendered: {exc}") from None
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         """Ids -> text, special tokens skipped."""

@@ -128,3 +128,14 @@ def tiny(tmp_path_factory) -> TinyFactory:
     """Session cache of tiny targets/drafts and their exported graphs (each built at most once)."""
     return TinyFactory(tmp_path_factory)
 
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(tmp_path_factory) -> Path:
+    """The real pair (embedded SmolLM2-135M-Instruct + the shipped draft), fp32, max_seq_len 256: one
+    export per test session, shared by the slow tests (it takes 1.5-4 minutes)."""
+    from dflash_export.build import build
+
+    out = tmp_path_factory.mktemp("smollm2") / "art"
+    build(None, None, out, max_seq_len=256, quiet=True)
+    return out

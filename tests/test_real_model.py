@@ -19,15 +19,6 @@ N_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def smollm2_artifact(tmp_path_factory):
-    from dflash_export.build import build
-
-    out = tmp_path_factory.mktemp("smollm2") / "art"
-    build(None, None, out, max_seq_len=256, quiet=True)
-    return out
-
-
-@pytest.fixture(scope="module")
 def hf_reference():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

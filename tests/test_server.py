@@ -273,13 +273,10 @@ def test_error_mid_stream_ends_it_with_an_error_event(served, client, monkeypatc
 
 # ---- the real model ----------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_smollm2_server_streams_what_it_answers(tmp_path_factory):
+def test_smollm2_server_streams_what_it_answers(smollm2_artifact):
     """A byte-level BPE model with non-ASCII text: streamed deltas (never half a character) join to
     the non-streamed reply, and usage matches the Session's count."""
-    from dflash_export.build import build
-
-    art = tmp_path_factory.mktemp("smollm2_serve") / "art"
-    build(None, None, art, max_seq_len=256, quiet=True)
+    art = smollm2_artifact
     msgs = [{"role": "user", "content": "Écris une phrase sur le café ☕ et les crêpes."}]
     with runtime.load(art) as sess, ServerThread(create_app(sess)) as srv:
         c = make_client(srv)

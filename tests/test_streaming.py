@@ -297,3 +297,11 @@ def test_calls_split_to_the_engine_row_limit(qwen):
         assert all(rows <= 3 for graph, rows, past in calls if past > 0 and graph == "draft")
         assert all(rows <= 3 for graph, rows, past in calls if past > 0 and graph == "target")
         assert sum(1 for g, rows, past in calls if g == "target" and past > 0 and rows > 1) >= 2  # split prefill
+
+
+def test_text_that_is_not_unicode_is_refused(chat_art):
+    with runtime.load(chat_art) as sess:
+        with pytest.raises(DFlashError, match="lone surrogate"):
+            sess.generate("t5 \ud800 t6", max_new_tokens=2)
+        with pytest.raises(DFlashError, match="lone surrogate"):
+            sess.chat([{"role": "user", "content": "t9 \udfff"}], max_new_tokens=2)
