@@ -77,7 +77,11 @@ class DecodeLoop:
     def __init__(self, session, prompt: list[int], opts: GenerationOptions, block_size: int, policy: Policy,
                  stop_ids: set[int]):
         self.s, self.prompt, self.opts, self.b, self.policy, self.stop_ids = session, prompt, opts, block_size, policy, stop_ids
-        self.rng = np.random.default_rng(opts.seed)
+        # one uniform per output position, drawn up front: the sample at position k uses uniforms[k]
+        # whatever the verify lengths, block size or policy, so a seed gives the same reply with and
+        # without speculation (and exactness is unchanged: each position's sample is an inverse-CDF
+        # draw from its own conditional, the proposal is accepted iff it equals it)
+        self.uniforms = np.random.default_rng(opts.seed).random(opts.max_new_tokens, dtype=np.float32)
         self.sampler = None
         if opts.samples_on_host:
             logits = session.logits_buffer()
@@ -104,7 +108,7 @@ class DecodeLoop:
         reused = ctx.keep_prefix(self.prompt)  # a failed call below leaves these rows valid
         s.set_sampling(self.opts.temperature, on_host=self.sampler is not None)
         limit = be.max_call_rows("target") or len(self.prompt)
-        self._write_uniforms(0)  # the prefill's one uniform (row 0), drawn once however many calls
+        self._write_uniforms(0)  # position 0's uniform (row 0), written once however many calls
         pos = reused
         while pos < len(self.prompt):  # on a reused prefix, in calls the engine's profiles take
             n = len(self.prompt) - pos if pos == 0 else min(len(self.prompt) - pos, limit)
@@ -114,14 +118,15 @@ class DecodeLoop:
             ctx.ids = self.prompt[:pos]
         first = int(s.read_ids(0)[0][0])
         if self.sampler is not None:
-            token = self.sampler.sample(0, float(self.rng.random(dtype=np.float32)))
+            token = self.sampler.sample(0, float(self.uniforms[0]))
             self.anchor_valid, first = token == first, token
         return first, reused
 
     def _write_uniforms(self, n_prop: int) -> None:
         s = self.s
         if self.opts.temperature > 0 and self.sampler is None:
-            s.backend.write(s.uniform.rows(0, n_prop + 1), self.rng.random(n_prop + 1, dtype=np.float32))
+            k = len(self.out)
+            s.backend.write(s.uniform.rows(0, n_prop + 1), self.uniforms[k:k + n_prop + 1])
         elif n_prop == 0:
             s.backend.write(s.uniform.rows(0, 1), np.zeros(1, np.float32))
 
@@ -150,7 +155,8 @@ class DecodeLoop:
             self.draft_s += time.perf_counter() - t0
         be.write(s.input_ids.rows(0, 1), np.array([self.out[-1]], np.int64))
         self._write_uniforms(n_prop)
-        uniforms = self.rng.random(n_prop + 1, dtype=np.float32) if self.sampler is not None else None
+        k = len(self.out)
+        uniforms = self.uniforms[k:k + n_prop + 1]
         t0 = time.perf_counter()
         s.run_target(1, n_prop, len(ctx.ids), taps_row=ctx.pending)
         self.verify_s += time.perf_counter() - t0

@@ -18,6 +18,9 @@ from .errors import DFlashError
 # reply holds back that many characters until it knows they do not start a stop string.
 MAX_STOP_CHARS = 256
 MAX_STOP_STRINGS = 16
+# Temperatures below this decode greedily (the T -> 0 limit of sampling): logits / T would overflow
+# float32 below about 1e-36, and anything this small already puts all the mass on the argmax.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,8 @@ class GenerationOptions:
 
     Attributes:
         max_new_tokens: at most this many new tokens (>= 1).
-        temperature: 0 for greedy; > 0 samples the target's processed distribution.
+        temperature: 0 for greedy; > 0 samples the target's processed distribution (below
+            MIN_TEMPERATURE = 1e-5: greedy, the limit).
         top_p: nucleus sampling, in (0, 1] (1 = off): keep the smallest set of most likely tokens whose
             probability reaches top_p (Holtzman et al., 2020; Hugging Face's TopPLogitsWarper order:
             temperature, then top_k, then top_p).
@@ -62,6 +66,8 @@ class GenerationOptions:
         set_("temperature", _as_float(self.temperature, "temperature"))
         if self.temperature < 0:
             raise DFlashError(f"temperature must be a finite number >= 0 (got {self.temperature!r})")
+        if self.temperature < MIN_TEMPERATURE:
+            set_("temperature", 0.0)
         set_("top_p", _as_float(self.top_p, "top_p"))
         if not 0 < self.top_p <= 1:
             raise DFlashError(f"top_p must be in (0, 1] (got {self.top_p!r}); 1 turns it off")

@@ -5,8 +5,11 @@ repeat text: it decodes a short window of ids twice (up to the last emitted id, 
 and emits the difference once it no longer ends in U+FFFD (an unfinished UTF-8 sequence of a byte-level
 BPE). Decoding a window rather than the whole reply keeps a step's cost constant; starting the window a
 few ids back gives tokenizers that strip a leading space (SentencePiece's Metaspace) or merge bytes
-across ids the same context in both decodes. The deltas concatenate to `decode(all ids)`; `finish()`
-checks that and repairs the tail if a tokenizer's decoding was not local.
+across ids the same context in both decodes. With byte-level BPE (Qwen3, SmolLM2, Llama 3) the deltas
+concatenate to `decode(all ids)`. A byte-fallback decoder (SentencePiece models such as Llama 2) can
+rewrite text already emitted: an invalid byte run decodes as one U+FFFD per byte only once the run is
+complete. Emitted text is never taken back: the stream keeps it and goes on after it, so its text can
+then differ from `decode(all ids)` inside such a run (and `generate` returns the stream's text).
 
 :class:`StopStrings` cuts the text before the first stop string, holding back the few characters that
 could still begin one.
@@ -37,23 +40,26 @@ class IncrementalText:
     def push(self, ids: Sequence[int]) -> str:
         """Append ids; returns the new complete text (possibly "")."""
         self.ids.extend(int(i) for i in ids)
-        start = max(self.emitted - _WINDOW, 0)
-        before = self.decode(self.ids[start:self.emitted]) if self.emitted > start else ""
-        after = self.decode(self.ids[start:])
-        if after.endswith(_REPLACEMENT) or len(after) <= len(before) or not after.startswith(before):
-            return ""  # an unfinished character (or nothing new yet): wait for more ids
-        delta = after[len(before):]
-        self.emitted = len(self.ids)
-        self.text += delta
-        return delta
+        return self._delta(final=False)
 
     def finish(self) -> str:
         """The rest of the text once no ids will follow (an unfinished character is emitted as decoded)."""
-        full = self.decode(self.ids)
-        if full.startswith(self.text):
-            delta = full[len(self.text):]
-        else:  # not reached with byte-level BPE or SentencePiece tokenizers; keep the stream's text
-            delta = ""
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> str:
+        if self.emitted == len(self.ids):
+            return ""
+        start = max(self.emitted - _WINDOW, 0)
+        before = self.decode(self.ids[start:self.emitted]) if self.emitted > start else ""
+        after = self.decode(self.ids[start:])
+        if not final and after.endswith(_REPLACEMENT):
+            return ""  # an unfinished character: wait for its next bytes
+        if after.startswith(before):
+            delta = after[len(before):]
+        else:  # the decoder rewrote emitted text (byte fallback): keep it, continue after its length
+            delta = after[len(before):] if len(after) > len(before) else ""
+        if not delta and not final:
+            return ""  # nothing new yet (e.g. a skipped special token): the window keeps these ids
         self.emitted = len(self.ids)
         self.text += delta
         return delta

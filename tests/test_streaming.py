@@ -78,6 +78,25 @@ def test_incremental_text_is_utf8_safe_and_complete(byte_bpe, text):
         assert any("\ufffd" in byte_bpe.decode([i]) for i in ids)
 
 
+def test_incremental_text_with_byte_fallback_never_loses_text():
+    """SentencePiece-style byte fallback: an invalid byte run is rewritten as one U+FFFD per byte once
+    complete. The stream keeps what it emitted and goes on: the text after the run is not lost."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, **{ch: 1 + i for i, ch in enumerate("▁abcdehlorw")}}
+    vocab.update({f"<0x{b:02X}>": 20 + i for i, b in enumerate((0xC3, 0x99, 0x8B, 0xA9))})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tail = tok.encode(" hello world").ids
+    for ids in ([vocab["a"], 20, 21, 22] + tail, [vocab["a"], 20, 23] + tail):  # invalid run; valid "é"
+        stream = IncrementalText(tok.decode)
+        text = "".join(stream.push([i]) for i in ids) + stream.finish()
+        assert text.endswith(" hello world") and text.startswith("a")
+        if tok.decode(ids).count("\ufffd") == 0:
+            assert text == tok.decode(ids) == "aé hello world"
+
+
 def test_stop_strings_cut_exactly_and_hold_back():
     s = StopStrings(["END", "\n\n"])
     a = s.feed("abc E")
@@ -99,6 +118,33 @@ def test_stream_concatenates_to_generate(chat_art):
         assert "".join(c.text for c in chunks) == ref.text
         assert [t for c in chunks for t in c.token_ids] == ref.output_ids
         assert len(chunks) > 2  # it streams: the first token, then one chunk per step
+
+
+def test_stream_closed_from_another_thread_frees_the_session(qwen):
+    import threading
+
+    prompt = [1, 40, 33, 12, 90]
+    with runtime.load(qwen.artifact) as sess:
+        stream = sess.stream(prompt, max_new_tokens=40, stop_token_ids=[], block_size=1)
+        first = next(stream)
+        started, closed = threading.Event(), threading.Event()
+        inner = sess.backend.run
+
+        def run(graph, inputs, outputs):  # close from another thread while a step is inside a graph call
+            started.set()
+            closed.wait(5)
+            inner(graph, inputs, outputs)
+
+        sess.backend.run = run
+        closer = threading.Thread(target=lambda: (started.wait(5), stream.close(), closed.set()))
+        closer.start()
+        rest = list(stream)
+        closer.join()
+        sess.backend.run = inner
+        assert len(rest) == 1 and len(first.token_ids) == 1  # the step in flight finished, then it stopped
+        assert stream.result is None
+        res = sess.generate(prompt, max_new_tokens=8, stop_token_ids=[], block_size=1)  # not locked
+        assert res.output_ids == fresh(qwen.artifact, prompt, max_new_tokens=8, stop_token_ids=[], block_size=1).output_ids
 
 
 def test_stream_closed_early_keeps_the_session_usable(qwen):
@@ -245,6 +291,20 @@ def test_top_k_top_p_sampling_distribution(qwen, qwen_rows, top_k, top_p):
             kw = dict(max_new_tokens=6, stop_token_ids=[], temperature=t, top_k=top_k, top_p=top_p, seed=seed)
             assert sess.generate(prompt, block_size=1, **kw).output_ids[:1] == \
                 sess.generate(prompt, block_size=4, verify_len="all", **kw).output_ids[:1]
+
+
+def test_a_seed_gives_one_reply_whatever_the_speculation(qwen):
+    """Each output position samples with its own uniform, so the reply for a seed does not depend on the
+    verify lengths, the block size, the adaptive policy's state or KV reuse."""
+    prompt = [1, 40, 33, 12, 90]
+    with runtime.load(qwen.artifact) as sess:
+        for sampling in (dict(temperature=1.0), dict(temperature=0.8, top_p=0.9, top_k=20)):
+            kw = dict(max_new_tokens=24, stop_token_ids=[], seed=11, **sampling)
+            plain = fresh(qwen.artifact, prompt, block_size=1, **kw).output_ids
+            for extra in (dict(), dict(verify_len="all"), dict(verify_len=1), dict(block_size=3), dict(reuse_prefix=False), dict()):
+                assert sess.generate(prompt, **kw, **extra).output_ids == plain, (sampling, extra)
+        assert sess.generate(prompt, max_new_tokens=8, temperature=1e-40, stop_token_ids=[]).output_ids == \
+            fresh(qwen.artifact, prompt, max_new_tokens=8, stop_token_ids=[], block_size=1).output_ids  # the T -> 0 limit
 
 
 def test_top_k_1_is_greedy(qwen):
