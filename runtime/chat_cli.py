@@ -60,6 +60,11 @@ class ChatSession:
 
     def turn(self, text: str) -> None:
         """Add a user turn and stream the reply (the turn is dropped again if it cannot be answered)."""
+        bad = next((c for c in text if "\udc80" <= c <= "\udcff"), None)  # stdin's surrogateescape
+        if bad is not None:
+            self._note(f"error: this line is not valid UTF-8 text (the byte 0x{ord(bad) - 0xdc00:02x} at character "
+                       f"{text.index(bad)}); it was skipped")
+            return
         self.history.append({"role": "user", "content": text})
         try:
             reply = self._reply()
@@ -142,6 +147,31 @@ def _read_line(stdin: TextIO, prompt: str | None) -> str | None:
     return line if line else None
 
 
+def check_settings(session, max_tokens: int | None = None, **options) -> None:
+    """Check the chat's settings against the artifact (vocabulary, block size, KV buffers) once, before
+    the first turn, instead of failing every turn.
+
+    Raises:
+        DFlashError: naming the command-line flag at fault.
+    """
+    from .options import GenerationOptions
+
+    limit = session.max_seq_len
+    if max_tokens is not None and max_tokens >= limit:
+        raise DFlashError(f"--max-tokens {max_tokens} leaves no room for a message in the model's max_seq_len {limit} "
+                          f"(prompt and reply together); pass a smaller --max-tokens (at most {limit - 1}, "
+                          "less the length of the conversation)")
+    try:
+        session.check_request([0], GenerationOptions(max_new_tokens=max_tokens or 1, **options))
+    except DFlashError as exc:
+        message = str(exc)
+        for option in ("top_k", "verify_len"):
+            if message.startswith(option):
+                flag = "--" + option.replace("_", "-")
+                message = flag + message[len(option):]
+        raise DFlashError(message) from None
+
+
 def run_chat(session, stdin: TextIO = None, out: TextIO = None, notes: TextIO = None, **settings) -> int:
     """The read-reply loop until `/exit` or end of input; returns the exit status (0).
 
@@ -151,11 +181,16 @@ def run_chat(session, stdin: TextIO = None, out: TextIO = None, notes: TextIO = 
         **settings: see :class:`ChatSession` (system, max_tokens, temperature, ...).
 
     Raises:
-        DFlashError: the model has no tokenizer or chat template.
+        DFlashError: the model has no tokenizer or chat template, or a setting does not suit the
+            artifact (see :func:`check_settings`).
     """
     stdin, out, notes = stdin or sys.stdin, out or sys.stdout, notes or sys.stderr
     if session.tokenizer is None or not session.tokenizer.chat_template:
         raise DFlashError("this model has no chat template; `python -m runtime chat` needs one")
+    check_settings(session, settings.get("max_tokens"),
+                   **{k: v for k, v in settings.items() if k not in ("system", "max_tokens")})
+    if hasattr(stdin, "reconfigure"):  # bytes that are not UTF-8 reach `turn` (and are refused there), not a traceback
+        stdin.reconfigure(errors="surrogateescape")
     chat = ChatSession(session, out, notes, **settings)
     prompt = "> " if stdin.isatty() else None
     print(f"chat with {session.artifact_dir} ({HELP})", file=notes, flush=True)

@@ -13,6 +13,7 @@ KV buffers, capped at :data:`DEFAULT_MAX_TOKENS`.
 
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        message = short_numbers(message)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
         self.headers = headers or {}
@@ -66,6 +68,22 @@ class ApiError(Exception):
     def body(self) -> dict:
         """`{"error": {"message", "type", "param", "code"}}`."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_LONG_NUMBER = re.compile(r"\d{21,}")
+ECHO_CHARS = 80  # at most this much of a bad value is echoed in an error message
+
+
+def short_numbers(message: str) -> str:
+    """`message` with every integer of more than 20 digits in scientific notation (a request's
+    `1e308` is an integer to Python: echoed in full it is 309 digits)."""
+    return _LONG_NUMBER.sub(lambda m: f"{m[0][0]}.{m[0][1:4]}e+{len(m[0]) - 1}", message)
+
+
+def shown(value: Any) -> str:
+    """repr(value) for an error message, cut to about ECHO_CHARS characters."""
+    text = short_numbers(repr(value))
+    return text if len(text) <= ECHO_CHARS else f"{text[:ECHO_CHARS]}... ({len(text)} characters)"
 
 
 @dataclass
@@ -106,7 +124,7 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
     for name in body:
         if name not in allowed:
             where = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-            raise ApiError(400, f"unrecognized request argument {name!r} for {where}", param=name,
+            raise ApiError(400, f"unrecognized request argument {shown(name)} for {where}", param=name,
                            code="unrecognized_argument")
     body = {k: v for k, v in body.items() if v is not None}  # JSON null = not given, as OpenAI treats it
     _refuse_unsupported(body, kind)
@@ -167,14 +185,14 @@ def _same(value, no_op) -> bool:
 def _model(body: dict) -> str | None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise ApiError(400, f"model must be a string (got {model!r})", param="model")
+        raise ApiError(400, f"model must be a string (got {shown(model)})", param="model")
     return model
 
 
 def _bool(body: dict, name: str, default: bool) -> bool:
     value = body.get(name, default)
     if not isinstance(value, bool):
-        raise ApiError(400, f"{name} must be true or false (got {value!r})", param=name)
+        raise ApiError(400, f"{name} must be true or false (got {shown(value)})", param=name)
     return value
 
 
@@ -201,11 +219,12 @@ def _options(body: dict) -> dict[str, Any]:
         if name == "top_k" and value == -1 and not isinstance(value, bool):
             value = 0  # vLLM's "off"
         if name == "stop" and not (isinstance(value, str) or isinstance(value, list) and all(isinstance(s, str) for s in value)):
-            raise ApiError(400, f"stop must be a string or a list of strings (got {value!r})", param="stop")
+            raise ApiError(400, f"stop must be a string or a list of strings (got {shown(value)})", param="stop")
         try:
             GenerationOptions(**{option: value})
-        except DFlashError as exc:
-            raise ApiError(400, _rename(str(exc), option, name), param=name) from None
+        except DFlashError as exc:  # (its message may echo the value: a long one is cut)
+            message = _rename(str(exc), option, name).replace(repr(value), shown(value))
+            raise ApiError(400, message, param=name) from None
         opts[option] = value
     if "seed" not in opts:  # as OpenAI: without a seed, sampled replies differ from request to request
         opts["seed"] = secrets.randbits(31)
@@ -231,7 +250,7 @@ def _enable_thinking(body: dict) -> bool | None:
                                param="enable_thinking")
             value = kwargs["enable_thinking"]
     if value is not None and not isinstance(value, bool):
-        raise ApiError(400, f"enable_thinking must be true or false (got {value!r})", param="enable_thinking")
+        raise ApiError(400, f"enable_thinking must be true or false (got {shown(value)})", param="enable_thinking")
     return value
 
 

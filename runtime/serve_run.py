@@ -3,6 +3,7 @@ background-thread server for tests and benchmarks."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 
@@ -36,10 +37,36 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def uvicorn_server(app, log_level: str = "info"):
     """A uvicorn.Server for `app`: the pure-Python h11 protocol, no websockets, and a short grace
-    period on shutdown (a streamed reply is cancelled rather than waited for)."""
+    period on shutdown. On shutdown the app's generation worker stops first (see :class:`DFlashServer`)."""
     config = uvicorn.Config(app, http="h11", ws="none", lifespan="on", log_level=log_level,
                             timeout_graceful_shutdown=3)
-    return uvicorn.Server(config)
+    api = getattr(getattr(app, "state", None), "api", None)
+    return DFlashServer(config, before_shutdown=getattr(getattr(api, "worker", None), "stop", None))
+
+
+class DFlashServer(uvicorn.Server):
+    """uvicorn's server, stopping the generation worker before uvicorn closes the connections.
+
+    uvicorn's own shutdown waits for the requests in flight (up to the grace period), cancels them
+    (500 text/plain, tracebacks, a stream cut without an end) and only then runs the lifespan's
+    shutdown. Stopping the worker first answers every running and waiting job with its 503
+    `shutting_down` event, so each request ends normally (a stream with an error event and
+    `data: [DONE]`) and uvicorn's wait for them ends within a step.
+
+    Args:
+        config: the uvicorn.Config.
+        before_shutdown: called (in a thread: it may block) when shutdown starts; None: nothing.
+    """
+
+    def __init__(self, config, before_shutdown=None):
+        super().__init__(config)
+        self._before_shutdown = before_shutdown
+
+    async def shutdown(self, sockets=None) -> None:
+        if self._before_shutdown is not None and not self.force_exit:
+            # before the sockets close: requests that arrive meanwhile get their 503 too
+            await asyncio.get_running_loop().run_in_executor(None, self._before_shutdown)
+        await super().shutdown(sockets=sockets)
 
 
 class ServerThread:

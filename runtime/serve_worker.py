@@ -25,6 +25,10 @@ class QueueFull(Exception):
     """The queue holds its maximum of waiting jobs."""
 
 
+class ShuttingDown(QueueFull):
+    """The worker is stopping: it takes no more jobs."""
+
+
 class Job:
     """One request's generation: its prompt ids and options in, events out.
 
@@ -85,7 +89,7 @@ class Worker:
         """
         with self.cond:
             if self._stopping:
-                raise QueueFull("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             if len(self.pending) >= self.queue_size:
                 raise QueueFull(f"{len(self.pending)} requests are already waiting")
             self.pending.append(job)
@@ -108,7 +112,7 @@ class Worker:
             self._stopping = True
             for job in self.pending:
                 job.cancelled.set()
-                job.emit("error", _stopped())
+                job.emit("error", stopped_error())
             self.pending.clear()
             if self.current is not None:
                 self.current.cancelled.set()
@@ -160,9 +164,10 @@ class Worker:
             log.exception("generation failed")
             job.emit("error", exc)
             return
-        job.emit("error", _stopped())  # read only when the server stops (a client that left reads nothing)
+        job.emit("error", stopped_error())  # read only when the server stops (a client that left reads nothing)
 
 
-def _stopped() -> ApiError:
+def stopped_error() -> ApiError:
+    """What a job gets when the server stops before its reply is done (503 shutting_down)."""
     return ApiError(503, "the generation was stopped: the server is shutting down", type="server_error",
                     code="shutting_down")

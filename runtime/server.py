@@ -15,7 +15,8 @@ or disconnect detection. The import is lazy (`runtime/__main__.py` checks for th
 
 Serving model: batch 1. Generations run one at a time in a worker thread (runtime/serve_worker.py);
 requests are checked and tokenized first (400 at once for a bad one), then wait in a bounded FIFO
-queue (429 with Retry-After when full). Request bodies are parsed by runtime/serve_params.py, replies
+queue (429 with Retry-After when full). On shutdown the worker stops first, so requests in flight get a
+503 `shutting_down` (a stream: an error event, then `data: [DONE]`). Request bodies are parsed by runtime/serve_params.py, replies
 made by runtime/serve_replies.py; runtime/serve_run.py runs the app on uvicorn.
 """
 
@@ -39,7 +40,7 @@ from .errors import DFlashError
 from .options import GenerationOptions
 from .serve_params import DEFAULT_MAX_TOKENS, ApiError, ParsedRequest, parse_request
 from .serve_replies import Reply, as_api_error, sse
-from .serve_worker import Job, QueueFull, Worker
+from .serve_worker import Job, QueueFull, ShuttingDown, Worker, stopped_error
 
 log = logging.getLogger("runtime.server")
 
@@ -139,7 +140,11 @@ class OpenAIApi:
         return await _answer(self._generate_checked, request, kind)
 
     async def _generate_checked(self, request: Request, kind: str) -> Response:
-        self._authorize(request)
+        try:
+            self._authorize(request)
+        except ApiError:
+            await _drain(request)  # else a client still sending its body sees a reset, not the 401
+            raise
         req = parse_request(await self._read_json(request), kind)
         self._check_model(req.model)
         if kind == "chat" and not self.session.tokenizer.chat_template:
@@ -170,6 +175,8 @@ class OpenAIApi:
         job = Job(loop, ids, self._fit(ids, req))
         try:
             self.worker.submit(job)
+        except ShuttingDown:
+            raise stopped_error() from None
         except QueueFull as exc:
             raise ApiError(429, f"the server is busy ({exc}; it generates one reply at a time and queues at most "
                                 f"{self.worker.queue_size}); retry later", type="rate_limit_error",
@@ -195,6 +202,10 @@ class OpenAIApi:
                                     "tokens, prompt and reply together: shorten the prompt", param=where,
                                code="context_length_exceeded")
             opts["max_new_tokens"] = min(DEFAULT_MAX_TOKENS, limit - n)
+        if opts["max_new_tokens"] > limit and n < limit:  # (not the runtime's "rebuild with a larger" hint)
+            raise ApiError(400, f"max_tokens {opts['max_new_tokens']} exceeds this model's max_seq_len {limit} (its KV "
+                                f"buffers hold the prompt and the reply together); pass at most {limit - n} for "
+                                f"this {n}-token prompt", param="max_tokens", code="context_length_exceeded")
         try:
             # the same check Session.stream makes, before the request waits in the queue
             self.session.check_request(ids, GenerationOptions(**opts))
@@ -232,8 +243,9 @@ class OpenAIApi:
                     yield sse(reply.usage_chunk(payload))
                 yield b"data: [DONE]\n\n"
                 return
-            else:  # headers are sent: the error goes in the stream, as OpenAI does
+            else:  # headers are sent: the error goes in the stream, as OpenAI does, then the end
                 yield sse(as_api_error(payload).body())
+                yield b"data: [DONE]\n\n"
                 return
             event = await job.events.get()
 
@@ -255,11 +267,7 @@ class OpenAIApi:
         length = request.headers.get("content-length", "")
         too_big = ApiError(413, f"the request body exceeds {self.max_body} bytes", code="request_too_large")
         if length.isdigit() and int(length) > self.max_body:
-            if int(length) <= DRAIN_LIMIT and "100-continue" not in request.headers.get("expect", ""):
-                # read and drop it: closing with unread data resets the connection, and a client
-                # still sending (most do not wait for 100-continue) would never see the 413
-                async for _ in request.stream():
-                    pass
+            await _drain(request)
             raise too_big
         chunks, size = [], 0
         async for chunk in request.stream():  # counted as it arrives: chunked bodies have no length
@@ -277,6 +285,22 @@ class OpenAIApi:
             raise ApiError(400, f"the request body holds a lone surrogate ({exc.object[exc.start:exc.end]!r}), "
                                 "which is not valid Unicode text", code="invalid_json") from None
         return body
+
+
+async def _drain(request: Request) -> None:
+    """Read and drop a request's body (up to DRAIN_LIMIT bytes) before an error answers it: closing
+    with unread data resets the connection, and a client still sending (most do not wait for
+    100-continue) would never see the error. A client waiting for 100-continue sends nothing."""
+    if "100-continue" in request.headers.get("expect", "").lower():
+        return
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > DRAIN_LIMIT:
+        return
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > DRAIN_LIMIT:
+            return
 
 
 class _DisconnectWatch:

@@ -127,3 +127,27 @@ def test_chat_drops_the_oldest_turns_to_fit(chat_art):
         assert run_chat(sess, io.StringIO(lines), out, notes, max_tokens=8) == 0
         assert len(out.getvalue().splitlines()) == 9  # every turn but the one too long alone
         assert "dropped the oldest turn" in notes.getvalue() and "max_seq_len 64" in notes.getvalue()
+
+
+def test_chat_flags_the_artifact_refuses_fail_once_at_startup(chat_art):
+    with runtime.load(chat_art) as sess:
+        vocab = int(sess.manifest["target"]["vocab_size"])
+        for settings, phrase in (({"top_k": vocab + 1}, "--top-k"), ({"verify_len": -1}, "--verify-len"),
+                                 ({"max_tokens": sess.max_seq_len}, "pass a smaller --max-tokens")):
+            out, notes = io.StringIO(), io.StringIO()
+            with pytest.raises(runtime.DFlashError, match=phrase):
+                run_chat(sess, io.StringIO("t11\nt12\n"), out, notes, **settings)
+            assert out.getvalue() == notes.getvalue() == ""  # before the banner and any turn
+    r = run_cli("chat", str(chat_art), "--top-k", str(vocab + 1), stdin="t11\nt12\n")
+    assert r.returncode == 2 and r.stderr.startswith("error: --top-k") and r.stderr.count("\n") == 1, r.stderr
+    assert r.stdout == ""
+
+
+def test_chat_input_that_is_not_utf8_is_refused_by_line(chat_art, ref):
+    with runtime.load(chat_art) as sess:
+        stdin = io.TextIOWrapper(io.BytesIO(b"t11 \xff\xfe t12\nt11 t12\n"), encoding="utf-8")
+        out, notes = io.StringIO(), io.StringIO()
+        assert run_chat(sess, stdin, out, notes, max_tokens=6, **FIXED) == 0
+    assert "not valid UTF-8" in notes.getvalue() and "surrogate" not in notes.getvalue(), notes.getvalue()
+    assert out.getvalue().splitlines() == [ref.chat([{"role": "user", "content": "t11 t12"}], max_new_tokens=6,
+                                                    **FIXED).text]

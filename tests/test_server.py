@@ -213,6 +213,19 @@ def test_malformed_unknown_and_oversize_requests(served, client):
     assert exc.value.param == "n"
 
 
+def test_huge_numbers_are_not_echoed_in_full(served):
+    """`1e308` is an integer to JSON's reader: the error shows it in scientific notation, and a long
+    bad value is cut."""
+    for body in (chat_body(max_tokens=1e308), chat_body(max_tokens=10 ** 300), chat_body(top_k=10 ** 300),
+                 chat_body(seed=-10 ** 300)):
+        status, _, out = post(served[0], PATHS["chat"], body)
+        err = expect_error(status, out, 400, next(k for k in ("max_tokens", "top_k", "seed") if k in body))
+        assert "e+30" in err["message"] and len(err["message"]) < 300 and "0" * 30 not in err["message"], err["message"]
+    status, _, out = post(served[0], PATHS["chat"], chat_body(temperature="x" * 100000))
+    err = expect_error(status, out, 400, "temperature")
+    assert len(err["message"]) < 300 and "characters)" in err["message"], err["message"]
+
+
 def test_chunked_oversize_body_gets_413(served):
     host, port = served[0].url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
@@ -235,6 +248,37 @@ def test_api_key(chat_art):
         assert good.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2).usage.completion_tokens >= 1
         assert [m.id for m in good.models.list().data] == [MODEL]
         assert get(srv, "/health")[0] == 200  # a liveness probe needs no key
+        # a body over the size limit without the key: the 401 (its body read first), not a reset
+        big = chat_body(messages=[{"role": "user", "content": "t5 " * 700000}])  # ~2 MiB
+        for path in PATHS.values():
+            status, _, out = post(srv, path, big)
+            assert expect_error(status, out, 401)["code"] == "invalid_api_key"
+
+
+def test_a_refused_body_is_read_before_the_answer(served):
+    """A 401 or 413 is sent only after the request body was read (up to the drain limit): answering a
+    client still sending and closing would reset its connection before it reads the answer. At the ASGI
+    level, so it does not depend on socket buffer sizes."""
+    import asyncio
+
+    app = create_app(served[1], model_name=MODEL, api_key="s3cret")  # (its worker is never started)
+    for headers, size, status in (([], 20 << 16, 401), ([(b"authorization", b"Bearer s3cret")], 20 << 16, 413)):
+        events = []
+
+        async def receive(n=[20]):
+            n[0] -= 1
+            events.append("chunk")
+            return {"type": "http.request", "body": b"x" * 65536, "more_body": n[0] > 0}
+
+        async def send(message):
+            events.append(message["type"] + (f" {message['status']}" if "status" in message else ""))
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": PATHS["chat"], "raw_path": PATHS["chat"].encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(size).encode()),
+                             *headers], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        asyncio.run(app(scope, receive, send))
+        assert events[:21] == ["chunk"] * 20 + [f"http.response.start {status}"], events
 
 
 def test_unexpected_error_is_500_and_the_server_keeps_serving(served, client, monkeypatch):

@@ -8,6 +8,7 @@ worker's condition variable, never on sleeps. See serve_fixtures for the setup.
 from __future__ import annotations
 
 import gc
+import logging
 import http.client
 import json
 import os
@@ -226,3 +227,77 @@ def test_stopping_the_worker_answers_what_waits_with_503(chat_art):
 
         last = asyncio.run(run())
     assert [(kind, err.status, err.code) for kind, err in last] == [("error", 503, "shutting_down")] * 3
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def _raw(srv, path: str, body: dict):
+    """(status, body bytes) of a raw POST, read to its end."""
+    host, port = srv.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out = resp.status, resp.getheader("content-type"), resp.read()
+    conn.close()
+    return out
+
+
+def test_shutdown_answers_the_requests_in_flight_with_503(chat_art):
+    """Stopping the server with a stream running and two requests waiting: the worker stops first, so
+    the stream ends with a 503 shutting_down event and `data: [DONE]`, the waiting ones get a 503 body,
+    nothing is cancelled by uvicorn (no 500, no traceback), and it takes well under uvicorn's 3 s grace."""
+    logs = _Records()
+    loggers = [logging.getLogger(n) for n in ("uvicorn", "uvicorn.error", "runtime.server")]
+    for lg in loggers:
+        lg.addHandler(logs)
+    try:
+        with runtime.load(chat_art) as sess:
+            real_run = sess.backend.run
+
+            def slow_run(*a, **kw):  # a slow device: 50 ms per graph call
+                time.sleep(0.05)
+                return real_run(*a, **kw)
+
+            sess.backend.run = slow_run
+            app = create_app(sess, model_name=MODEL)
+            worker = app.state.api.worker
+            # the running generation holds after its first chunk until the stop cancels it
+            sess.stream = Probe(sess, 1, lambda: worker.current.cancelled.wait(10))
+            srv = ServerThread(app).__enter__()
+            try:
+                with ThreadPoolExecutor(3) as pool:
+                    long = dict(max_tokens=50, stop=None, temperature=0, **FIXED)
+                    running = pool.submit(_raw, srv, PATHS["comp"], comp_body(stream=True, **long))
+                    wait_for(worker, lambda: worker.current is not None)
+                    waiting = [pool.submit(_raw, srv, PATHS["chat"], chat_body(stream=True, **long)),
+                               pool.submit(_raw, srv, PATHS["comp"], comp_body(**long))]
+                    wait_for(worker, lambda: len(worker.pending) == 2)
+                    start = time.perf_counter()
+                    srv.__exit__(None, None, None)
+                    elapsed = time.perf_counter() - start
+                    status, ctype, raw = running.result(30)
+                    rest = [f.result(30) for f in waiting]
+            finally:
+                srv.__exit__(None, None, None)
+    finally:
+        for lg in loggers:
+            lg.removeHandler(logs)
+    assert status == 200 and ctype.startswith("text/event-stream")
+    events = [e.removeprefix("data: ") for e in raw.decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]", events
+    err = json.loads(events[-2])["error"]
+    assert (err["code"], err["type"]) == ("shutting_down", "server_error"), err
+    assert any(json.loads(e).get("choices") for e in events[:-2])  # the chunks before it came through
+    for st, ct, body in rest:
+        assert st == 503 and ct == "application/json", (st, ct, body)
+        expect_error(st, json.loads(body), 503)
+        assert json.loads(body)["error"]["code"] == "shutting_down"
+    assert elapsed < 2.0, f"shutdown took {elapsed:.2f} s"
+    assert not [r.getMessage() for r in logs.records if r.levelno >= logging.ERROR]
