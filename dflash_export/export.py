@@ -311,42 +311,53 @@ def export_target(module, path: Path, readers: dict | None = None, progress: boo
         readers: initializer name -> reader of the streamed weights (`weights.bind_weights`).
         progress: print a bar while weights are written and one line of phase times (stderr).
         rewrite: `rewrite(model, packed)` edits the optimized graph before it is saved (`_finish`).
-        replicate: "auto" traces a `layer_replication.TEMPLATE_LAYERS`-layer template and copies its
-            middle layer to every layer (the same graph; tracing time independent of the depth), or,
-            when the template's structure is not the expected one, warns (`ReplicationWarning`) and
-            traces every layer; "always" raises `layer_replication.ReplicationError` instead of
-            falling back; "never" traces every layer.
+        replicate: "auto" traces a `layer_replication.TEMPLATE_LAYERS`-layer template and copies one of
+            its layers to every layer (the same graph; tracing time independent of the depth), or, when
+            the template's structure is not the expected one, warns (`ReplicationWarning`) and traces
+            every layer; "always" raises `layer_replication.ReplicationError` instead of falling back;
+            "never" traces every layer.
+
+    Raises:
+        ValueError: an unknown `replicate`.
     """
     from . import layer_replication as lr
 
     if replicate not in ("auto", "always", "never"):
         raise ValueError(f"replicate must be auto, always or never (got {replicate!r})")
     readers = readers or {}
-    t0 = time.perf_counter()
-    model, how = None, f"traced and optimized {module.spec.arch.num_layers} layers"
+    n = module.spec.arch.num_layers
+    model = None
     if replicate != "never" and lr.replicable(module):
         try:
-            template, template_readers = lr.template_target(module, readers)
-            model = _trace(template, *_target_inputs(template), template_readers)
-            t1 = time.perf_counter()
-            lr.replicate_layers(model, module, readers)
-            how = (f"traced and optimized a {lr.TEMPLATE_LAYERS}-layer template in {t1 - t0:.1f}s, copied its "
-                   f"middle layer to {module.spec.arch.num_layers} layers in {time.perf_counter() - t1:.1f}s")
+            model, how = _replicated_target(module, readers)
         except lr.ReplicationError as exc:
             if replicate == "always":
                 raise
             warnings.warn(f"layer replication does not apply to this target ({exc}); tracing every layer",
                           ReplicationWarning, stacklevel=2)
-            model = None
     if model is None:
         t0 = time.perf_counter()
         model = _trace(module, *_target_inputs(module), readers)
-        how += f" in {time.perf_counter() - t0:.1f}s"
-    t2 = time.perf_counter()
+        how = f"traced and optimized {n} layers in {time.perf_counter() - t0:.1f}s"
+    t0 = time.perf_counter()
     _finish(model, path, readers, progress, rewrite)
     if progress:
-        print(f"{Path(path).name}: {how}; packed and wrote it in {time.perf_counter() - t2:.1f}s",
+        print(f"{Path(path).name}: {how}; packed and wrote it in {time.perf_counter() - t0:.1f}s",
               file=sys.stderr, flush=True)
+
+
+def _replicated_target(module, readers: dict) -> tuple:
+    """The optimized target graph made from a traced template (`layer_replication`), and a line saying
+    how long tracing and replicating took."""
+    from . import layer_replication as lr
+
+    t0 = time.perf_counter()
+    template, template_readers = lr.template_target(module, readers)
+    model = _trace(template, *_target_inputs(template), template_readers)
+    t1 = time.perf_counter()
+    lr.replicate_layers(model, module, readers)
+    return model, (f"traced and optimized a {lr.TEMPLATE_LAYERS}-layer template in {t1 - t0:.1f}s, copied a layer "
+                   f"to {module.spec.arch.num_layers} layers in {time.perf_counter() - t1:.1f}s")
 
 
 def export_draft(module, path: Path, readers: dict | None = None, progress: bool = False) -> None:
