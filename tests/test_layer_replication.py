@@ -1,4 +1,4 @@
-"""Layer replication (issue 11): a target exported from a traced 3-layer template is the graph a full trace
+"""Layer replication (issue 11): a target exported from a traced 2-layer template is the graph a full trace
 gives, modulo value names: the same operators wired the same way, the same inputs, outputs and initializer
 names and bytes, the same onnxruntime outputs; streamed weights are still read only while written; and a
 template of another structure is refused (full tracing then, with a warning)."""
