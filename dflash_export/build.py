@@ -297,6 +297,9 @@ def build(
         dspec = replace(dspec, draft_vocab=None)
     head_name = "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
     qnames = quantized_names(tsource.names(), tsource.shapes, qconfig, head_name) if qconfig else []
+    # the manifest's source hashes read every shard once more: done on a thread while the draft and
+    # the target template trace (CPU-bound, the disk idle), not after the weights are written
+    hashes = SourceHashes(tspec, dspec)
     stage = Stage(total=5, quiet=quiet)
     stage.report(f"validated target and draft in {time.perf_counter() - t_start:.1f}s")
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
@@ -332,7 +335,7 @@ def build(
         with stage("writing tokenizer and manifest"):
             np.save(tmp / "mask_embedding.npy", mask_row.astype(np.float32), allow_pickle=False)
             tok_info = _save_tokenizer(tspec.path, tmp / "tokenizer")
-            manifest = _manifest(tspec, dspec, name, max_seq_len, dtype, checks, tok_info, tmp)
+            manifest = _manifest(tspec, dspec, name, max_seq_len, dtype, checks, tok_info, tmp, hashes.result())
             if qconfig is not None:
                 manifest["quantization"] = quantization_record(qconfig, qnames, dtype, head_name)
             if head_config is not None:
@@ -423,16 +426,45 @@ def _tool_versions() -> dict:
     return versions
 
 
-def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, checks, tok_info, tmp: Path) -> dict:
+class SourceHashes:
+    """SHA-256 of every source file the manifest records (target and draft shards, configs, the draft
+    vocabulary), computed on a daemon thread from construction on (hashlib releases the GIL).
+
+    `result()` waits and returns {"target": {name: sha}, "draft": {name: sha}}, or raises the
+    thread's error (an unreadable file)."""
+
+    def __init__(self, tspec: TargetSpec, dspec: DraftSpec):
+        import threading
+
+        self.files = {"target": [], "draft": []}
+        for key, path in (("target", tspec.path), ("draft", dspec.path)):
+            if path is not None:
+                extra = [Path(path) / DRAFT_VOCAB_FILE] if key == "draft" and dspec.draft_vocab is not None else []
+                self.files[key] = [*safetensors_files(path), Path(path) / "config.json", *extra]
+        self._hashes, self._error = None, None
+        self._thread = threading.Thread(target=self._run, name="source-hashes", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._hashes = {key: {f.name: file_sha256(f) for f in files} for key, files in self.files.items()}
+        except BaseException as exc:  # re-raised by result() in the build's thread
+            self._error = exc
+
+    def result(self) -> dict[str, dict[str, str]]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._hashes
+
+
+def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, checks, tok_info, tmp: Path,
+              hashes: dict[str, dict[str, str]]) -> dict:
     a, da = tspec.arch, dspec.arch
     stop = list(dict.fromkeys([*tspec.eos_token_ids, *tok_info["eos"]]))
     trained = dspec.path is not None
-    sources = {"target": {"path": str(tspec.path), "name": name, "files": {}}, "draft": {"path": str(dspec.path) if dspec.path else None, "files": {}}}
-    for key, path in (("target", tspec.path), ("draft", dspec.path)):
-        if path is not None:
-            extra = [Path(path) / DRAFT_VOCAB_FILE] if key == "draft" and dspec.draft_vocab is not None else []
-            for f in [*safetensors_files(path), Path(path) / "config.json", *extra]:
-                sources[key]["files"][f.name] = file_sha256(f)
+    sources = {"target": {"path": str(tspec.path), "name": name, "files": hashes["target"]},
+               "draft": {"path": str(dspec.path) if dspec.path else None, "files": hashes["draft"]}}
     return {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
