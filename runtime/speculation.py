@@ -22,7 +22,7 @@ paid or skipped as a whole.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+
 
 import numpy as np
 
