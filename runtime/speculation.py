@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-
 import numpy as np
 
 # Prior acceptance of the first proposal. Trained: the shipped SmolLM2 draft's first-position
