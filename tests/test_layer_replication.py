@@ -215,22 +215,8 @@ def test_build_int4_fp16_streamed_replicated_is_the_full_trace(llama_pair, tmp_p
         m.setattr(layer_replication, "replicable", lambda module: False)
         build(str(target), str(draft), tmp_path / "full", **opts)
 
-    reads, saving = [], [False]
-    original_read, original_save = weights_mod.WeightSource.read_as, export_mod.save_graph
+    reads = tiny_models.record_weight_reads(monkeypatch)
 
-    def read_as(self, name, dt):
-        reads.append((name, saving[0]))
-        return original_read(self, name, dt)
-
-    def save_graph(model, path, progress=False):
-        saving[0] = True
-        try:
-            original_save(model, path, progress)
-        finally:
-            saving[0] = False
-
-    monkeypatch.setattr(weights_mod.WeightSource, "read_as", read_as)
-    monkeypatch.setattr(export_mod, "save_graph", save_graph)
     used = []
     original_replicable = layer_replication.replicable
     monkeypatch.setattr(layer_replication, "replicable",

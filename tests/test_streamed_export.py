@@ -38,25 +38,11 @@ def test_streamed_weights_give_the_same_graph_and_are_read_only_while_written(pa
     target, draft = pair
     build(str(target), str(draft), tmp_path / "eager", max_seq_len=64, dtype=dtype, quiet=True)
 
-    reads, saving = [], [False]
-    original_read, original_save = weights_mod.WeightSource.read_as, export_mod.save_graph
-
-    def read_as(self, name, dt):
-        reads.append((name, saving[0]))
-        return original_read(self, name, dt)
-
-    def save_graph(model, path, progress=False):
-        saving[0] = True
-        try:
-            original_save(model, path, progress)
-        finally:
-            saving[0] = False
 
     # stream every weight matrix of the tiny pair (not only those above 16k elements) and write external data
     monkeypatch.setattr(weights_mod, "STREAM_MIN_ELEMENTS", 1000)
     monkeypatch.setattr(export_mod, "EXTERNAL_DATA_THRESHOLD", 0)
-    monkeypatch.setattr(weights_mod.WeightSource, "read_as", read_as)
-    monkeypatch.setattr(export_mod, "save_graph", save_graph)
+    reads = tiny_models.record_weight_reads(monkeypatch)
     build(str(target), str(draft), tmp_path / "streamed", max_seq_len=64, dtype=dtype, quiet=True)
 
     streamed = {name for name, inside in reads if inside}

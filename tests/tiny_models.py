@@ -120,3 +120,28 @@ def make_draft(
     save_file(state, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def record_weight_reads(monkeypatch) -> list[tuple[str, bool]]:
+    """Record every weight a build reads from its source: (name, read while a graph file was being
+    written). Streamed export reads matrices only while writing; this is what tests check it with."""
+    from dflash_export import export as export_mod
+    from dflash_export import weights as weights_mod
+
+    reads, saving = [], [False]
+    original_read, original_save = weights_mod.WeightSource.read_as, export_mod.save_graph
+
+    def read_as(self, name, dt):
+        reads.append((name, saving[0]))
+        return original_read(self, name, dt)
+
+    def save_graph(model, path, progress=False):
+        saving[0] = True
+        try:
+            original_save(model, path, progress)
+        finally:
+            saving[0] = False
+
+    monkeypatch.setattr(weights_mod.WeightSource, "read_as", read_as)
+    monkeypatch.setattr(export_mod, "save_graph", save_graph)
+    return reads
