@@ -23,16 +23,14 @@ from runtime.manifest import MANIFEST_FORMAT, MANIFEST_VERSION
 
 from . import __version__
 from .checkpoint import (
-    DRAFT_VOCAB_FILE,
     DraftSpec,
     TargetSpec,
-    file_sha256,
     load_draft_spec,
     load_target_spec,
     parse_draft_config,
     safetensors_files,
 )
-from .sources import random_draft_config, resolve_draft, resolve_target
+from .sources import SourceHashes, random_draft_config, resolve_draft, resolve_target
 from .quantize import QuantConfig, proposal_head_block, quantization_record, quantized_names, rewrite_int4
 from .weights import WeightSource, bind_weights, check_weight_names, empty_module
 
@@ -424,38 +422,6 @@ def _tool_versions() -> dict:
     except ImportError:
         pass
     return versions
-
-
-class SourceHashes:
-    """SHA-256 of every source file the manifest records (target and draft shards, configs, the draft
-    vocabulary), computed on a daemon thread from construction on (hashlib releases the GIL).
-
-    `result()` waits and returns {"target": {name: sha}, "draft": {name: sha}}, or raises the
-    thread's error (an unreadable file)."""
-
-    def __init__(self, tspec: TargetSpec, dspec: DraftSpec):
-        import threading
-
-        self.files = {"target": [], "draft": []}
-        for key, path in (("target", tspec.path), ("draft", dspec.path)):
-            if path is not None:
-                extra = [Path(path) / DRAFT_VOCAB_FILE] if key == "draft" and dspec.draft_vocab is not None else []
-                self.files[key] = [*safetensors_files(path), Path(path) / "config.json", *extra]
-        self._hashes, self._error = None, None
-        self._thread = threading.Thread(target=self._run, name="source-hashes", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._hashes = {key: {f.name: file_sha256(f) for f in files} for key, files in self.files.items()}
-        except BaseException as exc:  # re-raised by result() in the build's thread
-            self._error = exc
-
-    def result(self) -> dict[str, dict[str, str]]:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._hashes
 
 
 def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, checks, tok_info, tmp: Path,

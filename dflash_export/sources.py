@@ -17,7 +17,8 @@ from typing import Any
 from runtime.errors import DFlashError
 from runtime.files import cache_dir  # converted checkpoints live in the user cache
 
-from .checkpoint import TargetSpec, build_target_layer_ids, resolve_hub_snapshot, share_permissions
+from .checkpoint import (DRAFT_VOCAB_FILE, DraftSpec, TargetSpec, build_target_layer_ids, file_sha256, resolve_hub_snapshot,
+                         safetensors_files, share_permissions)
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -193,3 +194,35 @@ def random_draft_config(target: TargetSpec, num_layers: int = 2, block_size: int
         "layer_types": ["full_attention"] * num_layers,
         "dflash_export": {"trained": False, "init_seed": 0},
     }
+
+
+class SourceHashes:
+    """SHA-256 of every source file the manifest records (target and draft shards, configs, the draft
+    vocabulary), computed on a daemon thread from construction on (hashlib releases the GIL).
+
+    `result()` waits and returns {"target": {name: sha}, "draft": {name: sha}}, or raises the
+    thread's error (an unreadable file)."""
+
+    def __init__(self, tspec: TargetSpec, dspec: DraftSpec):
+        import threading
+
+        self.files = {"target": [], "draft": []}
+        for key, path in (("target", tspec.path), ("draft", dspec.path)):
+            if path is not None:
+                extra = [Path(path) / DRAFT_VOCAB_FILE] if key == "draft" and dspec.draft_vocab is not None else []
+                self.files[key] = [*safetensors_files(path), Path(path) / "config.json", *extra]
+        self._hashes, self._error = None, None
+        self._thread = threading.Thread(target=self._run, name="source-hashes", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._hashes = {key: {f.name: file_sha256(f) for f in files} for key, files in self.files.items()}
+        except BaseException as exc:  # re-raised by result() in the build's thread
+            self._error = exc
+
+    def result(self) -> dict[str, dict[str, str]]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._hashes
