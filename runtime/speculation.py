@@ -147,12 +147,13 @@ class AdaptiveLength(Policy):
     name = "auto"
 
     def __init__(self, costs, acceptance: AcceptanceEstimate, probe_gap: int = 4, max_probe_gap: int = 64,
-                 scale_smoothing: float = 0.2, margin: float = 1.03):
+                 scale_smoothing: float = 0.2, probe_smoothing: float = 0.5, margin: float = 1.03):
         self.costs = costs
         self.margin = margin  # speculate only when it is predicted this much faster: estimates are noisy
         self.acceptance = acceptance
         self.first_probe_gap, self.max_probe_gap = probe_gap, max_probe_gap
         self.smoothing = scale_smoothing
+        self.probe_smoothing = probe_smoothing  # probes are rare: each measured time counts more
         self.plain_scale = self.spec_scale = 1.0
         self._step_s = costs.step_s(np.arange(len(acceptance.trials) + 1))  # the measured curve, once
         self.start()
@@ -188,7 +189,7 @@ class AdaptiveLength(Policy):
         predicted = float(self._step_s[min(verified, len(self._step_s) - 1)])
         if predicted > 0 and seconds > 0:  # a spike moves a scale at most 2x at a time
             scale = self.spec_scale if verified else self.plain_scale
-            weight = max(self.smoothing, 0.5) if self.probing else self.smoothing  # probes are rare: each counts more
+            weight = self.probe_smoothing if self.probing else self.smoothing
             scale += weight * (min(max(seconds / predicted, 0.5 * scale), 2.0 * scale) - scale)
             if verified:
                 self.spec_scale = scale
