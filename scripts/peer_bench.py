@@ -77,13 +77,21 @@ def parse_artifacts(specs: list[str]) -> dict[str, str]:
     return ours
 
 
-def genai_model(python: str, hf_dir: Path, work: Path, precision: str) -> Path | str:
-    """Build (once) onnxruntime-genai's model of `hf_dir` at `precision` (fp32 or int4) with its builder."""
-    out = work / f"genai-{precision}"
+# onnxruntime-genai models to build: label -> (builder precision, extra options). Its int4 default is
+# MatMulNBits accuracy level 4 (int8 activations, W4A8); level 1 computes in fp32 (W4A16/W4A32), the
+# precision of our lossless int4 graphs, so it is the same-precision comparison.
+GENAI_VARIANTS = {"fp32": ("fp32", []), "int4": ("int4", []), "int4-acc1": ("int4", ["--extra_options", "accuracy_level=1"])}
+
+
+def genai_model(python: str, hf_dir: Path, work: Path, variant: str) -> Path | str:
+    """Build (once) onnxruntime-genai's model of `hf_dir` for `variant` (a GENAI_VARIANTS key) with its builder."""
+    out = work / f"genai-{variant}"
     if (out / "genai_config.json").is_file():
         return out
+    precision, extra = GENAI_VARIANTS[variant]
     proc = subprocess.run([python, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
-                           "-p", precision, "-e", "cpu", "-c", str(work / "genai-cache")], capture_output=True, text=True)
+                           "-p", precision, "-e", "cpu", "-c", str(work / "genai-cache"), *extra],
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         return f"model builder failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:100]}"
     return out
@@ -134,9 +142,9 @@ def main(argv=None) -> int:
 
         hf_dir = args.hf_dir or embedded_target_dir()
         args.work.mkdir(parents=True, exist_ok=True)
-        for prec in ("fp32", "int4"):
-            model = genai_model(args.peer_python, hf_dir, args.work, prec)
-            peers[f"onnxruntime-genai {prec}"] = ("genai", model) if isinstance(model, Path) else model
+        for variant in GENAI_VARIANTS:
+            model = genai_model(args.peer_python, hf_dir, args.work, variant)
+            peers[f"onnxruntime-genai {variant}"] = ("genai", model) if isinstance(model, Path) else model
     else:
         peers["onnxruntime-genai"] = f"not installed for {args.peer_python}"
     gguf = args.gguf or default_gguf()

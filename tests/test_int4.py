@@ -3,6 +3,9 @@ onnxruntime's MatMulNBits fusion, lossless speculative decoding, and bad input."
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -90,6 +93,13 @@ def test_onnxruntime_fuses_int4_weights_into_matmulnbits(pairs, tmp_path):
     if int(_optimization_level(ort)) < int(ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED):
         pytest.skip(f"onnxruntime {ort.__version__} runs these graphs at the basic level: no MatMulNBits fusion")
     assert ops.count("MatMulNBits") == 3 * GEMMS and "DequantizeLinear" not in ops
+    # the runtime's accuracy level computes a row alike as row 1 of a verify or alone: lossless up to
+    # fp32 rounding (level 4 is not: scripts/int4_split_check.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from int4_split_check import check
+
+    d = check(tmp_path / "art", level=1, past_len=12, proposals=3)
+    assert max(d.values()) < 1e-3, d
 
 
 def test_int4_speculative_equals_plain_with_accepted_blocks(tmp_path_factory, tmp_path):

@@ -1,0 +1,125 @@
+"""Is an INT4 target graph's output independent of how the rows are split into calls?
+
+    python scripts/int4_split_check.py ARTIFACT [--levels 1 4] [--past 40] [--proposals 3]
+
+Speculative decoding is lossless only if a token's logits do not depend on whether the target saw it
+as row k of a verify call (past P, rows P..P+N) or as the only row of a plain step (past P + k). This
+script builds a past by a prefill of random ids, then compares, at each MatMulNBits accuracy level:
+
+- *split*: row 1 of a verify call (1 + N rows) against row 0 of the plain call that follows it with
+  the verify's row 0 as past (logits and every layer's new K row), and
+- *padding*: row 0 of a 1-row call against row 0 of a 2-row call (same past).
+
+Measured on SmolLM2 int4 (block 32, LM head int4; onnxruntime 1.32, 2-core AVX2): level 1 (fp32
+compute) differs by 5e-5 in logits, as fp32 rounding does; level 4 (int8 activations) by 0.40 (split)
+and 0.55 (padding), because the int8
+quantization of each activation block turns a one-ulp difference (the attention sums past and new
+rows in two parts, so its rounding depends on the split; MatMulNBits takes another code path for one
+row) into a whole quantization step, layer after layer. Hence level 4 is not the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def open_target(artifact: Path, level: int):
+    """An onnxruntime session of the artifact's target graph at `level`, configured as the runtime does."""
+    import onnxruntime as ort
+
+    from runtime.manifest import load_manifest
+    from runtime.ort_backend import disabled_optimizers
+
+    manifest = load_manifest(artifact)
+    opts = ort.SessionOptions()
+    opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
+    return ort.InferenceSession(str(artifact / manifest["target"]["graph"]), opts, providers=["CPUExecutionProvider"],
+                                disabled_optimizers=disabled_optimizers(manifest, ort)), manifest
+
+
+class TargetCalls:
+    """Calls of the target graph with explicit past K/V lists (greedy, no sampling inputs)."""
+
+    def __init__(self, session, manifest: dict):
+        t = manifest["target"]
+        self.sess, self.layers = session, int(t["num_layers"])
+        self.kv_shape = (int(t["num_kv_heads"]), int(t["head_dim"]))
+        self.hidden = int(t["hidden_size"])
+        self.dtype = np.float16 if manifest.get("dtype") == "fp16" else np.float32
+        self.outputs = [o.name for o in session.get_outputs()]
+
+    def empty_past(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        z = np.zeros((0, *self.kv_shape), self.dtype)
+        return [(z, z)] * self.layers
+
+    def __call__(self, ids: list[int], draft_hidden: np.ndarray, past) -> dict[str, np.ndarray]:
+        feed = {"input_ids": np.array(ids, np.int64), "draft_hidden": draft_hidden.astype(self.dtype),
+                "temperature": np.zeros(1, np.float32), "uniform": np.zeros(0, np.float32)}
+        for i, (k, v) in enumerate(past):
+            feed[f"past_key_{i}"], feed[f"past_value_{i}"] = k, v
+        return dict(zip(self.outputs, self.sess.run(None, feed)))
+
+    def extend(self, past, out: dict, rows: int):
+        """`past` with the first `rows` new K/V rows of call output `out` appended."""
+        return [(np.concatenate([k, out[f"key_{i}"][:rows]]), np.concatenate([v, out[f"value_{i}"][:rows]]))
+                for i, (k, v) in enumerate(past)]
+
+    def max_key_diff(self, a: dict, ra: int, b: dict, rb: int) -> float:
+        return max(float(np.abs(a[f"key_{i}"][ra] - b[f"key_{i}"][rb]).max()) for i in range(self.layers))
+
+
+def check(artifact: Path, level: int, past_len: int, proposals: int, seed: int = 0) -> dict[str, float]:
+    """Max abs differences (logits, K rows) of the split and padding comparisons at `level`."""
+    session, manifest = open_target(artifact, level)
+    call = TargetCalls(session, manifest)
+    rng = np.random.default_rng(seed)
+    vocab = int(manifest["target"]["vocab_size"])
+    prompt = rng.integers(min(100, vocab // 2), vocab, size=past_len).tolist()
+    none = np.zeros((0, call.hidden), np.float32)
+    pre = call(prompt, none, call.empty_past())
+    past = call.extend(call.empty_past(), pre, past_len)
+    token = int(pre["next_ids"][-1])
+    draft_hidden = rng.standard_normal((proposals, call.hidden)).astype(np.float32)
+    verify = call(ids=[token], draft_hidden=draft_hidden, past=past)
+    plain = call([int(verify["proposal_ids"][0])], none, call.extend(past, verify, 1))
+    one = call([token], none, past)
+    two = call([token], draft_hidden[:1], past)
+    return {
+        "split_logits": float(np.abs(verify["logits"][1] - plain["logits"][0]).max()),
+        "split_keys": call.max_key_diff(verify, 1, plain, 0),
+        "padding_logits": float(np.abs(one["logits"][0] - two["logits"][0]).max()),
+        "padding_keys": call.max_key_diff(one, 0, two, 0),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("artifact", type=Path)
+    p.add_argument("--levels", type=int, nargs="+", default=[1, 4], help="MatMulNBits accuracy levels")
+    p.add_argument("--past", type=int, default=40, help="prefilled past length")
+    p.add_argument("--proposals", type=int, default=3)
+    args = p.parse_args(argv)
+    import runtime
+
+    try:
+        manifest = runtime.manifest.load_manifest(args.artifact)
+    except runtime.DFlashError as exc:
+        raise SystemExit(f"int4_split_check: {exc}") from None
+    if not manifest.get("quantization"):
+        raise SystemExit(f"int4_split_check: {args.artifact} is not an INT4 artifact (build it with --quant int4)")
+    print(f"{'level':>5} {'split: logits':>14} {'split: K':>10} {'padding: logits':>16} {'padding: K':>11}")
+    for level in args.levels:
+        d = check(args.artifact, level, args.past, args.proposals)
+        print(f"{level:>5} {d['split_logits']:>14.2e} {d['split_keys']:>10.2e} {d['padding_logits']:>16.2e} {d['padding_keys']:>11.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
