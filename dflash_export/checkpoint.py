@@ -270,6 +270,12 @@ def load_target_spec(model_dir: Path) -> TargetSpec:
     if family is None:
         family = {"qwen3": "qwen3", "llama": "llama"}.get(cfg.get("model_type", ""))
     if family is None:
+        from .hybrid_spec import hybrid_kind, parse_hybrid_config, refuse_until_exportable
+
+        kind = hybrid_kind(cfg)  # refuses mixture-of-experts variants by name
+        if kind is not None:
+            refuse_until_exportable(parse_hybrid_config(cfg, kind, f"target {model_dir}"), f"target {model_dir}")
+    if family is None:
         raise DFlashError(
             f"target {model_dir} has architectures {archs or cfg.get('model_type')}; supported: "
             f"{', '.join(SUPPORTED_TARGETS)}"

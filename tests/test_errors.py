@@ -183,6 +183,31 @@ def test_unsupported_target_architecture(ckpt, tmp_path):
     build_fails(t, ckpt / "draft", tmp_path / "art", r"supported: Qwen3ForCausalLM, LlamaForCausalLM")
 
 
+QWEN3_5_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_key_head_dim=16,
+                    linear_num_value_heads=4, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+
+
+@pytest.mark.parametrize("config, match", [
+    (dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", **QWEN3_5_TEXT),
+     r"Qwen3.5/3.6 hybrid target \(3 Gated DeltaNet \+ 1 full-attention layers\).*graph export"),
+    (dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5", text_config=QWEN3_5_TEXT),
+     r"Qwen3.5/3.6 hybrid target \(3 Gated DeltaNet \+ 1 full-attention layers\)"),
+    (dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", **QWEN3_5_TEXT),
+     r"mixture-of-experts Qwen3.5/3.6 checkpoint .* dense"),
+    (dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", **{**QWEN3_5_TEXT, "linear_num_value_heads": 3}),
+     r"linear_num_value_heads 3 is not a multiple of linear_num_key_heads 2"),
+    (dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text",
+          **{k: v for k, v in QWEN3_5_TEXT.items() if k != "linear_key_head_dim"}), r"lacks the field 'linear_key_head_dim'"),
+])
+def test_qwen3_5_targets_are_recognised_and_refused_by_name(ckpt, tmp_path, config, match):
+    """Qwen3.5/3.6: the dense hybrid is recognised and validated, and refused saying what is missing;
+    mixture-of-experts variants are refused as such; a malformed config names its field."""
+    t = edit_config(copy_dir(ckpt / "target", tmp_path / "t"), lambda c: (c.clear(), c.update(config)))
+    build_fails(t, ckpt / "draft", tmp_path / "art", match)
+
+
 # ---- corrupted or incomplete checkpoints -------------------------------------------------------------
 @pytest.mark.parametrize("which", ["target", "draft"])
 def test_truncated_safetensors(ckpt, tmp_path, which):
