@@ -22,14 +22,8 @@ from runtime.errors import DFlashError
 from runtime.manifest import MANIFEST_FORMAT, MANIFEST_VERSION
 
 from . import __version__
-from .checkpoint import (
-    DraftSpec,
-    TargetSpec,
-    load_draft_spec,
-    load_target_spec,
-    parse_draft_config,
-    safetensors_files,
-)
+from .checkpoint import TargetSpec, load_target_spec, safetensors_files
+from .draft_spec import DraftSpec, load_draft_spec, parse_draft_config
 from .sources import SourceHashes, random_draft_config, resolve_draft, resolve_target
 from .quantize import QuantConfig, proposal_head_block, quantization_record, quantized_names, rewrite_int4
 from .weights import WeightSource, bind_weights, check_weight_names, empty_module

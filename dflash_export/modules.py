@@ -16,7 +16,8 @@ import math
 import torch
 from torch import nn
 
-from .checkpoint import AttentionSpec, DraftSpec, TargetSpec
+from .checkpoint import AttentionSpec, TargetSpec
+from .draft_spec import DraftSpec
 
 
 def rope_inv_freq(arch: AttentionSpec, family: str) -> tuple[torch.Tensor, float]:

@@ -17,14 +17,39 @@ from typing import Any
 from runtime.errors import DFlashError
 from runtime.files import cache_dir  # converted checkpoints live in the user cache
 
-from .checkpoint import (DRAFT_VOCAB_FILE, DraftSpec, TargetSpec, build_target_layer_ids, file_sha256, resolve_hub_snapshot,
-                         safetensors_files, share_permissions)
+from .checkpoint import TargetSpec, file_sha256, safetensors_files, share_permissions
+from .draft_spec import DRAFT_VOCAB_FILE, DraftSpec, build_target_layer_ids
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # `<empty_output>`: a special token that SmolLM2's chat format never produces.
 EMBEDDED_MASK_TOKEN_ID = 16
+
+
+def hf_cache_dirs() -> list[Path]:
+    """Hugging Face hub cache roots to search, honouring HF_HUB_CACHE / HF_HOME."""
+    roots = []
+    if os.environ.get("HF_HUB_CACHE"):
+        roots.append(Path(os.environ["HF_HUB_CACHE"]))
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    roots.append(home / "hub")
+    return roots
+
+
+def resolve_hub_snapshot(repo_id: str) -> Path | None:
+    """Find the newest local snapshot of a hub repository without any network access."""
+    folder = "models--" + repo_id.replace("/", "--")
+    for root in hf_cache_dirs():
+        snaps = root / folder / "snapshots"
+        if snaps.is_dir():
+            ref = root / folder / "refs" / "main"
+            if ref.is_file() and (snaps / ref.read_text().strip()).is_dir():
+                return snaps / ref.read_text().strip()
+            cands = sorted(snaps.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+            if cands:
+                return cands[0]
+    return None
 
 
 def registry() -> dict[str, Any]:

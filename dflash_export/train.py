@@ -521,7 +521,8 @@ def _load_init_draft(source: Path, tspec) -> dict:
     Raises:
         DFlashError: `source` is not a valid draft checkpoint for this target (see `load_draft_spec`).
     """
-    from .checkpoint import file_sha256, load_draft_spec
+    from .checkpoint import file_sha256
+    from .draft_spec import load_draft_spec
 
     from .checkpoint import read_config
 
@@ -641,7 +642,8 @@ def train_draft(args) -> int:
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from .checkpoint import build_target_layer_ids, file_sha256, load_state_dict, load_target_spec, parse_draft_config
+    from .checkpoint import file_sha256, load_state_dict, load_target_spec
+    from .draft_spec import build_target_layer_ids, parse_draft_config
     from .modules import DFlashDraft, load_weights
     from .sources import EMBEDDED_MASK_TOKEN_ID, cache_dir, resolve_target
 
@@ -965,7 +967,7 @@ def _write_draft(draft, cfg: dict, out: Path, args, draft_vocab: list[int] | Non
     import torch
     from safetensors.torch import save_file
 
-    from .checkpoint import DRAFT_VOCAB_FILE
+    from .draft_spec import DRAFT_VOCAB_FILE
 
     dtype = torch.float16 if args.save_dtype == "fp16" else torch.float32
     cfg = dict(cfg)

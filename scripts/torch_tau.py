@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def _load_draft(path: Path, tspec, args):
     from safetensors.torch import load_file
 
-    from dflash_export.checkpoint import load_draft_spec, parse_draft_config
+    from dflash_export.draft_spec import load_draft_spec, parse_draft_config
     from dflash_export.modules import DFlashDraft, load_weights
     from dflash_export.train import _draft_config
 

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> int:
     import torch
 
-    from dflash_export.checkpoint import AttentionSpec, DraftSpec
+    from dflash_export.checkpoint import AttentionSpec
+    from dflash_export.draft_spec import DraftSpec
     from dflash_export.modules import DFlashDraft
     from dflash_export.train import _amp_dtype, block_loss
 

@@ -107,7 +107,7 @@ class TinyFactory:
             import torch
 
             import tiny_models
-            from dflash_export.checkpoint import load_draft_spec
+            from dflash_export.draft_spec import load_draft_spec
             from dflash_export.modules import DFlashDraft, load_weights
 
             target = self.target("qwen3")

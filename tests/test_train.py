@@ -20,7 +20,8 @@ from tiny_models import make_draft, make_target
 
 @pytest.fixture(scope="module")
 def tiny_draft(tmp_path_factory):
-    from dflash_export.checkpoint import load_draft_spec, load_target_spec
+    from dflash_export.checkpoint import load_target_spec
+    from dflash_export.draft_spec import load_draft_spec
     from dflash_export.modules import DFlashDraft, load_weights
 
     root = tmp_path_factory.mktemp("train")
@@ -242,7 +243,8 @@ def test_merge_datasets_shifts_offsets():
 @pytest.mark.slow
 def test_train_draft_end_to_end_and_resume(tmp_path):
     """A 3-step run on SmolLM2 with 2 prompts: released-format output, valid for build, resumable."""
-    from dflash_export.checkpoint import load_draft_spec, load_target_spec
+    from dflash_export.checkpoint import load_target_spec
+    from dflash_export.draft_spec import load_draft_spec
     from dflash_export.sources import embedded_target_dir
 
     prompts = tmp_path / "p.jsonl"

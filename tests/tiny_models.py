@@ -79,7 +79,8 @@ def make_draft(
     """
     from safetensors.torch import save_file
 
-    from dflash_export.checkpoint import draft_weight_shapes, load_target_spec, parse_draft_config
+    from dflash_export.checkpoint import load_target_spec
+    from dflash_export.draft_spec import draft_weight_shapes, parse_draft_config
 
     tspec = load_target_spec(target_dir)
     a = tspec.arch
