@@ -1,4 +1,5 @@
-"""Reading and validating Hugging Face target and DFlash draft checkpoints.
+"""Reading and validating Hugging Face target checkpoints, and the file helpers every checkpoint
+reader shares (drafts: `draft_spec.py`; Qwen3.5 hybrids: `hybrid_spec.py`).
 
 Only `config.json` and safetensors files are read: no `auto_map` remote code is ever executed and
 no pickled weights are ever loaded. Every check raises :class:`runtime.errors.DFlashError` with a
