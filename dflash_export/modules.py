@@ -304,9 +304,15 @@ class TargetForExport(nn.Module):
         return lambda: torch.index_select(head_reader(), 0, vocab)
 
     def forward(self, input_ids, draft_hidden, temperature, uniform, *past):
-        a = self.spec.arch
         proposal_ids = self.propose(draft_hidden)
         ids = torch.cat([input_ids, proposal_ids], dim=0)
+        h, tap_features, new_caches = self.body(ids, past)
+        return self.head(h, input_ids.shape[0], proposal_ids, temperature, uniform, tap_features, new_caches)
+
+    def body(self, ids: torch.Tensor, past: tuple) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The decoder stack on `ids [S]` after `past`: (final-norm hidden `[S, d]`, tap features
+        `[S, k * d]`, the new cache rows in output order). A target family overrides this only."""
+        a = self.spec.arch
         h = self.model.embed_tokens(ids)
         s = ids.shape[0]
         p = past[0].shape[0]
@@ -322,10 +328,24 @@ class TargetForExport(nn.Module):
             if i in self.tap_layers and i != a.num_layers - 1:
                 taps[i] = h
         h = self.model.norm(h)
-        if a.num_layers - 1 in self.tap_layers:
-            taps[a.num_layers - 1] = h  # HF's last hidden_states entry is post-final-norm
-        tap_features = torch.cat([taps[i] for i in self.tap_layers], dim=-1)
-        logits = self.logits_of(h[input_ids.shape[0] - 1 :])
+        return h, self.tap_features(taps, h), new_kv
+
+    def tap_features(self, taps: dict, final: torch.Tensor) -> torch.Tensor:
+        """Concatenate the tap layers' outputs; the last layer's is `final` (HF's last hidden_states
+        entry is post-final-norm)."""
+        if self.num_layers - 1 in self.tap_layers:
+            taps[self.num_layers - 1] = final
+        return torch.cat([taps[i] for i in self.tap_layers], dim=-1)
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.arch.num_layers
+
+    def head(self, h, n_ids: int, proposal_ids, temperature, uniform, tap_features, new_caches) -> tuple:
+        """The DFlash outputs from the final hidden states `h [n_ids + N, d]`: logits of the last
+        1 + N rows, posterior ids (greedy, or sampled from `uniform`), their embeddings (see the class
+        docstring), then `tap_features` and `new_caches` as given."""
+        logits = self.logits_of(h[n_ids - 1 :])
         greedy = torch.argmax(logits, dim=-1)
         u = uniform.shape[0]  # rows to sample: 1 + N, or 0 (greedy: the branch below is empty)
         t_safe = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
@@ -341,7 +361,7 @@ class TargetForExport(nn.Module):
         picked = torch.nn.functional.pad(torch.where(temperature > 0, sampled, greedy[:u]), (0, rows - u))
         next_ids = torch.where(torch.arange(rows, dtype=torch.int64) < u, picked, greedy)
         next_embeddings = self.model.embed_tokens(next_ids)
-        return (next_ids, proposal_ids, next_embeddings, logits, tap_features, *new_kv)
+        return (next_ids, proposal_ids, next_embeddings, logits, tap_features, *new_caches)
 
 
 class DFlashDraft(nn.Module):
