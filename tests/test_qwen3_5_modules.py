@@ -1,0 +1,253 @@
+"""Qwen3.5 hybrid export modules (`dflash_export.qwen3_5`) against transformers' Qwen3_5ForCausalLM.
+
+A tiny random config (hidden 64, layers [GDN, GDN, GDN, full attention], GQA on both kinds, partial
+RoPE 0.25 of head_dim 32) built in memory: the chunk routine against HF's token-by-token delta rule,
+whole prompts and chunked prompts (lagged GDN state, pending rows) against HF logits, exact rollback
+of rejected verify rows, and the ONNX export in onnxruntime.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_export import gated_delta as gd
+from dflash_export import qwen3_5 as q35
+from dflash_export.modules import load_weights
+
+TAPS = (0, 2, 3)
+VOCAB = 256
+
+
+def _hf_config(**overrides):
+    import transformers
+
+    cfg = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    )
+    cfg.update(overrides)
+    return transformers.Qwen3_5TextConfig(**cfg)
+
+
+def _hf_model(seed: int = 0, **overrides):
+    """A random Qwen3_5ForCausalLM (eager attention) with weights large enough to make every part count:
+    non-zero norm weights (zero-centred and gated), a conv that mixes rows, varied decays."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForCausalLM(_hf_config(**overrides)).eval()
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "norm" in name:
+                p.normal_(0.0, 0.2)
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.01, 4.0).log())
+            elif name.endswith("conv1d.weight"):
+                p.normal_(0.0, 0.4)
+            else:
+                p.normal_(0.0, 0.08)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(HF model, export module) on the same weights."""
+    hf = _hf_model()
+    spec = q35.HybridSpec.from_config(hf.config.to_dict())
+    module = q35.Qwen35TargetForExport(spec, TAPS).eval()
+    load_weights(module, q35.text_state_dict(hf.state_dict()), "tiny qwen3.5")
+    return hf, module
+
+
+def _hf_reference(hf, ids):
+    with torch.no_grad():
+        out = hf(torch.tensor([list(ids)]), output_hidden_states=True)
+    hs = out.hidden_states
+    return out.logits[0], torch.cat([hs[L + 1][0] for L in TAPS], dim=-1), hs[-1][0]
+
+
+def _call(module, ids, caches, logit_rows=None):
+    ids = torch.tensor(list(ids), dtype=torch.int64)
+    rows = torch.arange(ids.shape[0]) if logit_rows is None else torch.tensor(logit_rows, dtype=torch.int64)
+    with torch.no_grad():
+        return module(ids, rows, *caches)
+
+
+def _max_err(a, b) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+# ---- the chunk routine ----------------------------------------------------------------------------
+
+REGIMES = ("hf-init-decay", "slow-decay-beta-near-1", "hard-forget-then-slow")
+
+
+def _delta_inputs(n, seed, regime="hf-init-decay", hk=2, hv=4, dk=16, dv=8):
+    """Random delta-rule inputs: L2-normalised q, k (GQA 2 -> 4 heads), decays from HF's A_log init
+    range, or slow decays with beta ~ 1 (the worst-conditioned triangular system), or a hard forget
+    (g down to -100) in the first quarter of the rows followed by slow decays (large prefix sums)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = gd.l2_normalize(torch.randn(n, hk, dk, generator=gen))
+    k = gd.l2_normalize(torch.randn(n, hk, dk, generator=gen))
+    v = torch.randn(n, hv, dv, generator=gen)
+    a = torch.randn(n, hv, generator=gen)
+    slow = regime != "hf-init-decay"
+    A = torch.full((hv,), 1e-3) if slow else torch.empty(hv).uniform_(0.01, 16, generator=gen)
+    g = -A * torch.nn.functional.softplus(a + 1.0)
+    if regime == "hard-forget-then-slow":
+        g[: n // 4] = -100.0 * torch.rand(n // 4, hv, generator=gen)
+    beta = torch.sigmoid(torch.randn(n, hv, generator=gen) + (3.0 if slow else 0.0))
+    state = torch.randn(hv, dk, dv, generator=gen)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("n", [1, 3, 17, 64])
+def test_gated_delta_chunk_matches_hf_recurrent(n, regime):
+    """Outputs and final state equal HF's token-by-token rule from a non-zero state (fp32, 1e-5)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    q, k, v, g, beta, state = _delta_inputs(n, seed=n, regime=regime)
+    out, final = gd.gated_delta_chunk(q, k, v, g, beta, state)
+    want, want_final = torch_recurrent_gated_delta_rule(
+        q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=state[None], output_final_state=True)
+    assert out.shape == (n, 4, 8) and final.shape == (4, 16, 8)
+    assert _max_err(out, want[0]) <= 1e-5
+    assert _max_err(final, want_final[0]) <= 1e-5
+
+
+def test_gated_delta_chunk_zero_rows_keeps_state():
+    q, k, v, g, beta, state = _delta_inputs(0, seed=0)
+    out, final = gd.gated_delta_chunk(q, k, v, g, beta, state)
+    assert out.shape == (0, 4, 8)
+    assert torch.equal(final, state)
+
+
+def test_inverse_factor_count():
+    assert 2 ** gd.INVERSE_FACTORS >= gd.MAX_ROWS == 64
+
+
+# ---- the whole module against HF ------------------------------------------------------------------
+
+def test_spec_and_weight_names(pair):
+    hf, module = pair
+    spec = module.spec
+    assert spec.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert spec.rotary_dim == 8 and spec.conv_dim == 2 * 2 * 16 + 4 * 8
+    # ConditionalGeneration layout: text weights under model.language_model, a vision tower, MTP head
+    state = {("model.language_model." + k[6:] if k.startswith("model.") else k): v for k, v in hf.state_dict().items()}
+    state.update({"model.visual.blocks.0.attn.qkv.weight": torch.zeros(1), "mtp.fc.weight": torch.zeros(1)})
+    assert set(q35.text_state_dict(state)) == set(hf.state_dict())
+    nested = {"architectures": ["Qwen3_5ForConditionalGeneration"], "tie_word_embeddings": True,
+              "text_config": hf.config.to_dict()}
+    assert q35.HybridSpec.from_config(nested).tie_word_embeddings
+
+
+def test_full_prompt_matches_hf(pair):
+    """One call on a 14-token prompt: logits of every row, the taps and the final hidden vs HF."""
+    hf, module = pair
+    ids = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits, taps, last = _hf_reference(hf, ids)
+    out = _call(module, ids, module.empty_caches())
+    assert _max_err(out[0], logits) <= 1e-4
+    assert _max_err(out[2], taps) <= 1e-4
+    assert _max_err(out[1], last) <= 1e-4
+
+
+def test_chunked_prompt_matches_hf(pair):
+    """5 + 7 + 1 + 1 rows, each call's rows all accepted (the next call's pending rows): logits at every
+    position equal HF's on the whole sequence."""
+    hf, module = pair
+    ids = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(2)).tolist()
+    want, _, _ = _hf_reference(hf, ids)
+    caches, start = module.empty_caches(), 0
+    for size in (5, 7, 1, 1):
+        out = _call(module, ids[start : start + size], caches)
+        assert _max_err(out[0], want[start : start + size]) <= 1e-4, f"rows {start}..{start + size - 1}"
+        caches = q35.next_caches(module, caches, out, accepted=size)
+        start += size
+
+
+def test_rejected_rows_leave_no_trace(pair):
+    """A 1 + 4 row verify of which acc + 1 = 2 rows are accepted, then a next call: equal (1e-5) to a run
+    that only ever saw those 2 rows, in logits and in every cache."""
+    _, module = pair
+    gen = torch.Generator().manual_seed(3)
+    prompt, verify, nxt = (torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (6, 5, 3))
+    base = q35.next_caches(module, module.empty_caches(), out := _call(module, prompt, module.empty_caches()), 6)
+
+    spec_out = _call(module, verify, base)
+    spec_caches = q35.next_caches(module, base, spec_out, accepted=2)
+    spec_next = _call(module, nxt, spec_caches)
+
+    plain_out = _call(module, verify[:2], base)
+    plain_caches = q35.next_caches(module, base, plain_out, accepted=2)
+    plain_next = _call(module, nxt, plain_caches)
+
+    assert out[0].shape == (6, VOCAB)
+    assert _max_err(spec_out[0][:2], plain_out[0]) <= 1e-5
+    for got, want in zip(spec_caches, plain_caches):
+        assert got.shape == want.shape and _max_err(got, want) <= 1e-5
+    for got, want in zip(spec_next, plain_next):
+        assert got.shape == want.shape and _max_err(got, want) <= 1e-5
+
+
+# ---- ONNX export ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def onnx_case(tmp_path_factory):
+    """(module, its ONNX path, an onnxruntime session) for a 2-layer body, one GDN layer and one gated
+    attention layer: tracing costs ~10 s per GDN layer (two chunk routines of symbolic shapes), and
+    every GDN layer is the same code."""
+    import onnxruntime as ort
+
+    hf = _hf_model(seed=5, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    module = q35.Qwen35TargetForExport(q35.HybridSpec.from_config(hf.config.to_dict()), (0, 1)).eval()
+    load_weights(module, q35.text_state_dict(hf.state_dict()), "tiny qwen3.5")
+    path = tmp_path_factory.mktemp("qwen3_5") / "target.onnx"
+    q35.export_hybrid_target(module, path)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return module, path, ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def test_onnx_graph_uses_trt10_ops(onnx_case):
+    from dflash_export.export import OPSET, check_graph, trt10_supported_ops
+
+    info = check_graph(onnx_case[1])
+    assert set(info["ops"]) <= trt10_supported_ops() and info["opset"] == OPSET
+    assert not {"Loop", "Scan", "If"} & set(info["ops"])
+
+
+def test_onnx_matches_pytorch(onnx_case):
+    """ORT vs the module (1e-4) on a first call (P = 0) of 1 and of 5 rows, then steps with pending rows
+    (P > 0) of 1 and 4 rows, partial acceptance in between, and logits of chosen rows."""
+    module, _, sess = onnx_case
+    in_names = [i.name for i in sess.get_inputs()]
+    gen = torch.Generator().manual_seed(4)
+
+    def both(ids, caches, rows):
+        want = _call(module, ids, caches, rows)
+        feed = dict(zip(in_names, [np.asarray(ids, np.int64), np.asarray(rows, np.int64),
+                                   *(c.numpy() for c in caches)]))
+        got = sess.run(None, feed)
+        assert len(got) == len(want)
+        for j, (g, w) in enumerate(zip(got, want)):
+            assert g.shape == tuple(w.shape), f"output {j}"
+            assert _max_err(torch.from_numpy(g), w) <= 1e-4, f"output {j}"
+        return want
+
+    one = torch.randint(0, VOCAB, (1,), generator=gen).tolist()
+    both(one, module.empty_caches(), [0])
+    caches = module.empty_caches()
+    for ids, rows, accepted in ((5, [4], 5), (1, [0], 1), (4, [0, 1, 2, 3], 2), (1, [0], 1)):
+        ids = torch.randint(0, VOCAB, (ids,), generator=gen).tolist()
+        caches = q35.next_caches(module, caches, both(ids, caches, rows), accepted)
