@@ -380,13 +380,21 @@ class Qwen35TargetForExport(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids, logit_rows, *caches):
+        h, tap_features, new = self.body(input_ids, caches)
+        logits = nn.functional.linear(torch.index_select(h, 0, logit_rows), self.head_weight()).to(torch.float32)
+        return (logits, h, tap_features, *new)
+
+    def body(self, ids: torch.Tensor, caches: tuple) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The decoder stack on `ids [S]` (S <= MAX_ROWS) after `caches` (the per-layer inputs above):
+        (final-norm hidden `[S, d]`, tap features `[S, k * d]`, the cache outputs in output order), the
+        contract of `modules.TargetForExport.body`."""
         spec = self.spec
-        t = input_ids.shape[0]
-        torch._check(t <= MAX_ROWS)
+        s = ids.shape[0]
+        torch._check(s <= MAX_ROWS)
         p = caches[self.cache_offsets[self.first_attention]].shape[0]
-        rope = rope_cos_sin(torch.arange(t, dtype=torch.int64) + p, self.inv_freq, 1.0)
-        causal = causal_bias(t, spec.num_heads // spec.num_kv_heads)
-        h = self.model.embed_tokens(input_ids)
+        rope = rope_cos_sin(torch.arange(s, dtype=torch.int64) + p, self.inv_freq, 1.0)
+        causal = causal_bias(s, spec.num_heads // spec.num_kv_heads)
+        h = self.model.embed_tokens(ids)
         taps, new = {}, []
         for i, layer in enumerate(self.model.layers):
             h, outs = layer(h, caches[self.cache_offsets[i] : self.cache_offsets[i + 1]], rope, causal)
@@ -396,9 +404,7 @@ class Qwen35TargetForExport(nn.Module):
         h = self.model.norm(h)
         if spec.num_layers - 1 in self.tap_layers:
             taps[spec.num_layers - 1] = h  # HF's last hidden_states entry is post-final-norm
-        tap_features = torch.cat([taps[i] for i in self.tap_layers], dim=-1)
-        logits = nn.functional.linear(torch.index_select(h, 0, logit_rows), self.head_weight()).to(torch.float32)
-        return (logits, h, tap_features, *new)
+        return h, torch.cat([taps[i] for i in self.tap_layers], dim=-1), new
 
     def empty_caches(self, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
         """The caches of a first call: no past rows, zero conv and recurrent states, no pending rows."""
