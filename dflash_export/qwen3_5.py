@@ -24,115 +24,12 @@ of 64).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 from torch import nn
 
-from .checkpoint import AttentionSpec
+from .hybrid_spec import HybridSpec
 from .gated_delta import MAX_ROWS, gated_delta_chunk, l2_normalize, softplus
 from .modules import MLP, Attention, RMSNorm, apply_rope, causal_bias, rope_cos_sin
-
-LAYER_TYPES = ("linear_attention", "full_attention")
-
-
-@dataclass(frozen=True)
-class HybridSpec:
-    """Sizes of a Qwen3.5 text stack, read from `config.json` (its `text_config` when nested).
-
-    Attributes:
-        layer_types: per layer, "linear_attention" (GDN) or "full_attention".
-        num_heads / num_kv_heads / head_dim: full-attention GQA layout.
-        rotary_dim: leading head dims that RoPE rotates (`partial_rotary_factor * head_dim`).
-        conv_kernel: GDN depthwise conv width K (the conv state holds K - 1 rows).
-        num_k_heads / num_v_heads / key_head_dim / value_head_dim: GDN head layout.
-        raw: the text config dict.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    layer_types: tuple[str, ...]
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rotary_dim: int
-    attention_bias: bool
-    conv_kernel: int
-    num_k_heads: int
-    num_v_heads: int
-    key_head_dim: int
-    value_head_dim: int
-    tie_word_embeddings: bool
-    raw: dict[str, Any] = field(repr=False, hash=False, compare=False)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_types)
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the GDN conv: q, k (num_k_heads x key_head_dim each) and v."""
-        return 2 * self.num_k_heads * self.key_head_dim + self.num_v_heads * self.value_head_dim
-
-    @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> "HybridSpec":
-        """From a `Qwen3_5ForCausalLM` or `Qwen3_5ForConditionalGeneration` config dict.
-
-        Raises:
-            DFlashError: a missing field, an unknown layer type or a RoPE type other than default.
-        """
-        from runtime.errors import DFlashError
-
-        text = cfg.get("text_config") or cfg
-        rope = dict(text.get("rope_parameters") or {})
-        if rope.get("rope_type", "default") != "default":
-            raise DFlashError(f"Qwen3.5 RoPE type {rope['rope_type']!r} is not supported (only default)")
-        try:
-            heads, head_dim = int(text["num_attention_heads"]), int(text.get("head_dim") or 256)
-            n = int(text["num_hidden_layers"])
-            interval = int(text.get("full_attention_interval", 4))
-            types = tuple(text.get("layer_types") or [
-                "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)])
-            # as HF: partial_rotary_factor defaults to 0.25, top level in older configs
-            factor = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
-            spec = cls(
-                vocab_size=int(text["vocab_size"]), hidden_size=int(text["hidden_size"]),
-                intermediate_size=int(text["intermediate_size"]), layer_types=types, num_heads=heads,
-                num_kv_heads=int(text.get("num_key_value_heads") or heads), head_dim=head_dim,
-                rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
-                rotary_dim=int(head_dim * factor), attention_bias=bool(text.get("attention_bias", False)),
-                conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
-                num_k_heads=int(text.get("linear_num_key_heads", 16)),
-                num_v_heads=int(text.get("linear_num_value_heads", 32)),
-                key_head_dim=int(text.get("linear_key_head_dim", 128)),
-                value_head_dim=int(text.get("linear_value_head_dim", 128)),
-                # the top-level flag governs a ConditionalGeneration checkpoint's head
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-                raw=text,
-            )
-        except KeyError as exc:
-            raise DFlashError(f"Qwen3.5 config lacks the field {exc.args[0]!r}") from None
-        bad = sorted(set(types) - set(LAYER_TYPES))
-        if bad or len(types) != n or "full_attention" not in types:
-            raise DFlashError(f"Qwen3.5 layer_types {list(types)} must list {n} layers of {LAYER_TYPES}, "
-                              "one full_attention at least (positions come from its past length)")
-        if spec.num_v_heads % spec.num_k_heads or spec.num_heads % spec.num_kv_heads or spec.rotary_dim % 2:
-            raise DFlashError("Qwen3.5 config: head counts must divide evenly and the rotary width be even")
-        return spec
-
-    def attention_spec(self) -> AttentionSpec:
-        """The full-attention layers' sizes as `modules.Attention` takes them."""
-        return AttentionSpec(
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_layers=self.num_layers,
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps, rope={"rope_type": "default", "rope_theta": self.rope_theta},
-            attention_bias=self.attention_bias, mlp_bias=False, raw=self.raw)
-
 
 def text_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's text weights under `Qwen3_5ForCausalLM` names: `model.language_model.*` (the

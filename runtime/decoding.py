@@ -90,8 +90,20 @@ class Session:
         hidden = int(t["hidden_size"])
         self.max_block = max(MAX_BLOCK_SIZE, self.block_size)
         mb = self.max_block
-        self.t_kv = [be.alloc(self.dtype, S, (t["num_kv_heads"], t["head_dim"])) for _ in range(2 * t["num_layers"])]
-        self.d_kv = [be.alloc(self.dtype, S, (d["num_kv_heads"], d["head_dim"])) for _ in range(2 * d["num_layers"])]
+        types = t.get("layer_types") or ["full_attention"] * int(t["num_layers"])
+        # (layer index, K, V) of the target's attention layers; a hybrid's other layers keep a recurrent state
+        self.t_kv = [(i, be.alloc(self.dtype, S, (t["num_kv_heads"], t["head_dim"])), be.alloc(self.dtype, S, (t["num_kv_heads"], t["head_dim"])))
+                     for i, kind in enumerate(types) if kind == "full_attention"]
+        self.d_kv = [(i, be.alloc(self.dtype, S, (d["num_kv_heads"], d["head_dim"])), be.alloc(self.dtype, S, (d["num_kv_heads"], d["head_dim"])))
+                     for i in range(int(d["num_layers"]))]
+        # rows one target call may take (a hybrid's chunked Gated DeltaNet form bounds it)
+        self.target_call_rows = t.get("max_call_rows")
+        self.recurrent = None
+        if "linear_attention" in types:
+            from .recurrent import RecurrentState
+
+            self.recurrent = RecurrentState(be, [i for i, kind in enumerate(types) if kind == "linear_attention"],
+                                            t["gdn"], self.dtype, int(self.target_call_rows))
         self.taps = be.alloc(self.dtype, S, (len(d["target_layer_ids"]) * hidden,))
         self.input_ids = be.alloc(np.int64, S)
         self.temperature = be.alloc(np.float32, 1)
@@ -139,7 +151,24 @@ class Session:
         if self.logits is not None and (self.keep_logits or self._host_sampling):
             outputs["logits"] = self.logits.rows(0, n_proposals + 1)
         _bind_kv(self.t_kv, past, rows, inputs, outputs)
+        if self.recurrent is not None:
+            self.recurrent.bind(inputs, outputs, rows)
         self.backend.run("target", inputs, outputs)
+
+    def commit_target_rows(self, rows: int) -> None:
+        """The first `rows` rows of the last target call are committed (all of a prefill chunk, 1 +
+        accepted of a verify). KV caches roll back by length and need nothing; a hybrid target's
+        recurrent state takes those rows as the next call's pending rows (`runtime.recurrent`). A
+        target call not followed by this leaves the recurrent state as it was."""
+        if self.recurrent is not None:
+            self.recurrent.commit(rows)
+
+    def forget_context(self) -> None:
+        """Empty the cached context (KV rows and any recurrent state): the next request prefills
+        from position 0. The caller holds the session's lock (or owns the session)."""
+        self.context = CachedContext()
+        if self.recurrent is not None:
+            self.recurrent.forget()
 
     def set_sampling(self, temperature: float, on_host: bool = False) -> None:
         """What the next target calls do: sample at `temperature` in the graph (0: greedy), or, with
@@ -184,7 +213,7 @@ class Session:
             if self.call_costs is None:
                 self.set_sampling(0.0)
                 self.call_costs, _ = call_costs.load_or_measure(self)
-                self.context = CachedContext()  # the measurement wrote over the caches
+                self.forget_context()  # the measurement wrote over the caches
             if block_size not in self.auto:
                 self.auto[block_size] = AdaptiveLength(self.call_costs, AcceptanceEstimate(self.acceptance_prior, block_size - 1))
             return self.auto[block_size]
@@ -364,7 +393,7 @@ class Session:
     def reset(self) -> None:
         """Forget the cached context: the next request prefills from position 0."""
         with self._lock:
-            self.context = CachedContext()
+            self.forget_context()
 
     def check_request(self, ids: list[int], opts: GenerationOptions) -> int:
         """The block size a request of prompt `ids` with `opts` runs at, after checking it against this
@@ -397,15 +426,13 @@ class Session:
         return b
 
 
-def _bind_kv(buffers, past: int, rows: int, inputs: dict, outputs: dict) -> None:
-    """Bind each layer's cache: past = rows [0, past) as input, new rows at row `past` as output.
-
-    `buffers` alternate key, value per layer (the graphs' `past_key_i` / `key_i` naming).
+def _bind_kv(layers, past: int, rows: int, inputs: dict, outputs: dict) -> None:
+    """Bind each attention layer's cache: past = rows [0, past) as input, new rows at row `past` as
+    output. `layers` holds (layer index, K buffer, V buffer) (the graphs' `past_key_i` / `key_i` naming).
     """
-    for i, buf in enumerate(buffers):
-        kind = "key" if i % 2 == 0 else "value"
-        inputs[f"past_{kind}_{i // 2}"] = buf.rows(0, past)
-        outputs[f"{kind}_{i // 2}"] = buf.rows(past, rows)
+    for i, k, v in layers:
+        inputs[f"past_key_{i}"], inputs[f"past_value_{i}"] = k.rows(0, past), v.rows(0, past)
+        outputs[f"key_{i}"], outputs[f"value_{i}"] = k.rows(past, rows), v.rows(past, rows)
 
 
 def _load_mask_embedding(path: Path, hidden: int) -> np.ndarray:

@@ -53,8 +53,8 @@ class CachedContext:
 
     def keep_prefix(self, prompt: list[int]) -> int:
         """Keep the rows of the longest common prefix with `prompt`, leaving at least its last token
-        to prefill (its logits give the first new token). Returns the rows kept."""
-        n, limit = 0, min(len(self.ids), len(prompt) - 1)
+        to prefill (its logits give the first new token). Returns the rows kept (`[]`: none)."""
+        n, limit = 0, max(min(len(self.ids), len(prompt) - 1), 0)
         while n < limit and self.ids[n] == prompt[n]:
             n += 1
         del self.ids[n:]
@@ -104,16 +104,21 @@ class DecodeLoop:
         """Prefill the prompt tokens the cache lacks. Returns (first new token, prompt rows reused)."""
         s, be, ctx = self.s, self.s.backend, self.s.context
         if not self.opts.reuse_prefix:
-            ctx.ids, ctx.draft_len = [], 0
+            s.forget_context()
+            ctx = s.context
         reused = ctx.keep_prefix(self.prompt)  # a failed call below leaves these rows valid
+        if s.recurrent is not None and s.recurrent.keep(reused) < reused:  # the state cannot roll back that far
+            reused = ctx.keep_prefix([])
         s.set_sampling(self.opts.temperature, on_host=self.sampler is not None)
-        limit = be.max_call_rows("target") or len(self.prompt)
+        engine_limit = be.max_call_rows("target") or len(self.prompt)
         self._write_uniforms(0)  # position 0's uniform (row 0), written once however many calls
         pos = reused
         while pos < len(self.prompt):  # on a reused prefix, in calls the engine's profiles take
-            n = len(self.prompt) - pos if pos == 0 else min(len(self.prompt) - pos, limit)
+            n = len(self.prompt) - pos if pos == 0 else min(len(self.prompt) - pos, engine_limit)
+            n = min(n, s.target_call_rows or n)  # a hybrid target takes at most this many rows per call
             be.write(s.input_ids.rows(0, n), np.asarray(self.prompt[pos:pos + n], np.int64))
             s.run_target(n, 0, pos, taps_row=ctx.pending)
+            s.commit_target_rows(n)
             pos += n
             ctx.ids = self.prompt[:pos]
         first = int(s.read_ids(0)[0][0])
@@ -167,6 +172,7 @@ class DecodeLoop:
         else:
             acc, bonus = self.sampler.verify(proposals, uniforms)
             self.anchor_valid = bonus == int(posterior[acc])  # row acc embeds the greedy token
+        s.commit_target_rows(1 + acc)
         ctx.ids += [self.out[-1]] + [int(t) for t in proposals[:acc]]
         self.anchor_row = acc
         return [int(t) for t in proposals[:acc]] + [bonus], acc, proposals

@@ -68,17 +68,21 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
         DFlashError: the graph and the manifest disagree (a damaged or hand-edited artifact).
     """
     from .manifest import DTYPES
+    from .recurrent import gdn_io_names
 
     n = int(manifest[graph]["num_layers"])
     lead = ["input_ids", "draft_hidden", "temperature", "uniform"] if graph == "target" else ["context_hidden", "block_embeddings"]
-    expected = lead + [f"past_{kind}_{i}" for i in range(n) for kind in ("key", "value")]
+    types = manifest[graph].get("layer_types") or ["full_attention"] * n
+    expected = list(lead)
+    for i, kind in enumerate(types):
+        expected += [f"past_key_{i}", f"past_value_{i}"] if kind == "full_attention" else gdn_io_names(i)[0]
     names = [name for name, _ in inputs]
     if names != expected:
         raise DFlashError(
             f"{graph} graph inputs {names[:6]}... do not match the manifest ({n} layers: {expected[:6]}...); "
             "the artifact is damaged, rebuild it"
         )
-    kv_type = dict(inputs)["past_key_0"]
+    kv_type = dict(inputs)[f"past_key_{types.index('full_attention')}"]
     if kv_type != _ORT_TYPES[DTYPES[manifest["dtype"]]]:
         raise DFlashError(f"{graph} graph stores K/V as {kv_type} but the manifest says {manifest['dtype']}; rebuild the artifact")
 

@@ -272,6 +272,9 @@ class TrtBackend(CudaMemoryBackend):
 
     def __init__(self, artifact_dir: Path, manifest: dict, trt=None, cuda=None, gpu: dict | None = None):
         artifact_dir = Path(artifact_dir)
+        if "linear_attention" in (manifest["target"].get("layer_types") or []):
+            raise DFlashError(f"{artifact_dir} has a hybrid (Gated DeltaNet) target: its TensorRT optimization profiles "
+                              "(state and pending-row inputs) are not written yet; use --backend ort or ort-cuda")
         section = manifest.get("trt")
         if not section:
             raise DFlashError(

@@ -199,7 +199,7 @@ QWEN3_5_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_h
     (dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", **{**QWEN3_5_TEXT, "linear_num_value_heads": 3}),
      r"linear_num_value_heads 3 is not a multiple of linear_num_key_heads 2"),
     (dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text",
-          **{k: v for k, v in QWEN3_5_TEXT.items() if k != "linear_key_head_dim"}), r"lacks the field 'linear_key_head_dim'"),
+          **{k: v for k, v in QWEN3_5_TEXT.items() if k != "hidden_size"}), r"lacks the field 'hidden_size'"),
 ])
 def test_qwen3_5_targets_are_recognised_and_refused_by_name(ckpt, tmp_path, config, match):
     """Qwen3.5/3.6: the dense hybrid is recognised and validated, and refused saying what is missing;
