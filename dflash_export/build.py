@@ -138,6 +138,8 @@ def prepare_pair(target: str | None, draft: str | None) -> tuple[TargetSpec, Dra
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise DFlashError(f"{what}: RoPE parameters {arch.rope} are incomplete or invalid ({exc!r})") from None
     tsource = WeightSource(f"target {tspec.path}", files=safetensors_files(tspec.path))
+    if tspec.hybrid is not None:  # its weights are checked by name when loaded (qwen3_5_target.build_module)
+        return tspec, dspec, tsource, dstate, name
     from .modules import TargetForExport
 
     empty = empty_module(lambda: TargetForExport(tspec, dspec.target_layer_ids))  # names and shapes only
@@ -164,6 +166,35 @@ def target_export_module(tspec: TargetSpec, dspec: DraftSpec, source: WeightSour
     if head_rows is not None:
         readers["draft_head"] = head_rows
     return module, readers
+
+
+def _export_streamed_target(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, path: Path, torch_dtype,
+                            qconfig, qnames: list[str], proposal_head: str, quiet: bool) -> tuple:
+    """Export a Qwen3/Llama target with its weights streamed (each read as its initializer is written,
+    INT4-quantized on the way when `qconfig`). Returns (mask embedding row fp32, proposal head config)."""
+    from .export import export_target
+
+    tmod, treaders = target_export_module(tspec, dspec, tsource, torch_dtype)
+    head_config = _proposal_head_config(proposal_head, "draft_head" in treaders, qconfig, tspec.arch.hidden_size)
+
+    def rewrite(model, packed):  # each weight is read, quantized and written as its initializer is saved
+        read = read_packed(packed, treaders, tsource, torch_dtype)
+        if qconfig is not None:
+            rewrite_int4(model, graph_weight_names(qnames, packed, qconfig.lm_head and "draft_head" in treaders),
+                         read, qconfig, torch_dtype)
+        if head_config is not None and not (qconfig is not None and qconfig.lm_head):
+            rewrite_int4(model, ["draft_head"], read, head_config, torch_dtype)
+    export_target(tmod, path, treaders, progress=not quiet, rewrite=rewrite)
+    return tsource.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(), head_config
+
+
+def _export_hybrid_target(tspec: TargetSpec, dspec: DraftSpec, path: Path, torch_dtype):
+    """Export a Qwen3.5 hybrid target (`qwen3_5_target`). Returns the mask embedding row (fp32)."""
+    from .qwen3_5_target import build_module, export_hybrid_target
+
+    module, embed = build_module(tspec, dspec.target_layer_ids, dspec.draft_vocab, torch_dtype)
+    export_hybrid_target(module, path)
+    return embed[dspec.mask_token_id].float().numpy()
 
 
 def _proposal_head_config(choice: str, has_rows: bool, qconfig, hidden: int):
@@ -258,7 +289,7 @@ def build(
     """
     import torch
 
-    from .export import check_graph, export_draft, export_target
+    from .export import check_graph, export_draft
 
     if dtype not in ("fp32", "fp16"):
         raise DFlashError(f"--dtype must be fp32 or fp16 (got {dtype!r})")
@@ -285,6 +316,9 @@ def build(
     t_start = time.perf_counter()
     # Validation prints nothing, so bad input gives exactly one error line.
     tspec, dspec, tsource, dstate, name = prepare_pair(target, draft)
+    if tspec.hybrid is not None and (qconfig is not None or dtype != "fp32"):
+        raise DFlashError("Qwen3.5 hybrid targets export in fp32 without --quant for now (their fp16 and INT4 "
+                          "graphs are not validated yet); drop --dtype fp16 / --quant int4")
     if draft_vocab == "full":
         dspec = replace(dspec, draft_vocab=None)
     head_name = "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
@@ -308,20 +342,13 @@ def build(
             dmod, dreaders = draft_export_module(dspec, dsource, torch_dtype)
             export_draft(dmod, tmp / "draft.onnx", dreaders, progress=not quiet)
             del dstate, dsource, dmod, dreaders
-        with stage("exporting target.onnx (weights are read as they are written)"):
-            tmod, treaders = target_export_module(tspec, dspec, tsource, torch_dtype)
-            head_config = _proposal_head_config(proposal_head, "draft_head" in treaders, qconfig, tspec.arch.hidden_size)
-
-            def rewrite(model, packed):  # each weight is read, quantized and written as its initializer is saved
-                read = read_packed(packed, treaders, tsource, torch_dtype)
-                if qconfig is not None:
-                    rewrite_int4(model, graph_weight_names(qnames, packed, qconfig.lm_head and "draft_head" in treaders),
-                                 read, qconfig, torch_dtype)
-                if head_config is not None and not (qconfig is not None and qconfig.lm_head):
-                    rewrite_int4(model, ["draft_head"], read, head_config, torch_dtype)
-            export_target(tmod, tmp / "target.onnx", treaders, progress=not quiet, rewrite=rewrite)
-            mask_row = tsource.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy()
-            del tmod, treaders
+        title = "Qwen3.5 hybrid: weights loaded whole" if tspec.hybrid is not None else "weights are read as they are written"
+        with stage(f"exporting target.onnx ({title})"):
+            if tspec.hybrid is not None:
+                mask_row, head_config = _export_hybrid_target(tspec, dspec, tmp / "target.onnx", torch_dtype), None
+            else:
+                mask_row, head_config = _export_streamed_target(tspec, dspec, tsource, tmp / "target.onnx", torch_dtype,
+                                                                qconfig, qnames, proposal_head, quiet)
         with stage("checking graphs (TensorRT 10 operators, duplicate weights)"):
             checks = {g: check_graph(tmp / f"{g}.onnx") for g in ("target", "draft")}
         with stage("writing tokenizer and manifest"):
@@ -441,6 +468,7 @@ def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, che
             "vocab_size": tspec.vocab_size,
             "tie_word_embeddings": tspec.tie_word_embeddings,
             "rope": a.rope,
+            **(_hybrid_manifest(tspec.hybrid) if tspec.hybrid is not None else {}),
         },
         "draft": {
             "graph": "draft.onnx",
@@ -467,3 +495,13 @@ def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, che
         "tools": _tool_versions(),
         "host": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
     }
+
+
+def _hybrid_manifest(h) -> dict:
+    """A hybrid target's extra manifest fields: what the runtime needs for its recurrent state."""
+    from .gated_delta import MAX_ROWS
+
+    return {"layer_types": list(h.layer_types), "max_call_rows": MAX_ROWS, "rotary_dim": h.rotary_dim,
+            "gdn": {"conv_kernel": h.conv_kernel, "conv_dim": h.conv_dim, "num_key_heads": h.num_k_heads,
+                    "num_value_heads": h.num_v_heads, "key_head_dim": h.key_head_dim,
+                    "value_head_dim": h.value_head_dim}}

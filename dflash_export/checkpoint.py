@@ -216,7 +216,7 @@ class TargetSpec:
 
     Attributes:
         path: local directory.
-        family: "qwen3" (q_norm/k_norm) or "llama".
+        family: "qwen3" (q_norm/k_norm), "llama" or "qwen3_5" (the Gated DeltaNet hybrid: see `hybrid`).
         arch: sizes and RoPE.
         vocab_size: rows of embed_tokens / lm_head.
         tie_word_embeddings: lm_head shares embed_tokens.
@@ -229,6 +229,7 @@ class TargetSpec:
     vocab_size: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    hybrid: Any = None  # hybrid_spec.HybridSpec of a Qwen3.5/3.6 target (arch: its attention layers' sizes)
 
 
 def load_target_spec(model_dir: Path) -> TargetSpec:
@@ -247,31 +248,20 @@ def load_target_spec(model_dir: Path) -> TargetSpec:
     if family is None:
         family = {"qwen3": "qwen3", "llama": "llama"}.get(cfg.get("model_type", ""))
     if family is None:
-        from .hybrid_spec import hybrid_kind, parse_hybrid_config, refuse_until_exportable
+        from .hybrid_spec import hybrid_kind, parse_hybrid_config
 
         kind = hybrid_kind(cfg)  # refuses mixture-of-experts variants by name
         if kind is not None:
-            refuse_until_exportable(parse_hybrid_config(cfg, kind, f"target {model_dir}"), f"target {model_dir}")
+            return _hybrid_target_spec(model_dir, cfg, parse_hybrid_config(cfg, kind, f"target {model_dir}"))
     if family is None:
         raise DFlashError(
             f"target {model_dir} has architectures {archs or cfg.get('model_type')}; supported: "
             f"{', '.join(SUPPORTED_TARGETS)}"
         )
-    if cfg.get("quantization_config"):
-        qcfg = cfg["quantization_config"]
-        method = qcfg.get("quant_method", "unknown") if isinstance(qcfg, dict) else "unknown"
-        raise DFlashError(f"target {model_dir} is already quantized (quantization_config: {method}); dflash_export "
-                          "reads full-precision weights: pass the unquantized checkpoint (build --quant int4 "
-                          "quantizes it here)")
+    _refuse_quantized(cfg, model_dir)
     check_layer_types(cfg, f"target {model_dir}")
     arch = AttentionSpec.from_config(cfg, f"target {model_dir}")
     safetensors_files(model_dir)
-    eos: list[int] = []
-    for source in (cfg, _read_optional_json(model_dir / "generation_config.json")):
-        value = source.get("eos_token_id") if isinstance(source, dict) else None
-        for v in value if isinstance(value, list) else [value]:
-            if isinstance(v, int) and v not in eos:
-                eos.append(v)
     vocab = cfg.get("vocab_size")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
         raise DFlashError(f"target {model_dir} config.json has vocab_size {vocab!r}; expected a positive integer")
@@ -281,8 +271,28 @@ def load_target_spec(model_dir: Path) -> TargetSpec:
         arch=arch,
         vocab_size=vocab,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        eos_token_ids=tuple(eos),
+        eos_token_ids=_eos_ids(model_dir, cfg),
     )
+
+
+def _refuse_quantized(cfg: dict[str, Any], model_dir: Path) -> None:
+    if cfg.get("quantization_config"):
+        qcfg = cfg["quantization_config"]
+        method = qcfg.get("quant_method", "unknown") if isinstance(qcfg, dict) else "unknown"
+        raise DFlashError(f"target {model_dir} is already quantized (quantization_config: {method}); dflash_export "
+                          "reads full-precision weights: pass the unquantized checkpoint (build --quant int4 "
+                          "quantizes it here)")
+
+
+def _eos_ids(model_dir: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Stop ids declared by config.json and generation_config.json, in that order."""
+    eos: list[int] = []
+    for source in (cfg, _read_optional_json(model_dir / "generation_config.json")):
+        value = source.get("eos_token_id") if isinstance(source, dict) else None
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and v not in eos:
+                eos.append(v)
+    return tuple(eos)
 
 
 def _read_optional_json(path: Path) -> dict[str, Any]:
@@ -292,3 +302,12 @@ def _read_optional_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError:
         return {}
+
+
+def _hybrid_target_spec(model_dir: Path, cfg: dict[str, Any], hybrid) -> TargetSpec:
+    """The TargetSpec of a validated Qwen3.5/3.6 hybrid (its `arch`: the full-attention layers' sizes)."""
+    _refuse_quantized(cfg, model_dir)
+    safetensors_files(model_dir)
+    return TargetSpec(path=model_dir, family="qwen3_5", arch=hybrid.attention_spec(), vocab_size=hybrid.vocab_size,
+                      tie_word_embeddings=hybrid.tie_word_embeddings, eos_token_ids=_eos_ids(model_dir, cfg),
+                      hybrid=hybrid)

@@ -158,13 +158,3 @@ def parse_hybrid_config(cfg: dict[str, Any], kind: str, where: str) -> HybridSpe
     if kind == "conditional_generation" and not isinstance(cfg.get("text_config"), dict):
         raise DFlashError(f"{where} is a Qwen3_5ForConditionalGeneration checkpoint without a text_config object")
     return HybridSpec.from_config(cfg, where)
-
-
-def refuse_until_exportable(spec: HybridSpec, where: str) -> None:
-    """The hybrid target is recognised and valid, but `build` cannot export it yet: say exactly that."""
-    n_gdn = spec.layer_types.count("linear_attention")
-    raise DFlashError(
-        f"{where} is a Qwen3.5/3.6 hybrid target ({n_gdn} Gated DeltaNet + {len(spec.layer_types) - n_gdn} "
-        "full-attention layers); its graph export and the runtime's recurrent-state rollback are not "
-        "implemented yet, so build refuses it (supported now: Qwen3ForCausalLM, LlamaForCausalLM)"
-    )

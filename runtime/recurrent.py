@@ -52,10 +52,10 @@ class RecurrentState:
     def __init__(self, backend: Backend, gdn_layers: list[int], gdn: dict, dtype, max_rows: int):
         self.backend, self.layers, self.max_rows = backend, list(gdn_layers), int(max_rows)
         k, conv_dim, hv = int(gdn["conv_kernel"]), int(gdn["conv_dim"]), int(gdn["num_value_heads"])
-        state_shape = (hv, int(gdn["key_head_dim"]), int(gdn["value_head_dim"]))
+        head_state = (int(gdn["key_head_dim"]), int(gdn["value_head_dim"]))
 
-        def state_set():
-            return {i: (backend.alloc(dtype, k - 1, (conv_dim,)), backend.alloc(np.float32, 1, state_shape))
+        def state_set():  # conv state [K - 1, conv_dim], recurrent state [Hv, d_k, d_v] (a "row" per head)
+            return {i: (backend.alloc(dtype, k - 1, (conv_dim,)), backend.alloc(np.float32, hv, head_state))
                     for i in self.layers}
 
         def row_set():
@@ -73,10 +73,10 @@ class RecurrentState:
         for i in self.layers:
             (conv, rec), (conv_out, rec_out) = self.states[cur][i], self.states[nxt][i]
             names_in, names_out = gdn_io_names(i)
-            inputs[names_in[0]], inputs[names_in[1]] = conv.rows(0, conv.capacity // conv.row_elems), rec.rows(0, 1)
+            inputs[names_in[0]], inputs[names_in[1]] = _whole(conv), _whole(rec)
             for name, buf in zip(names_in[2:], self.rows[cur][i]):
                 inputs[name] = buf.rows(0, self.pending)
-            outputs[names_out[0]], outputs[names_out[1]] = conv_out.rows(0, conv_out.capacity // conv_out.row_elems), rec_out.rows(0, 1)
+            outputs[names_out[0]], outputs[names_out[1]] = _whole(conv_out), _whole(rec_out)
             for name, buf in zip(names_out[2:], self.rows[nxt][i]):
                 outputs[name] = buf.rows(0, new_rows)
 
@@ -102,6 +102,11 @@ class RecurrentState:
         """Zero the committed state (the state of an empty context)."""
         for i in self.layers:
             for buf in self.states[self.current][i]:
-                view = buf.rows(0, buf.capacity // buf.row_elems)
+                view = _whole(buf)
                 self.backend.write(view, np.zeros(view.shape, buf.dtype))
         self.folded = self.pending = 0
+
+
+def _whole(buf):
+    """A view of every row of `buf`."""
+    return buf.rows(0, buf.capacity // buf.row_elems)

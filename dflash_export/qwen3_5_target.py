@@ -1,0 +1,111 @@
+"""The DFlash target graph of a Qwen3.5 hybrid: `modules.TargetForExport`'s interface over the hybrid
+stack of `qwen3_5.Qwen35TargetForExport`.
+
+Inputs: `input_ids [T]`, `draft_hidden [N, d]`, `temperature [1]`, `uniform [U]` as for Qwen3 targets,
+then each layer's caches in layer order (`qwen3_5.cache_names`): full attention `past_key_i` /
+`past_value_i`; Gated DeltaNet `conv_state_i`, `recurrent_state_i`, `pending_qkv_i`, `pending_a_i`,
+`pending_b_i`. Outputs: `next_ids`, `proposal_ids`, `next_embeddings`, `logits`, `taps`, then each layer's
+cache outputs. One call takes T + N <= `gated_delta.MAX_ROWS` rows (and at most as many pending rows):
+the runtime feeds longer prompts in chunks (`max_call_rows` in the manifest).
+
+Weights are loaded whole (not streamed, unlike Qwen3 targets: the exporter folds `1 + weight`,
+`-exp(A_log)` and the conv columns into new initializers, which the streaming check refuses).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checkpoint import TargetSpec, load_state_dict
+from .gated_delta import MAX_ROWS
+from .modules import TargetForExport, load_weights
+from .qwen3_5 import Qwen35TargetForExport, cache_names, text_state_dict
+
+
+class HybridDFlashTarget(Qwen35TargetForExport):
+    """A Qwen3.5 target with TargetForExport's DFlash inputs and outputs (see the module docstring).
+
+    The proposal, sampling and embedding logic is TargetForExport's own (borrowed below): it needs
+    only `head_weight`, `model.embed_tokens`, `spec.vocab_size` and `body(ids, caches)`, which the
+    hybrid stack provides, so both target families run exactly the same head.
+    """
+
+    forward = TargetForExport.forward
+    head = TargetForExport.head
+    propose = TargetForExport.propose
+    logits_of = TargetForExport.logits_of
+    head_weight_name = TargetForExport.head_weight_name
+    freeze_draft_head = TargetForExport.freeze_draft_head
+
+    def __init__(self, spec: TargetSpec, tap_layers: tuple[int, ...], dtype: torch.dtype = torch.float32,
+                 draft_vocab=None):
+        super().__init__(spec.hybrid, tap_layers)
+        vocab = None if draft_vocab is None else torch.tensor(list(draft_vocab), dtype=torch.int64)
+        self.register_buffer("draft_vocab", vocab, persistent=False)
+        self.register_buffer("draft_head", None, persistent=False)
+        self.compute_dtype = dtype
+
+
+def io_names(module: HybridDFlashTarget) -> tuple[list[str], list[str]]:
+    """Input and output names of the hybrid DFlash target graph, in positional order."""
+    ins = ["input_ids", "draft_hidden", "temperature", "uniform"]
+    outs = ["next_ids", "proposal_ids", "next_embeddings", "logits", "taps"]
+    for i, kind in enumerate(module.spec.layer_types):
+        cin, cout = cache_names(kind, i)
+        ins, outs = ins + cin, outs + cout
+    return ins, outs
+
+
+def export_inputs(module: HybridDFlashTarget) -> tuple:
+    """(dummy args, io names, dynamic shapes) to trace with: T=3, N=4, U=5, P=9, pending 6 (distinct and
+    >= 2, so the exporter specialises no dimension)."""
+    s, dt = module.spec, module.compute_dtype
+    t, n, p, pp = 3, 4, 9, 6
+    caches, dyn = [], []
+    P = torch.export.Dim("past_len", min=0, max=1 << 20)
+    Pp = torch.export.Dim("pending_rows", min=0, max=MAX_ROWS)
+    for kind in s.layer_types:
+        if kind == "full_attention":
+            caches += [torch.randn(p, s.num_kv_heads, s.head_dim, dtype=dt) for _ in range(2)]
+            dyn += [{0: P}, {0: P}]
+        else:
+            caches += [torch.randn(s.conv_kernel - 1, s.conv_dim, dtype=dt),
+                       torch.randn(s.num_v_heads, s.key_head_dim, s.value_head_dim) * 0.1,
+                       torch.randn(pp, s.conv_dim, dtype=dt), torch.randn(pp, s.num_v_heads, dtype=dt),
+                       torch.randn(pp, s.num_v_heads, dtype=dt)]
+            dyn += [None, None, {0: Pp}, {0: Pp}, {0: Pp}]
+    args = (torch.randint(0, s.vocab_size, (t,)), torch.randn(n, s.hidden_size, dtype=dt),
+            torch.zeros(1, dtype=torch.float32), torch.rand(n + 1, dtype=torch.float32), *caches)
+    T = torch.export.Dim("new_tokens", min=1, max=MAX_ROWS)
+    N = torch.export.Dim("proposals", min=0, max=MAX_ROWS - 1)
+    U = torch.export.Dim("sampled_rows", min=0, max=MAX_ROWS)
+    return args, io_names(module), ({0: T}, {0: N}, None, {0: U}, tuple(dyn))
+
+
+def build_module(tspec: TargetSpec, tap_layers, draft_vocab, dtype) -> tuple[HybridDFlashTarget, np.ndarray]:
+    """The export module with the checkpoint's weights, and the target's embedding table as fp32
+    numpy rows (for the mask embedding).
+
+    Raises:
+        DFlashError: the weights do not match the architecture (named).
+    """
+    from .modules import cast_for_export
+
+    module = HybridDFlashTarget(tspec, tuple(tap_layers), dtype, draft_vocab).eval()
+    state = text_state_dict(load_state_dict(tspec.path))
+    load_weights(module, state, f"target {tspec.path}")
+    embed = module.model.embed_tokens.weight.detach()
+    cast_for_export(module, dtype)
+    module.freeze_draft_head()
+    return module, embed
+
+
+def export_hybrid_target(module: HybridDFlashTarget, path: Path) -> None:
+    """Trace and write the hybrid DFlash target graph (`export._export`: dynamo, opset 20, optimized,
+    shared-input GEMMs packed)."""
+    from .export import _export
+
+    _export(module, *export_inputs(module), Path(path))
