@@ -19,6 +19,7 @@ from runtime.errors import DFlashError
 SUPPORTED_TARGETS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _ATTENTION_LAYER_TYPES = ("full_attention",)
+DRAFT_LAYER_TYPES = ("full_attention", "sliding_attention")  # a DFlash draft's layers
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -139,16 +140,32 @@ def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def check_layer_types(cfg: dict[str, Any], what: str) -> None:
+def check_layer_types(cfg: dict[str, Any], what: str, draft: bool = False) -> None:
+    """Refuse layer types this exporter cannot build.
+
+    Targets (Qwen3 / Llama) take full_attention layers only (a windowed target mask is not
+    implemented). DFlash drafts (`draft=True`) also take sliding_attention layers; their window is
+    read and checked by `draft_spec.draft_layer_types`.
+
+    Raises:
+        DFlashError: `layer_types` is not a list of names, or names a type the stack cannot take.
+    """
     types = cfg.get("layer_types")
+    if types is not None and (not isinstance(types, list) or not all(isinstance(t, str) for t in types)):
+        raise DFlashError(f"{what}: layer_types {types!r} must be a list of layer type names")
+    allowed = DRAFT_LAYER_TYPES if draft else _ATTENTION_LAYER_TYPES
     if types:
-        bad = sorted({t for t in types if t not in _ATTENTION_LAYER_TYPES})
+        bad = sorted({t for t in types if t not in allowed})
+        if bad and draft:
+            raise DFlashError(
+                f"{what} uses layer types {bad}; a DFlash draft's layers must be one of {list(DRAFT_LAYER_TYPES)}"
+            )
         if bad:
             raise DFlashError(
                 f"{what} uses layer types {bad}; only full_attention is supported by this exporter yet "
-                "(sliding-window drafts/targets need a windowed mask, not implemented)"
+                "(sliding-window targets need a windowed mask, not implemented)"
             )
-    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+    if not draft and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
         raise DFlashError(f"{what} enables sliding-window attention, which this exporter does not support yet")
 
 

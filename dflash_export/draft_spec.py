@@ -17,6 +17,8 @@ from runtime.errors import DFlashError
 
 from .checkpoint import AttentionSpec, TargetSpec, check_layer_types, load_state_dict, read_config
 
+SLIDING = "sliding_attention"
+
 
 @dataclass(frozen=True)
 class DraftSpec:
@@ -31,6 +33,11 @@ class DraftSpec:
         taps_declared: False when the ids came from the reference fallback rule.
         draft_vocab: sorted target token ids the draft proposes from (its `draft_vocab.json`, written
             by `train-draft`), or None for the full vocabulary.
+        layer_types: per draft layer, "full_attention" or "sliding_attention" (Qwen3.6 drafts mix
+            them); all full_attention when not given.
+        sliding_window: the window W of the sliding layers, from the RAW config's `sliding_window`
+            (a block query at position i sees a key at position j only when |i - j| < W, as
+            flash-attention's `window_size=(W - 1, W - 1)` in the reference); None without sliding layers.
     """
 
     path: Path | None
@@ -40,6 +47,65 @@ class DraftSpec:
     target_layer_ids: tuple[int, ...]
     taps_declared: bool
     draft_vocab: tuple[int, ...] | None = None
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.arch.num_layers)
+        if len(self.layer_types) != self.arch.num_layers:
+            raise ValueError(f"{len(self.layer_types)} layer types for {self.arch.num_layers} draft layers")
+        if SLIDING in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            raise ValueError(f"sliding_attention layers need a positive sliding_window, not {self.sliding_window!r}")
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return SLIDING in self.layer_types
+
+    def manifest_fields(self) -> dict[str, Any]:
+        """What the manifest's draft section records about the layers: `layer_types` and
+        `sliding_window` for a draft with sliding layers, nothing otherwise (the older manifests)."""
+        if not self.has_sliding_layers:
+            return {}
+        return {"layer_types": list(self.layer_types), "sliding_window": self.sliding_window}
+
+
+def draft_layer_types(cfg: dict[str, Any], where: str, num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """The draft's per-layer attention types and sliding window, from its RAW config dict.
+
+    `layer_types` as listed; without it, transformers' Qwen3 rule: layers i >= `max_window_layers`
+    (default 28) slide when `use_sliding_window` is set. The window is the raw `sliding_window`:
+    transformers' Qwen3Config drops it unless `use_sliding_window` is set, so it is never read from
+    a config object.
+
+    Returns:
+        (layer types, window or None when no layer slides).
+
+    Raises:
+        DFlashError: unknown layer types, a list of the wrong length, a sliding layer without a
+            positive integer `sliding_window`.
+    """
+    check_layer_types(cfg, f"draft {where}", draft=True)
+    types = cfg.get("layer_types")
+    if types is None:
+        slide = bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
+        first = cfg.get("max_window_layers", 28)
+        if isinstance(first, bool) or not isinstance(first, int):
+            raise DFlashError(f"draft {where}: max_window_layers {first!r} must be an integer")
+        types = [SLIDING if slide and i >= first else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers:
+        raise DFlashError(f"draft {where}: layer_types lists {len(types)} layers but num_hidden_layers is {num_layers}")
+    types = tuple(types)
+    if SLIDING not in types:
+        return types, None
+    window = cfg.get("sliding_window")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        layers = [i for i, t in enumerate(types) if t == SLIDING]
+        raise DFlashError(
+            f"draft {where}: layers {layers} are sliding_attention but config.json's sliding_window is {window!r}; "
+            "it must be the positive window (in tokens) the draft was trained with"
+        )
+    return types, window
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -65,13 +131,16 @@ def parse_draft_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc_i
 
     Raises:
         DFlashError: wrong architecture, taps missing/out of range/not matching fc, width or head
-            layout mismatch, mask id outside the vocabulary, unsupported layer types.
+            layout mismatch, mask id outside the vocabulary, unsupported layer types or a sliding
+            layer without `sliding_window` (see `draft_layer_types`).
     """
     archs = cfg.get("architectures") or []
     if archs and "DFlashDraftModel" not in archs:
         raise DFlashError(f"draft {where} declares architectures {archs}; expected DFlashDraftModel")
-    check_layer_types(cfg, f"draft {where}")
     arch = AttentionSpec.from_config(cfg, f"draft {where}")
+    layer_types, window = draft_layer_types(cfg, where, arch.num_layers)
+    if arch.rope["rope_type"] == "yarn" and arch.rope.get("factor") is None:
+        raise DFlashError(f"draft {where}: its YaRN RoPE (rope_scaling / rope_parameters) declares no factor")
     dcfg = cfg.get("dflash_config") or {}
     if not isinstance(dcfg, dict):
         raise DFlashError(f"draft {where}: dflash_config must be a JSON object")
@@ -128,6 +197,8 @@ def parse_draft_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc_i
         mask_token_id=mask,
         target_layer_ids=taps,
         taps_declared=declared,
+        layer_types=layer_types,
+        sliding_window=window,
     )
 
 

@@ -68,6 +68,16 @@ def causal_bias(rows: int, group: int) -> torch.Tensor:
     return bias.repeat(group, 1)
 
 
+def window_bias(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int, group: int) -> torch.Tensor:
+    """fp32 `[group * T, K]` additive mask of a sliding window: 0 where |query_pos - key_pos| < window
+    (flash-attention's `window_size=(window - 1, window - 1)`, non-causal), the fp32 minimum elsewhere;
+    `query_pos [T]`, `key_pos [K]` int64 absolute positions, rows repeated for the `group` query heads
+    sharing a kv head (as `causal_bias`)."""
+    visible = (query_pos[:, None] - key_pos[None, :]).abs() < window
+    bias = torch.where(visible, torch.zeros((), dtype=torch.float32), torch.full((), torch.finfo(torch.float32).min))
+    return bias.repeat(group, 1)
+
+
 def _argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     """int64 `[N]` argmax of each row of `scores [N, V]`, also for N = 0: onnxruntime 1.23.2's ArgMax
     returns an empty `[0, V]` (its input's shape) for an empty input, so the reduction keeps its axis
@@ -151,11 +161,13 @@ class Attention(nn.Module):
         new_k: torch.Tensor,
         new_v: torch.Tensor,
         new_bias: torch.Tensor | None,
+        past_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of `q [T, H, D]` over past `[P, Hkv, D]` and new `[S, Hkv, D]` rows.
 
         `q` already carries the 1/sqrt(D) score scale (see `query`). `new_bias` (fp32 `[g * T, S]`,
-        `causal_bias`) masks the new rows; the past is always visible. Returns `[T, H * D]` before o_proj.
+        `causal_bias`) masks the new rows; `past_bias` (fp32 `[g * T, P]`, a draft's sliding window)
+        the past, which is otherwise always visible. Returns `[T, H * D]` before o_proj.
         """
         t = q.shape[0]
         g = self.num_heads // self.num_kv_heads
@@ -166,6 +178,8 @@ class Attention(nn.Module):
         s_new = torch.matmul(qg, new_k.permute(1, 2, 0)).to(torch.float32)
         if new_bias is not None:
             s_new = s_new + new_bias
+        if past_bias is not None:
+            s_past = s_past + past_bias
         p = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1).to(q.dtype)
         n_past = past_k.shape[0]
         out = torch.matmul(p[..., :n_past], past_v.permute(1, 0, 2)) + torch.matmul(

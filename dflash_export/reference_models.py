@@ -51,8 +51,7 @@ def reference_modules(manifest: dict):
     import torch
 
     from .build import prepare_pair
-    from .modules import DFlashDraft
-    from .weights import WeightSource, empty_module, load_module_weights
+    from .weights import empty_module, load_module_weights
 
     target, draft = verify_sources(manifest)
     tspec, dspec, tsource, dstate, _ = prepare_pair(target, draft)
@@ -61,6 +60,11 @@ def reference_modules(manifest: dict):
     vocab = dspec.draft_vocab if manifest["draft"].get("draft_vocab_size") else None
     if vocab is not None and len(vocab) != manifest["draft"]["draft_vocab_size"]:
         raise DFlashError("the source checkpoints no longer describe this artifact (draft_vocab.json differs); rebuild it")
+    if tspec.hybrid is not None:  # Qwen3.5: fp32 graphs only (build refuses fp16 and INT4 hybrids)
+        from .qwen3_5_target import build_module
+
+        tmod = build_module(tspec, dspec.target_layer_ids, vocab, torch.float32)[0]
+        return tmod, _reference_draft(dspec, dstate)
     from .quantize import dequantized_source, head_rows_dequantizer
 
     graph_dtype = {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]]
@@ -75,10 +79,20 @@ def reference_modules(manifest: dict):
     load_module_weights(tmod, tsource, f"target {tspec.path}")
     tmod.model.embed_tokens.register_forward_hook(lambda module, args, out: out.to(torch.float32))
     upcast_weights_on_use(tmod, skip=("model.embed_tokens.weight", tmod.head_weight_name()))  # upcast by rows
+    return tmod, _reference_draft(dspec, dstate)
+
+
+def _reference_draft(dspec, dstate):
+    """The fp32 reference draft module with the draft's weights (upcast as they are used)."""
+    import torch
+
+    from .modules import DFlashDraft
+    from .weights import WeightSource, empty_module, load_module_weights
+
     dmod = empty_module(lambda: DFlashDraft(dspec, torch.float32)).eval()
     dsource = WeightSource(f"draft {dspec.path or '(untrained)'}", tensors=dstate)
     upcast_weights_on_use(load_module_weights(dmod, dsource, dsource.where))
-    return tmod, dmod
+    return dmod
 
 
 def _reference_target_class():

@@ -153,3 +153,15 @@ def test_sampled_speculative_equals_sampled_plain_at_the_same_seed(hybrid):
     spec = sess.generate(prompt, verify_len="all", record_steps=True, **kw)
     assert spec.output_ids == plain != greedy
     assert max(s["accepted"] for s in spec.steps if s["proposed"]) >= 2
+
+
+def test_check_passes_on_the_hybrid_artifact(hybrid):
+    """`check`: the graphs against the fp32 PyTorch modules, teacher-forced through the caches (the
+    verify case folds the prefill's rows as pending rows)."""
+    from dflash_export.check import run_check
+
+    _, art = hybrid
+    report = run_check(art)
+    names = {r.output for r in report.results}
+    assert report.passed, [r for r in report.results if not r.passed]
+    assert {"recurrent_state_out_0", "qkv_0", "key_3", "next_ids"} <= names
