@@ -88,7 +88,8 @@ def draft_layer_types(cfg: dict[str, Any], where: str, num_layers: int) -> tuple
     check_layer_types(cfg, f"draft {where}", draft=True)
     types = cfg.get("layer_types")
     if types is None:
-        slide = bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
+        # transformers: an absent sliding_window defaults (4096), an explicit null turns the window off
+        slide = bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window", 0) is not None
         first = cfg.get("max_window_layers", 28)
         if isinstance(first, bool) or not isinstance(first, int):
             raise DFlashError(f"draft {where}: max_window_layers {first!r} must be an integer")

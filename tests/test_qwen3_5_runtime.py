@@ -165,3 +165,28 @@ def test_check_passes_on_the_hybrid_artifact(hybrid):
     names = {r.output for r in report.results}
     assert report.passed, [r for r in report.results if not r.passed]
     assert {"recurrent_state_out_0", "qkv_0", "key_3", "next_ids"} <= names
+
+
+def test_multimodal_checkpoint_exports_its_text_model(hybrid, tmp_path):
+    """A Qwen3_5ForConditionalGeneration checkpoint (text model under `model.language_model.*` and
+    `text_config`, plus a vision tower and an MTP head that are not exported) builds the same target."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    model, art = hybrid
+    src = tmp_path / "mm"
+    src.mkdir()
+    text = {k: v for k, v in model.config.to_dict().items() if k not in ("architectures", "model_type", "transformers_version")}
+    (src / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                                                "tie_word_embeddings": True, "text_config": text}))
+    weights = load_file(str(art.parent / "target" / "model.safetensors"))
+    renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in weights.items()}
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    renamed["mtp.fc.weight"] = torch.zeros(2, 2)
+    save_file(renamed, str(src / "model.safetensors"))
+    out = tmp_path / "art"
+    build(str(src), None, out, max_seq_len=64, quiet=True)
+    prompt = [5, 17, 33, 8, 61]
+    kw = dict(max_new_tokens=8, stop_token_ids=[], block_size=1, reuse_prefix=False)
+    assert runtime.load(out).generate(prompt, **kw).output_ids == runtime.load(art).generate(prompt, **kw).output_ids
