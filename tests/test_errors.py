@@ -165,10 +165,17 @@ def test_draft_vocab_not_a_plain_readable_file(ckpt, tmp_path):
 
 
 def test_sliding_attention_draft(ckpt, tmp_path):
+    """Drafts may slide (Qwen3.6 drafts; tests/test_sliding_drafts.py): accepted with their window, and a
+    sliding layer without `sliding_window` is refused naming the field."""
+    from dflash_export.checkpoint import load_target_spec
+    from dflash_export.draft_spec import load_draft_spec
+
     d = edit_config(copy_dir(ckpt / "draft", tmp_path / "d"),
                     lambda c: c.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8))
-    msg = build_fails(ckpt / "target", d, tmp_path / "art", r"layer types \['sliding_attention'\]")
-    assert "only full_attention is supported" in msg
+    spec, _ = load_draft_spec(d, load_target_spec(ckpt / "target"))
+    assert spec.layer_types == ("sliding_attention", "full_attention") and spec.sliding_window == 8
+    edit_config(d, lambda c: c.pop("sliding_window"))
+    build_fails(ckpt / "target", d, tmp_path / "art", r"layers \[0\] are sliding_attention but config.json's sliding_window is None")
 
 
 def test_sliding_attention_target(ckpt, tmp_path):

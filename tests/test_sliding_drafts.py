@@ -1,0 +1,363 @@
+"""DFlash drafts with sliding-window layers (Qwen3.6 drafts) and YaRN RoPE.
+
+Reference (written here, straightforward torch in float64, no cache, the whole context at once):
+the plain DFlash reading of `test_draft_parity.reference_draft`, with a masked softmax on sliding
+layers: a block query at absolute position i sees a key at position j iff |i - j| < W (the
+reference's flash-attention `window_size=(W - 1, W - 1)`; otherwise non-causal), and RoPE tables
+from transformers' own `Qwen3RotaryEmbedding` (cos and sin carry YaRN's attention factor).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import tiny_models
+from runtime.errors import DFlashError
+
+ATOL = 1e-5
+WINDOW = 5
+SLIDING_TYPES = ["sliding_attention", "full_attention"]  # as Qwen3.6 drafts: sliding layers, then full
+YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 16, "beta_slow": 2}
+
+
+def hf_cos_sin(cfg: dict, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' Qwen3 rotary tables `[S, D]` (fp32, times its attention scaling)."""
+    import transformers
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    hf = transformers.Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "auto_map")})
+    emb = Qwen3RotaryEmbedding(hf)
+    cos, sin = emb(torch.zeros(1, len(positions), 1), positions[None])
+    return cos[0], sin[0]
+
+
+def reference_draft(state, cfg, context_hidden, block_emb):
+    """Plain DFlash draft forward over the WHOLE context (positions from 0), float64 after the RoPE
+    tables. Returns (draft_hidden [B-1, d], [K_ctx_0, V_ctx_0, ...] each [C, Hkv, D])."""
+    f64 = torch.float64
+    w = {k: v.to(f64) for k, v in state.items()}
+    eps = float(cfg["rms_norm_eps"])
+    H, Hkv, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
+
+    def rms(x, weight):
+        return weight * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+
+    def lin(x, name):
+        return x @ w[name].T
+
+    ctx = rms(lin(context_hidden.to(f64), "fc.weight"), w["hidden_norm.weight"])
+    h = block_emb.to(f64)
+    c, b = ctx.shape[0], h.shape[0]
+    pos = torch.arange(c + b)
+    cos, sin = (t.to(f64)[:, None, :] for t in hf_cos_sin(cfg, pos))
+
+    def rope(x, rows):  # HF rotate_half layout
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+        return x * cos[rows] + torch.cat([-x2, x1], dim=-1) * sin[rows]
+
+    kv_ctx = []
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        x = rms(h, w[p + "input_layernorm.weight"])
+        q = rms(lin(x, p + "self_attn.q_proj.weight").view(b, H, D), w[p + "self_attn.q_norm.weight"])
+        kin = torch.cat([ctx, x], dim=0)
+        k = rms(lin(kin, p + "self_attn.k_proj.weight").view(c + b, Hkv, D), w[p + "self_attn.k_norm.weight"])
+        v = lin(kin, p + "self_attn.v_proj.weight").view(c + b, Hkv, D)
+        q, k = rope(q, slice(c, None)), rope(k, slice(None))
+        kv_ctx += [k[:c], v[:c]]
+        k_rep = k.repeat_interleave(H // Hkv, dim=1)
+        v_rep = v.repeat_interleave(H // Hkv, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k_rep) / math.sqrt(D)
+        if types[i] == "sliding_attention":
+            qpos, kpos = pos[c:], pos
+            visible = (qpos[:, None] - kpos[None, :]).abs() < cfg["sliding_window"]
+            scores = scores.masked_fill(~visible, float("-inf"))
+        attn = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v_rep).reshape(b, H * D)
+        h = h + lin(attn, p + "self_attn.o_proj.weight")
+        y = rms(h, w[p + "post_attention_layernorm.weight"])
+        h = h + lin(torch.nn.functional.silu(lin(y, p + "mlp.gate_proj.weight")) * lin(y, p + "mlp.up_proj.weight"),
+                    p + "mlp.down_proj.weight")
+    return rms(h, w["norm.weight"])[1:], kv_ctx
+
+
+def _err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"shape {got.shape} != {want.shape}"
+    return float(np.max(np.abs(got - want))) if got.size else 0.0
+
+
+def _close(got, want, what, atol=ATOL):
+    err = _err(got, want)
+    assert err <= atol, f"{what}: max abs error {err:.3g} > {atol}"
+
+
+class Draft:
+    def __init__(self, tiny, tmp_path_factory, name, **overrides):
+        import json
+
+        from dflash_export.draft_spec import load_draft_spec
+        from dflash_export.modules import DFlashDraft, load_weights
+
+        self.target = tiny.target("qwen3")
+        self.root = tmp_path_factory.mktemp(name)
+        ddir = tiny_models.make_draft(self.root / "hf", self.target.hf_dir, scale=0.15, **overrides)
+        self.spec, self.state = load_draft_spec(ddir, self.target.spec)
+        self.config = json.loads((ddir / "config.json").read_text())
+        self.module = DFlashDraft(self.spec, torch.float32).eval()
+        load_weights(self.module, self.state, f"draft {ddir}")
+        self._onnx = None
+
+    @property
+    def onnx_path(self):
+        if self._onnx is None:
+            from dflash_export.export import export_draft
+
+            self._onnx = self.root / "draft.onnx"
+            export_draft(self.module, self._onnx)
+        return self._onnx
+
+    def inputs(self, c, b, seed):
+        g = torch.Generator().manual_seed(seed)
+        d = self.spec.arch.hidden_size
+        ctx = torch.randn(c, len(self.spec.target_layer_ids) * d, generator=g) * 2.0
+        emb = self.target.state["model.embed_tokens.weight"].float()
+        anchor = int(torch.randint(0, emb.shape[0], (1,), generator=g))
+        block = torch.cat([emb[anchor : anchor + 1], emb[self.spec.mask_token_id].expand(b - 1, d)], dim=0)
+        return ctx, block.clone()
+
+    def empty_past(self):
+        a = self.spec.arch
+        return [torch.zeros(0, a.num_kv_heads, a.head_dim) for _ in range(2 * a.num_layers)]
+
+    def run(self, ctx, block, past):
+        with torch.no_grad():
+            out = self.module(ctx, block, *past)
+        return out[0], list(out[1:])
+
+    def split_run(self, ctx, block, cuts):
+        """Feed `ctx` in pieces ending at `cuts` (each call's context K/V become the next call's past)."""
+        past, start = self.empty_past(), 0
+        for end in [*cuts, ctx.shape[0]]:
+            hid, kv = self.run(ctx[start:end], block, past)
+            past = [torch.cat([a, n]) for a, n in zip(past, kv)]
+            start = end
+        return hid, past
+
+
+@pytest.fixture(scope="module")
+def sliding(tiny, tmp_path_factory):
+    return Draft(tiny, tmp_path_factory, "sliding_draft", layers=2, layer_types=SLIDING_TYPES, sliding_window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def yarn(tiny, tmp_path_factory):
+    return Draft(tiny, tmp_path_factory, "yarn_draft", layers=2, rope_parameters=dict(YARN), rope_theta=YARN["rope_theta"],
+                 max_position_embeddings=256, layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW)
+
+
+# ---- spec ---------------------------------------------------------------------------------------
+
+
+def test_spec_reads_layer_types_and_the_raw_window(sliding):
+    assert sliding.spec.layer_types == tuple(SLIDING_TYPES)
+    assert sliding.spec.sliding_window == WINDOW
+    assert "use_sliding_window" not in sliding.config  # transformers' Qwen3Config would drop the window
+    assert sliding.spec.manifest_fields() == {"layer_types": SLIDING_TYPES, "sliding_window": WINDOW}
+
+
+def test_full_draft_spec_defaults(tiny):
+    spec = tiny.draft().spec
+    assert spec.layer_types == ("full_attention",) * spec.arch.num_layers
+    assert spec.sliding_window is None and spec.manifest_fields() == {}
+
+
+def _parse(tiny, **changes):
+    from dflash_export.draft_spec import parse_draft_config
+
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "rope_theta": 1e6, "block_size": 8, "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 3]}}
+    cfg.update(changes)
+    return parse_draft_config({k: v for k, v in cfg.items() if v is not None}, tiny.target("qwen3").spec, "d", None)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(layer_types=["sliding_attention", "full_attention"]), r"layers \[0\] are sliding_attention but config.json's sliding_window is None"),
+    (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=0), r"sliding_window is 0"),
+    (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=True), r"sliding_window is True"),
+    (dict(layer_types=["full_attention", "chunked_attention"], sliding_window=8),
+     r"draft d uses layer types \['chunked_attention'\]; a DFlash draft's layers must be one of \['full_attention', 'sliding_attention'\]"),
+    (dict(layer_types=["full_attention"]), r"layer_types lists 1 layers but num_hidden_layers is 2"),
+    (dict(layer_types="sliding_attention"), r"layer_types 'sliding_attention' must be a list"),
+    (dict(use_sliding_window=True, max_window_layers=1), r"layers \[1\] are sliding_attention but config.json's sliding_window is None"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6}), r"YaRN RoPE .* declares no factor"),
+])
+def test_parse_errors(tiny, changes, match):
+    with pytest.raises(DFlashError, match=match):
+        _parse(tiny, **changes)
+
+
+def test_parse_layer_types_as_transformers_derives_them(tiny):
+    """No layer_types: transformers' rule (layers >= max_window_layers slide when use_sliding_window)."""
+    spec = _parse(tiny, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    assert spec.layer_types == ("full_attention", "sliding_attention") and spec.sliding_window == 16
+    spec = _parse(tiny, use_sliding_window=False, sliding_window=16, max_window_layers=0)
+    assert spec.layer_types == ("full_attention",) * 2 and spec.sliding_window is None
+    spec = _parse(tiny, sliding_window=16, layer_types=["full_attention"] * 2)  # a window without sliding layers
+    assert spec.sliding_window is None
+
+
+def test_target_sliding_layers_still_refused():
+    from dflash_export.checkpoint import check_layer_types
+
+    with pytest.raises(DFlashError, match=r"target t uses layer types \['sliding_attention'\]"):
+        check_layer_types({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8}, "target t")
+    check_layer_types({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8}, "draft d", draft=True)
+
+
+# ---- module vs the plain reading ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("c,b", [(1, 8), (4, 2), (9, 8), (30, 4)])
+def test_sliding_module_matches_reference_one_call(sliding, c, b):
+    assert c + b > WINDOW  # the window bites
+    ctx, block = sliding.inputs(c, b, seed=c + b)
+    hid, kv = sliding.run(ctx, block, sliding.empty_past())
+    ref_hid, ref_kv = reference_draft(sliding.state, sliding.config, ctx, block)
+    _close(hid, ref_hid, "draft_hidden")
+    for j, (got, want) in enumerate(zip(kv, ref_kv)):
+        _close(got, want, f"context kv {j}")
+
+
+@pytest.mark.parametrize("cuts", [(3,), (1, 2, 3, 4, 5, 6), (12,), (20, 21)])
+def test_sliding_module_with_cached_context_matches_reference(sliding, cuts):
+    """Past lengths below, at and far beyond the window, new contexts shorter and longer than W - 1."""
+    ctx, block = sliding.inputs(24, 8, seed=sum(cuts))
+    hid, past = sliding.split_run(ctx, block, list(cuts))
+    ref_hid, ref_kv = reference_draft(sliding.state, sliding.config, ctx, block)
+    _close(hid, ref_hid, "draft_hidden after cached context")
+    for j, (got, want) in enumerate(zip(past, ref_kv)):
+        _close(got, want, f"cached + new context kv {j}")
+
+
+def test_the_window_matters(sliding):
+    """Sensitivity: the same weights read as all full attention give clearly different proposals."""
+    ctx, block = sliding.inputs(12, 8, seed=5)
+    hid, _ = sliding.run(ctx, block, sliding.empty_past())
+    full_cfg = {**sliding.config, "layer_types": ["full_attention"] * 2}
+    wrong, _ = reference_draft(sliding.state, full_cfg, ctx, block)
+    assert float((hid.double() - wrong).abs().max()) > 1e-3
+
+
+def test_sliding_only_draft_ignores_context_beyond_the_window(tiny, tmp_path_factory):
+    """Every layer sliding: context rows at distance >= W from every block row cannot matter."""
+    d = Draft(tiny, tmp_path_factory, "all_sliding", layers=2, layer_types=["sliding_attention"] * 2,
+              sliding_window=WINDOW)
+    ctx, block = d.inputs(10, 3, seed=9)
+    hid, _ = d.run(ctx, block, d.empty_past())
+    ctx2 = ctx.clone()
+    ctx2[:8] += 1.0  # positions 0..7; block rows at 10..12 see positions >= 6 only
+    hid2, _ = d.run(ctx2, block, d.empty_past())
+    assert float((hid - hid2).abs().max()) > 1e-3  # rows 6, 7 are visible
+    ctx3 = ctx.clone()
+    ctx3[:6] += 1.0
+    hid3, _ = d.run(ctx3, block, d.empty_past())
+    assert float((hid - hid3).abs().max()) == 0.0
+    ref_hid, _ = reference_draft(d.state, d.config, ctx, block)
+    _close(hid, ref_hid, "all-sliding draft_hidden")
+
+
+# ---- ONNX ---------------------------------------------------------------------------------------
+
+
+def _onnx(sess, spec, ctx, block, past):
+    feed = {"context_hidden": ctx.numpy(), "block_embeddings": block.numpy()}
+    for i in range(spec.arch.num_layers):
+        feed[f"past_key_{i}"] = past[2 * i].numpy()
+        feed[f"past_value_{i}"] = past[2 * i + 1].numpy()
+    outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
+    return outs["draft_hidden"], [outs[f"{k}_{i}"] for i in range(spec.arch.num_layers) for k in ("key", "value")]
+
+
+def _session(path):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def test_sliding_onnx_matches_module_and_passes_graph_check(sliding):
+    from dflash_export.export import check_graph
+
+    report = check_graph(sliding.onnx_path)  # TensorRT 10 operators, no weight stored twice
+    assert "Abs" in report["ops"]
+    sess = _session(sliding.onnx_path)
+    # Pc = 0 with the window biting inside the new rows, then Pc > W (13 cached rows) with C < W - 1 and C > W
+    for pc, c, b in [(0, 6, 8), (0, 1, 2), (13, 2, 8), (13, 7, 4), (0, 20, 16)]:
+        ctx, block = sliding.inputs(pc + c, b, seed=pc + c + b)
+        _, past = sliding.split_run(ctx[:pc], block, []) if pc else (None, sliding.empty_past())
+        hid, kv = sliding.run(ctx[pc:], block, past)
+        ohid, okv = _onnx(sess, sliding.spec, ctx[pc:], block, past)
+        _close(ohid, hid, f"onnx draft_hidden (Pc {pc}, C {c}, B {b})")
+        for j, (got, want) in enumerate(zip(okv, kv)):
+            _close(got, want, f"onnx context kv {j} (Pc {pc}, C {c}, B {b})")
+        ref_hid, _ = reference_draft(sliding.state, sliding.config, ctx, block)
+        _close(ohid, ref_hid, f"onnx vs reference draft_hidden (Pc {pc}, C {c}, B {b})")
+
+
+def test_full_draft_graph_has_no_window(tiny):
+    """A draft without sliding layers exports the graph it always did: no window mask nodes."""
+    import onnx
+
+    g = onnx.load(str(tiny.draft().onnx_path), load_external_data=False).graph
+    assert not {n.op_type for n in g.node} & {"Abs", "Less"}
+
+
+# ---- YaRN ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["rope_parameters", "rope_scaling", "attention_factor"])
+def test_yarn_tables_match_transformers(yarn, form):
+    """cos/sin (with YaRN's attention factor) equal transformers' Qwen3RotaryEmbedding, old and new config forms."""
+    from dflash_export.checkpoint import AttentionSpec
+    from dflash_export.modules import rope_cos_sin, rope_inv_freq
+
+    cfg = copy.deepcopy(yarn.config)
+    if form == "rope_scaling":
+        params = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = params.pop("rope_theta")
+        cfg["rope_scaling"] = params
+    elif form == "attention_factor":
+        cfg["rope_parameters"]["attention_factor"] = 1.25
+    arch = AttentionSpec.from_config(cfg, "yarn draft")
+    inv, scale = rope_inv_freq(arch, "qwen3")
+    pos = torch.tensor([0, 1, 5, 63, 64, 65, 200, 255, 4000, 100000])
+    cos, sin = rope_cos_sin(pos, inv, scale)
+    want_cos, want_sin = hf_cos_sin(cfg, pos)
+    half = arch.head_dim // 2
+    assert scale != 1.0 and (scale == 1.25 if form == "attention_factor" else abs(scale - (0.1 * math.log(4) + 1)) < 1e-12)
+    _close(cos[:, 0], want_cos, "cos", atol=0.0)
+    _close(torch.cat([-sin[:, 0, :half], sin[:, 0, half:]], dim=-1), want_sin, "sin", atol=0.0)
+    if form == "rope_parameters":  # the module's own buffers
+        assert torch.equal(yarn.module.inv_freq, inv) and yarn.module.rope_scale == scale
+
+
+@pytest.mark.parametrize("cuts", [(), (4,), (9,)])
+def test_yarn_sliding_module_matches_reference(yarn, cuts):
+    ctx, block = yarn.inputs(12, 8, seed=len(cuts))
+    hid, past = yarn.split_run(ctx, block, list(cuts))
+    ref_hid, ref_kv = reference_draft(yarn.state, yarn.config, ctx, block)
+    _close(hid, ref_hid, "yarn draft_hidden")
+    for j, (got, want) in enumerate(zip(past, ref_kv)):
+        _close(got, want, f"yarn context kv {j}")
+    plain = {**yarn.config, "rope_parameters": {"rope_type": "default", "rope_theta": YARN["rope_theta"]}}
+    wrong, _ = reference_draft(yarn.state, plain, ctx, block)
+    assert float((hid.double() - wrong).abs().max()) > 1e-3  # sensitivity: unscaled RoPE is clearly different
