@@ -189,7 +189,7 @@ def _export_streamed_target(tspec: TargetSpec, dspec: DraftSpec, tsource: Weight
 
 
 def _export_hybrid_target(tspec: TargetSpec, dspec: DraftSpec, path: Path, torch_dtype):
-    """Export a Qwen3.5 hybrid target (`qwen3_5_target`). Returns the mask embedding row (fp32)."""
+    """Export a Qwen3.5 hybrid target (`qwen3_5_target`; fp32 or fp16). Returns the mask embedding row (fp32)."""
     from .qwen3_5_target import build_module, export_hybrid_target
 
     module, embed = build_module(tspec, dspec.target_layer_ids, dspec.draft_vocab, torch_dtype)
@@ -316,9 +316,9 @@ def build(
     t_start = time.perf_counter()
     # Validation prints nothing, so bad input gives exactly one error line.
     tspec, dspec, tsource, dstate, name = prepare_pair(target, draft)
-    if tspec.hybrid is not None and (qconfig is not None or dtype != "fp32"):
-        raise DFlashError("Qwen3.5 hybrid targets export in fp32 without --quant for now (their fp16 and INT4 "
-                          "graphs are not validated yet); drop --dtype fp16 / --quant int4")
+    if tspec.hybrid is not None and qconfig is not None:
+        raise DFlashError("Qwen3.5 hybrid targets export without --quant for now (their INT4 graphs are not "
+                          "validated yet); drop --quant int4")
     if draft_vocab == "full":
         dspec = replace(dspec, draft_vocab=None)
     head_name = "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
@@ -484,6 +484,7 @@ def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, che
             # proposals come from this many ids (draft_vocab.json); None: the full vocabulary
             "draft_vocab_size": None if dspec.draft_vocab is None else len(dspec.draft_vocab),
             "rope": da.rope,
+            **dspec.manifest_fields(),  # layer_types + sliding_window, only for drafts with sliding layers
         },
         "mask_embedding": "mask_embedding.npy",
         "stop_token_ids": stop,

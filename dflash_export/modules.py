@@ -496,4 +496,6 @@ def cast_for_export(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     for name, sub in module.named_modules():
         if isinstance(sub, RMSNorm) or name == "fc":
             sub.to(torch.float32)
+        for leaf in getattr(sub, "keep_fp32", ()):  # e.g. a Gated DeltaNet's decay parameters
+            getattr(sub, leaf).data = getattr(sub, leaf).data.to(torch.float32)
     return module

@@ -125,6 +125,10 @@ class GatedDeltaNet(nn.Module):
     `qkv [T, C]`, `a [T, Hv]`, `b [T, Hv]`. C = conv_dim.
     """
 
+    # cast_for_export keeps these fp32: exp(A_log) reaches 9e6 (A_log up to 16), beyond fp16's range,
+    # and the decay's error would compound over every token of the state
+    keep_fp32 = ("A_log", "dt_bias")
+
     def __init__(self, spec: HybridSpec):
         super().__init__()
         d, c, hv = spec.hidden_size, spec.conv_dim, spec.num_v_heads

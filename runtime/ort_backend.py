@@ -75,14 +75,14 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
     types = manifest[graph].get("layer_types") or ["full_attention"] * n
     expected = list(lead)
     for i, kind in enumerate(types):
-        expected += [f"past_key_{i}", f"past_value_{i}"] if kind == "full_attention" else gdn_io_names(i)[0]
+        expected += gdn_io_names(i)[0] if kind == "linear_attention" else [f"past_key_{i}", f"past_value_{i}"]
     names = [name for name, _ in inputs]
     if names != expected:
         raise DFlashError(
             f"{graph} graph inputs {names[:6]}... do not match the manifest ({n} layers: {expected[:6]}...); "
             "the artifact is damaged, rebuild it"
         )
-    kv_type = dict(inputs)[f"past_key_{types.index('full_attention')}"]
+    kv_type = dict(inputs)[f"past_key_{next(i for i, kind in enumerate(types) if kind != 'linear_attention')}"]
     if kv_type != _ORT_TYPES[DTYPES[manifest["dtype"]]]:
         raise DFlashError(f"{graph} graph stores K/V as {kv_type} but the manifest says {manifest['dtype']}; rebuild the artifact")
 

@@ -190,3 +190,21 @@ def test_multimodal_checkpoint_exports_its_text_model(hybrid, tmp_path):
     prompt = [5, 17, 33, 8, 61]
     kw = dict(max_new_tokens=8, stop_token_ids=[], block_size=1, reuse_prefix=False)
     assert runtime.load(out).generate(prompt, **kw).output_ids == runtime.load(art).generate(prompt, **kw).output_ids
+
+
+def test_fp16_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_path):
+    """fp16 graphs (norms, the decay parameters A_log / dt_bias and the recurrent state stay fp32):
+    `check` within the fp16 tolerances, and speculative == plain on the fp16 artifact."""
+    from dflash_export.check import run_check
+
+    _, art = hybrid
+    out = tmp_path / "fp16"
+    build(str(art.parent / "target"), None, out, max_seq_len=128, dtype="fp16", quiet=True)
+    assert run_check(out).passed
+    sess = runtime.load(out)
+    prompt = [5, 17, 33, 8, 61, 2, 99, 14]
+    kw = dict(max_new_tokens=30, stop_token_ids=[], reuse_prefix=False)
+    plain = sess.generate(prompt, block_size=1, **kw).output_ids
+    oracle_draft(sess, prompt + plain, wrong=0.2)
+    spec = sess.generate(prompt, verify_len="all", record_steps=True, **kw)
+    assert spec.output_ids == plain and max(s["accepted"] for s in spec.steps if s["proposed"]) >= 2

@@ -361,3 +361,21 @@ def test_yarn_sliding_module_matches_reference(yarn, cuts):
     plain = {**yarn.config, "rope_parameters": {"rope_type": "default", "rope_theta": YARN["rope_theta"]}}
     wrong, _ = reference_draft(yarn.state, plain, ctx, block)
     assert float((hid.double() - wrong).abs().max()) > 1e-3  # sensitivity: unscaled RoPE is clearly different
+
+
+def test_build_and_generate_with_a_sliding_yarn_draft(yarn, tmp_path):
+    """End to end: the manifest records the window, the runtime loads the sliding draft (its graph
+    inputs are still past K/V per layer), speculative output equals plain and `check` passes."""
+    import runtime
+    from dflash_export.build import build
+    from dflash_export.check import run_check
+
+    art = tmp_path / "art"
+    manifest = build(str(yarn.target.hf_dir), str(yarn.root / "hf"), art, max_seq_len=96, quiet=True)
+    assert manifest["draft"]["layer_types"] == ["sliding_attention", "full_attention"]
+    assert manifest["draft"]["sliding_window"] == WINDOW
+    sess = runtime.load(art)
+    prompt = list(range(3, 3 + 2 * WINDOW))  # longer than the window: it bites from the first draft call
+    kw = dict(max_new_tokens=30, stop_token_ids=[], reuse_prefix=False)
+    assert sess.generate(prompt, verify_len="all", **kw).output_ids == sess.generate(prompt, block_size=1, **kw).output_ids
+    assert run_check(art).passed
