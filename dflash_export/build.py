@@ -138,7 +138,10 @@ def prepare_pair(target: str | None, draft: str | None) -> tuple[TargetSpec, Dra
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise DFlashError(f"{what}: RoPE parameters {arch.rope} are incomplete or invalid ({exc!r})") from None
     tsource = WeightSource(f"target {tspec.path}", files=safetensors_files(tspec.path))
-    if tspec.hybrid is not None:  # its weights are checked by name when loaded (qwen3_5_target.build_module)
+    if tspec.hybrid is not None:
+        from .qwen3_5_target import check_weights
+
+        check_weights(tspec, dspec.target_layer_ids, tsource)
         return tspec, dspec, tsource, dstate, name
     from .modules import TargetForExport
 

@@ -35,14 +35,17 @@ def text_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's text weights under `Qwen3_5ForCausalLM` names: `model.language_model.*` (the
     `Qwen3_5ForConditionalGeneration` layout) becomes `model.*`; the vision tower (`model.visual.*`) and
     the multi-token-prediction head (`mtp.*`) are dropped."""
-    out = {}
-    for name, value in state.items():
-        if name.startswith(("model.visual.", "mtp.")):
-            continue
-        if name.startswith("model.language_model."):
-            name = "model." + name[len("model.language_model."):]
-        out[name] = value
-    return out
+    return {text_weight_name(name): value for name, value in state.items() if text_weight_name(name) is not None}
+
+
+def text_weight_name(name: str) -> str | None:
+    """A checkpoint tensor's `Qwen3_5ForCausalLM` name (see `text_state_dict`), None for the tensors
+    that are not exported (vision tower, MTP head)."""
+    if name.startswith(("model.visual.", "mtp.")):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    return name
 
 
 class ZeroCentredRMSNorm(RMSNorm):

@@ -22,7 +22,7 @@ import torch
 from .checkpoint import TargetSpec, load_state_dict
 from .gated_delta import MAX_ROWS
 from .modules import TargetForExport, load_weights
-from .qwen3_5 import Qwen35TargetForExport, cache_names, text_state_dict
+from .qwen3_5 import Qwen35TargetForExport, cache_names, text_state_dict, text_weight_name
 
 
 class HybridDFlashTarget(Qwen35TargetForExport):
@@ -83,6 +83,36 @@ def export_inputs(module: HybridDFlashTarget) -> tuple:
     N = torch.export.Dim("proposals", min=0, max=MAX_ROWS - 1)
     U = torch.export.Dim("sampled_rows", min=0, max=MAX_ROWS)
     return args, io_names(module), ({0: T}, {0: N}, None, {0: U}, tuple(dyn))
+
+
+class _TextWeights:
+    """A WeightSource's names, shapes and dtypes under `Qwen3_5ForCausalLM` names (`text_weight_name`)."""
+
+    def __init__(self, source):
+        mapped = {text_weight_name(n): n for n in source.names() if text_weight_name(n) is not None}
+        self._names = list(mapped)
+        self.shapes = {k: source.shapes[v] for k, v in mapped.items()}
+        self.dtypes = {k: source.dtypes[v] for k, v in mapped.items()}
+
+    def names(self) -> list[str]:
+        return self._names
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes
+
+
+def check_weights(tspec: TargetSpec, tap_layers, source) -> None:
+    """Every parameter of the hybrid export module has a checkpoint tensor of its shape, before anything
+    is exported (`weights.check_weight_names` on the text weights).
+
+    Raises:
+        DFlashError: missing or unexpected names, or a shape mismatch, named.
+    """
+    from .weights import check_weight_names, empty_module
+
+    empty = empty_module(lambda: HybridDFlashTarget(tspec, tuple(tap_layers)))
+    check_weight_names({k: tuple(p.shape) for k, p in empty.named_parameters()}, _TextWeights(source),
+                       source.where, tied=empty.lm_head is None)
 
 
 def build_module(tspec: TargetSpec, tap_layers, draft_vocab, dtype) -> tuple[HybridDFlashTarget, np.ndarray]:

@@ -200,7 +200,7 @@ QWEN3_5_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_h
     (dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5"),
      r"Qwen3_5ForConditionalGeneration checkpoint without a text_config object"),
     (dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", **QWEN3_5_TEXT),
-     r"weights do not match the architecture \(missing \['model.embed_tokens.weight'"),
+     r"weights do not match the architecture \(missing \['model.layers.0.linear_attn"),
     (dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", **QWEN3_5_TEXT),
      r"mixture-of-experts Qwen3.5/3.6 checkpoint .* dense"),
     (dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", **{**QWEN3_5_TEXT, "linear_num_value_heads": 3}),
