@@ -16,6 +16,18 @@ N < max_block, any past) keeps the attention scratch at O(S * S) instead of O(S 
 Zero-length dimensions: prefill binds an empty past (P = 0) and no proposals (N = 0); plain
 decoding verifies with N = 0; the first draft call has an empty context cache (Pc = 0). These
 need profiles whose min is 0 (see docs/jetson.md for the TensorRT risk and the fallback).
+
+Hybrid targets (Qwen3.5: Gated DeltaNet layers, `runtime/recurrent.py`): besides the attention
+layers' past K/V (named by the model's layer index, so not necessarily `past_key_0`), each GDN layer
+has static-shape state inputs (`conv_state_i`, fp32 `recurrent_state_i`: min = opt = max, as
+exported) and pending-row inputs `pending_{qkv,a,b}_i` whose rows R ("pending_rows") are the
+previous call's committed rows: R = 0 whenever P = 0 (prefill on an empty context; the same
+zero-length handling as the past K/V there), and 0 <= R <= max_call_rows otherwise (0 after a reused
+prefix is cut back to the folded state). One call takes T + N <= `manifest["target"]["max_call_rows"]`
+rows (64), and every profile's box keeps that at its corner: prefill and extend have N = 0 and
+T <= max_call_rows, verify has T = 1 and N <= max_call_rows - 1. These profiles are written against
+TensorRT's documented behaviour and were run only through the test double
+(tests/test_trt_backend_double.py, tests/test_trt_hybrid_double.py), never on TensorRT.
 """
 
 from __future__ import annotations
@@ -25,7 +37,8 @@ from dataclasses import dataclass, field
 
 from .errors import DFlashError
 
-# Symbolic dims of the exported graphs (dflash_export/export.py).
+# Symbolic dims of the exported graphs (dflash_export/export.py; a hybrid target adds "pending_rows",
+# dflash_export/qwen3_5_target.export_inputs).
 TARGET_DIMS = ("new_tokens", "proposals", "past_len", "sampled_rows")
 DRAFT_DIMS = ("context_len", "block_size", "past_context_len")
 
@@ -106,21 +119,39 @@ def dim_ranges(manifest: dict, max_block_size: int | None = None) -> dict[str, l
       (E = EXTEND_ROWS; the loop splits longer runs, see :func:`call_row_limit`).
     - draft "draft_step": C = accepted + 1 (or, catching up after plain steps or on a reused prompt,
       up to E rows) in [1, max(mb, E)], B in [2, mb], Pc in [1, S-1].
+
+    Hybrid targets (`manifest["target"]["max_call_rows"]` = R_max, 64): prefill and extend take
+    T <= R_max, verify N <= R_max - 1 and U <= R_max (so T + N <= R_max at every profile corner), and
+    the pending rows R ("pending_rows") are (0, 0, 0) at prefill (P = 0) and in [0, R_max] for verify
+    (opt b // 2: a typical accepted prefix) and extend (opt R_max: the chunks of a long prompt).
     """
     S = int(manifest["max_seq_len"])
     mb = int(max_block_size or max_block(manifest))
     b = int(manifest["draft"]["block_size"])
     top = max(1, S - 1)
     ext = min(top, EXTEND_ROWS)
+    hybrid = "linear_attention" in (manifest["target"].get("layer_types") or [])
+    call_rows = manifest["target"].get("max_call_rows")
+    t_top, t_ext, t_mb = top, ext, mb  # the target's rows per call (T, and N + 1) under a row bound
+    if call_rows:
+        r = int(call_rows)
+        t_top, t_ext, t_mb = min(top, r), min(ext, r), min(mb, r)
+    target = [
+        ("prefill", {"new_tokens": _clamp(1, min(t_top, 256), t_top), "proposals": (0, 0, 0), "past_len": (0, 0, 0),
+                     "sampled_rows": (0, 0, 1)}),
+        ("verify", {"new_tokens": (1, 1, 1), "proposals": _clamp(0, b - 1, t_mb - 1), "past_len": _clamp(1, S // 2, top),
+                    "sampled_rows": _clamp(0, 0, t_mb)}),
+        ("extend", {"new_tokens": _clamp(1, t_ext, t_ext), "proposals": (0, 0, 0), "past_len": _clamp(1, S // 2, top),
+                    "sampled_rows": (0, 0, 1)}),
+    ]
+    if hybrid:
+        if not call_rows:
+            raise DFlashError("the manifest's hybrid target has no max_call_rows; rebuild the artifact")
+        r = int(call_rows)
+        pending = {"prefill": (0, 0, 0), "verify": _clamp(0, max(1, b // 2), r), "extend": _clamp(0, r, r)}
+        target = [(name, {**dims, "pending_rows": pending[name]}) for name, dims in target]
     return {
-        "target": [
-            ("prefill", {"new_tokens": _clamp(1, min(top, 256), top), "proposals": (0, 0, 0), "past_len": (0, 0, 0),
-                         "sampled_rows": (0, 0, 1)}),
-            ("verify", {"new_tokens": (1, 1, 1), "proposals": _clamp(0, b - 1, mb - 1), "past_len": _clamp(1, S // 2, top),
-                        "sampled_rows": _clamp(0, 0, mb)}),
-            ("extend", {"new_tokens": _clamp(1, ext, ext), "proposals": (0, 0, 0), "past_len": _clamp(1, S // 2, top),
-                        "sampled_rows": (0, 0, 1)}),
-        ],
+        "target": target,
         "draft": [
             ("draft_prefill", {"context_len": _clamp(1, min(top, 256), top), "block_size": _clamp(2, b, mb), "past_context_len": (0, 0, 0)}),
             ("draft_step", {"context_len": _clamp(1, max(1, b // 2), max(mb, ext)), "block_size": _clamp(2, b, mb), "past_context_len": _clamp(1, S // 2, top)}),
@@ -163,11 +194,14 @@ def select_profile(profiles: list[Profile], shapes: dict[str, Shape], graph: str
     for i, prof in enumerate(profiles):
         if prof.covers(shapes):
             return i
-    desc = ", ".join(f"{k}{list(v)}" for k, v in shapes.items() if not k.startswith(("past_key_", "past_value_")))
+    per_layer = ("past_key_", "past_value_", "conv_state_", "recurrent_state_", "pending_")
+    desc = ", ".join(f"{k}{list(v)}" for k, v in shapes.items() if not k.startswith(per_layer))
     past = next((v for k, v in shapes.items() if k.startswith("past_")), None)
+    pending = next((v for k, v in shapes.items() if k.startswith("pending_qkv_")), None)
     raise DFlashError(
         f"the {graph} engine has no optimization profile for shapes {desc}"
         + (f", past {list(past)}" if past is not None else "")
+        + (f", pending rows {list(pending)}" if pending is not None else "")
         + f" (profiles: {[p.name for p in profiles]}). The engines cover prompts up to max_seq_len - 1 and blocks "
         "up to their max block: use a smaller block, or rebuild the engines (`python -m dflash_export engine DIR "
         "--max-block N`, or `build --max-seq-len N` for longer requests)"
@@ -178,9 +212,12 @@ def call_row_limit(profiles: list[Profile], graph: str) -> int:
     """The most new rows one call on top of a non-empty cache may take under these profiles: prompt
     rows for the target ("extend"; 1 with engines built before it: their "verify" takes T = 1), context
     rows for the draft ("draft_step")."""
-    rows, past = ("input_ids", "past_key_0") if graph == "target" else ("context_hidden", "past_key_0")
-    limits = [p.shapes[rows][2][0] for p in profiles
-              if rows in p.shapes and past in p.shapes and p.shapes[past][2][0] >= 1]
+    rows = "input_ids" if graph == "target" else "context_hidden"
+    limits = []
+    for p in profiles:  # a hybrid target's first attention layer need not be layer 0
+        past = next((n for n in p.shapes if n.startswith("past_key_")), None)
+        if rows in p.shapes and past is not None and p.shapes[past][2][0] >= 1:
+            limits.append(p.shapes[rows][2][0])
     return max(limits, default=1)
 
 

@@ -158,3 +158,56 @@ def test_row_offset_alignment_arithmetic():
     assert all(is_aligned(smol.rows(p, 1)) for p in range(16))
     with pytest.raises(IndexError):
         tiny.rows(63, 2)
+
+
+def _hybrid_manifest(S: int = 4096, block: int = 16) -> dict:
+    """A minimal hybrid (Qwen3.5) manifest: GDN layer 0, attention layer 1 (so past_key_1, no past_key_0)."""
+    t_in = [{"name": "input_ids", "shape": ["new_tokens"]}, {"name": "draft_hidden", "shape": ["proposals", 64]},
+            {"name": "temperature", "shape": [1]}, {"name": "uniform", "shape": ["sampled_rows"]},
+            {"name": "conv_state_0", "shape": [3, 128]}, {"name": "recurrent_state_0", "shape": [4, 16, 16]},
+            {"name": "pending_qkv_0", "shape": ["pending_rows", 128]}, {"name": "pending_a_0", "shape": ["pending_rows", 4]},
+            {"name": "pending_b_0", "shape": ["pending_rows", 4]},
+            {"name": "past_key_1", "shape": ["past_len", 2, 32]}, {"name": "past_value_1", "shape": ["past_len", 2, 32]}]
+    t_out = [{"name": "next_ids", "shape": ["proposals + 1"]}, {"name": "qkv_0", "shape": ["proposals + new_tokens", 128]},
+             {"name": "recurrent_state_out_0", "shape": [4, 16, 16]}, {"name": "key_1", "shape": ["proposals + new_tokens", 2, 32]}]
+    d_in = [{"name": "context_hidden", "shape": ["context_len", 128]}, {"name": "block_embeddings", "shape": ["block_size", 64]},
+            {"name": "past_key_0", "shape": ["past_context_len", 2, 32]}]
+    return {"max_seq_len": S, "draft": {"block_size": block},
+            "target": {"layer_types": ["linear_attention", "full_attention"], "max_call_rows": 64},
+            "io": {"target": {"inputs": t_in, "outputs": t_out}, "draft": {"inputs": d_in, "outputs": []}}}
+
+
+@pytest.mark.parametrize("max_block_size", [None, 128])
+def test_hybrid_profiles_bound_rows_per_call(max_block_size):
+    """Hybrid targets: static state shapes, pending rows (0 at prefill, up to max_call_rows otherwise),
+    T + N <= max_call_rows at every profile corner (also with engines built for a larger block), the
+    row limit found through the first attention layer's past_key_1. (The tiny hybrid artifact through
+    the engine builder and backend: tests/test_trt_hybrid_double.py.)"""
+    from runtime.errors import DFlashError
+    from runtime.profiles import call_row_limit, select_profile, shape_ranges
+
+    m = _hybrid_manifest()
+    ranges = shape_ranges(m, max_block_size)
+    target = {p.name: p for p in ranges["target"]}
+    for p in target.values():
+        assert p.shapes["conv_state_0"] == ((3, 128),) * 3 and p.shapes["recurrent_state_0"] == ((4, 16, 16),) * 3
+        assert p.shapes["input_ids"][2][0] + p.shapes["draft_hidden"][2][0] <= 64 and p.shapes["uniform"][2][0] <= 64
+        assert p.shapes["pending_a_0"][2] == (p.shapes["pending_qkv_0"][2][0], 4)
+    assert target["prefill"].shapes["pending_qkv_0"] == ((0, 128),) * 3 and target["prefill"].dims["past_len"] == (0, 0, 0)
+    assert target["verify"].dims["pending_rows"] == (0, 8, 64) and target["verify"].dims["proposals"] == (0, 15, 63)
+    assert target["extend"].dims["pending_rows"] == (0, 64, 64) and target["extend"].dims["new_tokens"] == (1, 64, 64)
+    assert target["prefill"].dims["new_tokens"] == (1, 64, 64)
+    assert call_row_limit(ranges["target"], "target") == 64 and call_row_limit(ranges["draft"], "draft") == 256
+    shapes = lambda t, n, p, r: {"input_ids": (t,), "draft_hidden": (n, 64), "temperature": (1,), "uniform": (n + 1,),  # noqa: E731
+                                 "conv_state_0": (3, 128), "recurrent_state_0": (4, 16, 16), "pending_qkv_0": (r, 128),
+                                 "pending_a_0": (r, 4), "pending_b_0": (r, 4), "past_key_1": (p, 2, 32), "past_value_1": (p, 2, 32)}
+    names = [p.name for p in ranges["target"]]
+    assert names[select_profile(ranges["target"], shapes(64, 0, 0, 0), "target")] == "prefill"
+    assert names[select_profile(ranges["target"], shapes(1, 63, 100, 0), "target")] == "verify"  # R = 0 after a cut-back
+    assert names[select_profile(ranges["target"], shapes(64, 0, 64, 64), "target")] == "extend"
+    for bad in (shapes(65, 0, 0, 0), shapes(1, 64, 100, 5), shapes(1, 3, 100, 65), shapes(5, 0, 0, 3)):
+        with pytest.raises(DFlashError, match="no optimization profile"):
+            select_profile(ranges["target"], bad, "target")
+    del m["target"]["max_call_rows"]
+    with pytest.raises(DFlashError, match="max_call_rows"):
+        shape_ranges(m)
