@@ -7,9 +7,21 @@ Needs TensorRT (10.x or 11.x) and an NVIDIA GPU; never torch. Run it where the e
     python -m dflash_export engine DIR [--precision fp16]                              # engines for an existing DIR
 
 Profiles: one list per graph from `runtime.profiles.shape_ranges` (the same function the runtime
-and the tests use): target "prefill" and "verify", draft "draft_prefill" and "draft_step", up to
-the manifest's max_seq_len. A timing cache (`timing.cache`) is kept in the artifact so a rebuild
+and the tests use): target "prefill", "verify" and "extend", draft "draft_prefill" and "draft_step",
+up to the manifest's max_seq_len. A timing cache (`timing.cache`) is kept in the artifact so a rebuild
 on the same device skips kernel timing.
+
+Hybrid artifacts (Qwen3.5, Gated DeltaNet layers): the same three target profiles, with each GDN
+layer's static state inputs (conv state, fp32 recurrent state) at their exported shapes, its pending
+rows in [0, max_call_rows] (0 at prefill), and T + N <= max_call_rows (64) at every profile corner
+(see `runtime.profiles`). Only strongly typed builds of them are made (the table below): the fp32
+recurrent state and the delta rule's fp32 math are then exactly the exported types, and the engine's
+`recurrent_state_i` / `recurrent_state_out_i` IO is fp32 also in an fp16 engine, as the manifest says.
+
+Written against TensorRT's documented Python API (10.3 through 11.x: `Builder`, `OnnxParser`,
+`create_optimization_profile` / `set_shape`, `build_serialized_network`, timing caches) and, in this
+repository, run only through the test double (tests/test_trt_backend_double.py,
+tests/test_trt_hybrid_double.py), never on TensorRT itself.
 
 Precision (what is built, per TensorRT major version and ONNX dtype):
 
@@ -19,6 +31,11 @@ Precision (what is built, per TensorRT major version and ONNX dtype):
 | fp32 | fp32 | fp32, TF32 off | strongly typed fp32 |
 | fp32 | fp16 / bf16 | weakly typed (BuilderFlag.FP16/BF16), layers of `fc` and every RMSNorm pinned to fp32 (OBEY_PRECISION_CONSTRAINTS; found from the ONNX node metadata, needs `onnx`) | refused: TensorRT 11 is strongly typed only, re-export with `--dtype fp16` |
 | fp16 | fp32 / bf16 | refused (the graph already carries fp16) | refused |
+
+A hybrid (Gated DeltaNet) target's fp32 graphs build only as fp32 engines: a weakly typed fp16/bf16
+build would let TensorRT run the delta rule and its decay (`exp(A_log)` reaches 9e6, beyond fp16) in
+fp16, with errors compounding in the recurrent state; re-export with `--dtype fp16`, whose graph keeps
+those parts fp32 (strongly typed).
 
 So for TensorRT 11 we REQUIRE an fp16 ONNX export (`build --dtype fp16`) rather than deriving one:
 the exporter already places the fp32 islands (fc, norms, softmax, RoPE, logits) where they belong.
@@ -49,7 +66,8 @@ PRECISIONS = ("fp16", "bf16", "fp32")
 TIMING_CACHE = "timing.cache"
 
 
-def require_tensorrt(precision: str | None = None, dtype: str | None = None, exporting: bool = True):
+def require_tensorrt(precision: str | None = None, dtype: str | None = None, exporting: bool = True,
+                     hybrid: bool = False):
     """Fail at once, naming everything missing, when engines cannot be built here.
 
     Args:
@@ -57,6 +75,7 @@ def require_tensorrt(precision: str | None = None, dtype: str | None = None, exp
             cannot build (see :func:`precision_plan`) before any export starts.
         exporting: called by `build --engine trt` (the advice is to export here and build engines on
             the device) rather than by `engine DIR` (the advice is to run it on the device).
+        hybrid: the target is a hybrid (Gated DeltaNet) one (see :func:`precision_plan`).
 
     Returns:
         (tensorrt module, {"name", "compute_capability"} of the GPU).
@@ -83,7 +102,7 @@ def require_tensorrt(precision: str | None = None, dtype: str | None = None, exp
                "here the artifact's ONNX graphs run with --backend ort")
         )
     if precision is not None and dtype is not None:
-        precision_plan(str(trt.__version__), dtype, precision)
+        precision_plan(str(trt.__version__), dtype, precision, hybrid=hybrid)
     return trt, gpu
 
 
@@ -95,8 +114,11 @@ def trt_major(version: str) -> int:
         raise DFlashError(f"cannot read the TensorRT version {version!r}") from None
 
 
-def precision_plan(trt_version: str, onnx_dtype: str, precision: str) -> dict:
+def precision_plan(trt_version: str, onnx_dtype: str, precision: str, hybrid: bool = False) -> dict:
     """How to build `precision` engines from an `onnx_dtype` graph on this TensorRT (table in the module doc).
+
+    `hybrid`: the target has Gated DeltaNet layers; a weakly typed fp16/bf16 build of its fp32 graphs
+    is refused (the module doc says why).
 
     Returns:
         {"strongly_typed": bool, "flag": None | "FP16" | "BF16", "pin_fp32": bool, "tf32": bool}.
@@ -118,6 +140,13 @@ def precision_plan(trt_version: str, onnx_dtype: str, precision: str) -> dict:
         return {"strongly_typed": True, "flag": None, "pin_fp32": False, "tf32": False}
     if precision == "fp32":
         return {"strongly_typed": major >= 11, "flag": None, "pin_fp32": False, "tf32": False}
+    if hybrid:
+        raise DFlashError(
+            f"this artifact's hybrid (Gated DeltaNet) target has fp32 graphs: a {precision} engine from them would be "
+            "weakly typed, and TensorRT could then run the delta rule and its recurrent state in reduced precision "
+            "(exp(A_log) overflows fp16). Re-export with `python -m dflash_export build --dtype fp16 ...` (the graph "
+            "keeps the state math fp32; strongly typed build), or build `--precision fp32` engines"
+        )
     if major >= 11:
         raise DFlashError(
             f"TensorRT {trt_version} builds strongly typed networks only, so the ONNX must already carry {precision}; "
@@ -221,7 +250,8 @@ def build_engines(
         real_trt, real_gpu = require_tensorrt(exporting=False)
         trt, gpu = trt or real_trt, gpu or real_gpu
     version = str(trt.__version__)
-    plan = precision_plan(version, manifest["dtype"], precision)
+    hybrid = "linear_attention" in (manifest["target"].get("layer_types") or [])
+    plan = precision_plan(version, manifest["dtype"], precision, hybrid=hybrid)
     ranges = shape_ranges(manifest, max_block_size)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
