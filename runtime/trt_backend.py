@@ -14,6 +14,22 @@ shapes (runtime/profiles.py), `set_input_shape`, `set_tensor_address`, `execute_
 
 Engines are tied to the TensorRT version and GPU that built them: the manifest records both
 (`dflash_export/engine.py`) and loading elsewhere raises a DFlashError that says to rebuild.
+
+Hybrid targets (Qwen3.5, Gated DeltaNet layers): the session binds each GDN layer's states and
+pending/recorded rows through `runtime/recurrent.RecurrentState` like any other tensor: whole-buffer
+views for `conv_state_i` / `recurrent_state_i` and their outputs (offset 0, so always in place), row
+views from row 0 for `pending_*_i` and `qkv_i` / `a_i` / `b_i`; inputs and outputs are different
+buffers (two sets used in turn), so nothing is read and written in place. The recurrent state is
+fp32 in every engine (also fp16 ones): the engine's IO dtypes are checked against the manifest at
+load and against the bound buffers once per call shape. The attention layers' K/V keep the model's
+layer indices (`past_key_3`, ...). The profiles are `runtime.profiles.shape_ranges`' (pending rows,
+T + N <= max_call_rows).
+
+Everything here is written against TensorRT's documented Python API (10.3 through 11.x:
+`deserialize_cuda_engine`, `get_tensor_profile_shape`, `set_optimization_profile_async`,
+`set_input_shape`, `set_tensor_address`, `execute_async_v3`) and, in this repository, has run only
+through the test double in tests/test_trt_backend_double.py (and tests/test_trt_hybrid_double.py for
+hybrid artifacts), never on TensorRT itself: scripts/gpu_check.sh is the check on a device.
 """
 
 from __future__ import annotations
@@ -272,9 +288,6 @@ class TrtBackend(CudaMemoryBackend):
 
     def __init__(self, artifact_dir: Path, manifest: dict, trt=None, cuda=None, gpu: dict | None = None):
         artifact_dir = Path(artifact_dir)
-        if "linear_attention" in (manifest["target"].get("layer_types") or []):
-            raise DFlashError(f"{artifact_dir} has a hybrid (Gated DeltaNet) target: its TensorRT optimization profiles "
-                              "(state and pending-row inputs) are not written yet; use --backend ort or ort-cuda")
         section = manifest.get("trt")
         if not section:
             raise DFlashError(
@@ -348,8 +361,8 @@ class TrtBackend(CudaMemoryBackend):
             shape = tuple(int(x) for x in ctx.get_tensor_shape(name))
             ctx.set_tensor_address(name, self._scratch_for(graph, name, self.io_dtypes[graph][name], shape).buffer.ptr)
         key = (graph, tuple(shapes.items()), tuple((n, v.shape) for n, v in outputs.items()))
-        if key not in self._checked:  # once per distinct call shape: outputs must fit their views
-            self._check_outputs(graph, ctx, outputs)
+        if key not in self._checked:  # once per distinct call shape: dtypes match, outputs fit their views
+            self._check_io(graph, ctx, inputs, outputs)
             self._checked.add(key)
         if not ctx.execute_async_v3(self.stream):
             raise DFlashError(f"TensorRT failed to run the {graph} engine (see its log above)")
@@ -358,7 +371,13 @@ class TrtBackend(CudaMemoryBackend):
     def _versions(self) -> dict:
         return {"tensorrt": str(self.trt.__version__)}
 
-    def _check_outputs(self, graph: str, ctx, outputs: dict[str, View]) -> None:
+    def _check_io(self, graph: str, ctx, inputs: dict[str, View], outputs: dict[str, View]) -> None:
+        """The bound buffers' dtypes are the engine's (e.g. a hybrid's fp32 recurrent state in an fp16
+        engine), and each output view has exactly the shape the engine will write."""
+        for name, v in inputs.items():
+            want = self.io_dtypes[graph].get(name)  # (an unknown name has no profile: select_profile refused it)
+            if want is not None and want != v.buffer.dtype:
+                raise DFlashError(f"{graph} input {name}: the engine takes {want}, the runtime bound {v.buffer.dtype}")
         for name, v in outputs.items():
             shape = tuple(int(x) for x in ctx.get_tensor_shape(name))
             if shape != tuple(v.shape) or self.io_dtypes[graph][name] != v.buffer.dtype:

@@ -1,14 +1,17 @@
 """The TensorRT backend's and engine builder's OWN code, run against a TEST DOUBLE of TensorRT and CUDA.
 
 THIS IS NOT TENSORRT VERIFICATION. `FakeTensorRT` implements only the few TensorRT Python calls
-that dflash_export/engine.py and runtime/trt_backend.py make, and "executes" an engine with
-onnxruntime on the ONNX graph it was built from; `FakeCuda` stands in for Polygraphy's libcudart
+that dflash_export/engine.py and runtime/trt_backend.py make (both are written against TensorRT's
+documented Python API, 10.3 through 11.x, and have run only through this double here), and
+"executes" an engine with onnxruntime on the ONNX graph it was built from; `FakeCuda` stands in for Polygraphy's libcudart
 wrapper with host memory. What this does check: profile derivation and selection (the double
-refuses input shapes outside the active profile, as TensorRT does), 256-byte address alignment
+refuses input shapes outside the active profile, as TensorRT does, and a profile that lacks a
+dynamic input or contradicts a static dim of the ONNX graph), 256-byte address alignment
 (the double refuses misaligned addresses, as TensorRT does) and the scratch-and-copy path, that
 only device pointers are bound and copies go in the declared direction, the manifest's "trt"
 section and its atomic update, the precision plan, and the version/GPU refusal. Real engines are
-checked by scripts/gpu_check.sh on a machine with a GPU and TensorRT.
+checked by scripts/gpu_check.sh on a machine with a GPU and TensorRT. Hybrid (Qwen3.5) artifacts
+through the same double: tests/test_trt_hybrid_double.py.
 """
 
 from __future__ import annotations
@@ -109,6 +112,17 @@ class FakeTensorRT:
             def build_serialized_network(self, network, config):
                 if fake.fail_graph and network.onnx.endswith(fake.fail_graph):
                     return None
+                for i, prof in enumerate(config.profiles):  # what TensorRT refuses in a profile
+                    for name, dims in network.inputs.items():
+                        dynamic = any(not isinstance(d, int) for d in dims)
+                        assert name in prof.shapes or not dynamic, f"profile {i}: no shape for dynamic input {name}"
+                        if name not in prof.shapes:
+                            continue
+                        for which in prof.shapes[name]:
+                            assert len(which) == len(dims), f"profile {i}: {name} rank {len(which)} != {len(dims)}"
+                            assert all(not isinstance(d, int) or d == x for d, x in zip(dims, which)), \
+                                f"profile {i}: {name} {which} contradicts its static dims {dims}"
+                    assert set(prof.shapes) <= set(network.inputs), f"profile {i}: unknown inputs"
                 rec = {"onnx": network.onnx, "flags": sorted(config.flags), "strongly_typed": bool(network.flags & 32),
                        "profiles": [p.shapes for p in config.profiles],
                        "pinned": [l.outputs[0].name for l in network.layers if l.precision is not None]}
@@ -126,6 +140,11 @@ class FakeTensorRT:
                 self.network.onnx = path
                 model = onnx.load(path, load_external_data=False)
                 self.network.layers = [FakeLayer(n.output) for n in model.graph.node]
+                self.network.inputs = {  # static dims as ints, symbolic ones by name
+                    i.name: [d.dim_value if d.HasField("dim_value") else d.dim_param
+                             for d in i.type.tensor_type.shape.dim]
+                    for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}
+                }
                 return True
 
             def get_error(self, i):
@@ -166,7 +185,7 @@ class FakeLayer:
 
 class FakeNetwork:
     def __init__(self, flags):
-        self.flags, self.onnx, self.layers = flags, None, []
+        self.flags, self.onnx, self.layers, self.inputs = flags, None, [], {}
 
     @property
     def num_layers(self):
@@ -258,6 +277,7 @@ class FakeContext:
         self.engine, self.profile = engine, 0
         self.shapes, self.addresses = {}, {}
         self.switches = self.runs = 0
+        self.history: list[tuple[int, dict]] = []  # (profile, input shapes) of every execute
 
     def set_optimization_profile_async(self, p, stream):
         assert stream == 0xC0DE
@@ -305,6 +325,7 @@ class FakeContext:
             binding.bind_output(name, "cpu", 0, dtype, list(out_shapes[name]), self.addresses[name])
         self.engine.session.run_with_iobinding(binding)
         self.runs += 1
+        self.history.append((self.profile, dict(self.shapes)))
         return True
 
 
