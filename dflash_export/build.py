@@ -191,13 +191,14 @@ def _export_streamed_target(tspec: TargetSpec, dspec: DraftSpec, tsource: Weight
     return tsource.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(), head_config
 
 
-def _export_hybrid_target(tspec: TargetSpec, dspec: DraftSpec, path: Path, torch_dtype):
-    """Export a Qwen3.5 hybrid target (`qwen3_5_target`; fp32 or fp16). Returns the mask embedding row (fp32)."""
+def _export_hybrid_target(tspec: TargetSpec, dspec: DraftSpec, path: Path, torch_dtype, qconfig):
+    """Export a Qwen3.5 hybrid target (`qwen3_5_target`; fp32 or fp16, INT4 with `qconfig`). Returns the
+    mask embedding row (fp32) and the quantized weights' names."""
     from .qwen3_5_target import build_module, export_hybrid_target
 
     module, embed = build_module(tspec, dspec.target_layer_ids, dspec.draft_vocab, torch_dtype)
-    export_hybrid_target(module, path)
-    return embed[dspec.mask_token_id].float().numpy()
+    names = export_hybrid_target(module, path, qconfig)
+    return embed[dspec.mask_token_id].float().numpy(), names
 
 
 def _proposal_head_config(choice: str, has_rows: bool, qconfig, hidden: int):
@@ -319,13 +320,14 @@ def build(
     t_start = time.perf_counter()
     # Validation prints nothing, so bad input gives exactly one error line.
     tspec, dspec, tsource, dstate, name = prepare_pair(target, draft)
-    if tspec.hybrid is not None and qconfig is not None:
-        raise DFlashError("Qwen3.5 hybrid targets export without --quant for now (their INT4 graphs are not "
-                          "validated yet); drop --quant int4")
+    if tspec.hybrid is not None and (quant_lm_head or proposal_head != "full"):
+        raise DFlashError("Qwen3.5 hybrid targets keep their LM head in the graph dtype for now: drop "
+                          "--quant-lm-head / --proposal-head int4")
     if draft_vocab == "full":
         dspec = replace(dspec, draft_vocab=None)
     head_name = "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
-    qnames = quantized_names(tsource.names(), tsource.shapes, qconfig, head_name) if qconfig else []
+    # (a hybrid's are taken from its export module's text names: qwen3_5_target.export_hybrid_target)
+    qnames = quantized_names(tsource.names(), tsource.shapes, qconfig, head_name) if qconfig and tspec.hybrid is None else []
     # the manifest's source hashes read every shard once more: done on a thread while the draft and
     # the target template trace (CPU-bound, the disk idle), not after the weights are written
     hashes = SourceHashes(tspec, dspec)
@@ -348,7 +350,8 @@ def build(
         title = "Qwen3.5 hybrid: weights loaded whole" if tspec.hybrid is not None else "weights are read as they are written"
         with stage(f"exporting target.onnx ({title})"):
             if tspec.hybrid is not None:
-                mask_row, head_config = _export_hybrid_target(tspec, dspec, tmp / "target.onnx", torch_dtype), None
+                (mask_row, qnames), head_config = _export_hybrid_target(tspec, dspec, tmp / "target.onnx", torch_dtype,
+                                                                        qconfig), None
             else:
                 mask_row, head_config = _export_streamed_target(tspec, dspec, tsource, tmp / "target.onnx", torch_dtype,
                                                                 qconfig, qnames, proposal_head, quiet)

@@ -30,9 +30,11 @@ import torch
 from runtime.errors import DFlashError
 
 QUANT_OPSET = 21
-# Decoder linear layers that become INT4 (HF names); the embedding, norms and the draft stay, and the
-# LM head too unless QuantConfig.lm_head.
-QUANTIZED_LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# Decoder linear layers that become INT4 (HF names; a Qwen3.5 hybrid's Gated DeltaNet projections too:
+# a/b with qkv/z, since the four share their input and are packed into one GEMM); the embedding, norms,
+# convs and the draft stay, and the LM head too unless QuantConfig.lm_head.
+QUANTIZED_LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj"
+                             r"|linear_attn\.(in_proj_(qkv|z|a|b)|out_proj))\.weight$")
 
 
 @dataclass(frozen=True)

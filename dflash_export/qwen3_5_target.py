@@ -133,9 +133,47 @@ def build_module(tspec: TargetSpec, tap_layers, draft_vocab, dtype) -> tuple[Hyb
     return module, embed
 
 
-def export_hybrid_target(module: HybridDFlashTarget, path: Path) -> None:
+def export_hybrid_target(module: HybridDFlashTarget, path: Path, qconfig=None) -> list[str]:
     """Trace and write the hybrid DFlash target graph (`export._export`: dynamo, opset 20, optimized,
-    shared-input GEMMs packed)."""
-    from .export import _export
+    shared-input GEMMs packed); with `qconfig`, its decoder linear layers (attention, MLP and the Gated
+    DeltaNet projections: `quantize.QUANTIZED_LAYER`) become INT4 weight-only as for Qwen3 targets.
 
-    _export(module, *export_inputs(module), Path(path))
+    Returns:
+        the quantized weights' names (empty without `qconfig`).
+    """
+    from .build import graph_weight_names
+    from .export import _export
+    from .quantize import quantized_names, rewrite_int4
+
+    if qconfig is None:
+        _export(module, *export_inputs(module), Path(path))
+        return []
+    shapes = {k: tuple(p.shape) for k, p in module.named_parameters()}
+    names = quantized_names(list(shapes), shapes, qconfig)
+    dtype = module.compute_dtype
+
+    def rewrite(model, packed):  # the weights are in memory: their values are the graph's initializers
+        chosen = graph_weight_names(names, packed, False)
+        done = {part for name in chosen for part in packed.get(name, [name])}
+        assert done == set(names), f"weights left unquantized by the GEMM packing: {sorted(set(names) - done)[:3]}"
+        values = {name: model.graph.initializers[name].const_value for name in chosen}  # kept past their removal
+
+        def read(name):
+            return torch.from_numpy(np.array(values[name].numpy())).to(dtype)
+        rewrite_int4(model, chosen, read, qconfig, dtype)
+    _export(module, *export_inputs(module), Path(path), rewrite=rewrite)
+    return names
+
+
+def dequantize_like_the_graph(module: HybridDFlashTarget, record: dict, graph_dtype: torch.dtype) -> None:
+    """Replace the quantized weights (the manifest's `quantization` record) of an fp32 reference module
+    by the values the INT4 graph computes with: quantized and dequantized as `build` did, in the graph
+    dtype (`check` then compares the graph with the model its weights define)."""
+    from .quantize import dequantize, quantize_rtn
+
+    block = int(record["block"])
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name in record["tensors"]:
+            w = params[name]
+            w.copy_(dequantize(*quantize_rtn(w.detach().to(graph_dtype), block, graph_dtype), block).to(w.dtype))

@@ -60,10 +60,12 @@ def reference_modules(manifest: dict):
     vocab = dspec.draft_vocab if manifest["draft"].get("draft_vocab_size") else None
     if vocab is not None and len(vocab) != manifest["draft"]["draft_vocab_size"]:
         raise DFlashError("the source checkpoints no longer describe this artifact (draft_vocab.json differs); rebuild it")
-    if tspec.hybrid is not None:  # Qwen3.5: fp32 graphs only (build refuses fp16 and INT4 hybrids)
-        from .qwen3_5_target import build_module
+    if tspec.hybrid is not None:  # Qwen3.5: weights loaded whole, in fp32
+        from .qwen3_5_target import build_module, dequantize_like_the_graph
 
         tmod = build_module(tspec, dspec.target_layer_ids, vocab, torch.float32)[0]
+        if manifest.get("quantization"):
+            dequantize_like_the_graph(tmod, manifest["quantization"], {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]])
         return tmod, _reference_draft(dspec, dstate)
     from .quantize import dequantized_source, head_rows_dequantizer
 

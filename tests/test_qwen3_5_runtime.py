@@ -200,15 +200,30 @@ def test_multimodal_checkpoint_exports_its_text_model(hybrid, tmp_path):
         assert torch.equal(a, b)
 
 
-def test_fp16_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_path):
-    """fp16 graphs (norms, the decay parameters A_log / dt_bias and the recurrent state stay fp32):
-    `check` within the fp16 tolerances, and speculative == plain on the fp16 artifact."""
+def test_fp16_int4_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_path):
+    """fp16 graphs with INT4 weights (norms, the decay parameters A_log / dt_bias and the recurrent
+    state stay fp32; every attention, MLP and Gated DeltaNet projection is INT4 in the DequantizeLinear
+    form): `check` against the dequantized model within the fp16 tolerances, onnxruntime fuses the
+    weights into MatMulNBits, and speculative == plain on the artifact."""
+    import onnx
+    import onnxruntime as ort
+
     from dflash_export.check import run_check
+    from runtime.ort_backend import disabled_optimizers
 
     _, art = hybrid
-    out = tmp_path / "fp16"
-    build(str(art.parent / "target"), None, out, max_seq_len=128, dtype="fp16", quiet=True)
+    out = tmp_path / "int4"
+    m = build(str(art.parent / "target"), None, out, max_seq_len=128, dtype="fp16", quant="int4", quant_block=16, quiet=True)
+    gdn = [n for n in m["quantization"]["tensors"] if ".linear_attn." in n]
+    # 3 GDN layers x 5 projections, 1 attention layer x 4, 4 MLPs x 3
+    assert len(gdn) == 3 * 5 and m["quantization"]["quantized_tensors"] == len(gdn) + 4 + 4 * 3
     assert run_check(out).passed
+    opts = ort.SessionOptions()
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(out / "target.onnx"), opts, providers=["CPUExecutionProvider"],
+                         disabled_optimizers=disabled_optimizers(m))
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
+    assert ops.count("MatMulNBits") >= 3 * 4 + 4 and "DequantizeLinear" not in ops
     sess = runtime.load(out)
     prompt = [5, 17, 33, 8, 61, 2, 99, 14]
     kw = dict(max_new_tokens=30, stop_token_ids=[], reuse_prefix=False)
