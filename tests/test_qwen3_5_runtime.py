@@ -65,10 +65,12 @@ def test_plain_decoding_equals_hugging_face(hybrid):
     assert plain == hf_greedy(model, prompt, 12)
 
 
-def test_long_prompt_is_fed_in_chunks_and_matches_hugging_face(hybrid):
+@pytest.mark.parametrize("length", [150, 210])
+def test_long_prompt_is_fed_in_chunks_and_matches_hugging_face(hybrid, length):
+    """Prompts of several 64-row calls (150: 64 + 64 + 22 rows; 210: decoding at positions past 200)."""
     model, art = hybrid
     sess = runtime.load(art)
-    prompt = np.random.default_rng(1).integers(0, VOCAB, 150).tolist()  # three calls: 64 + 64 + 22 rows
+    prompt = np.random.default_rng(1).integers(0, VOCAB, length).tolist()
     out = sess.generate(prompt, max_new_tokens=6, stop_token_ids=[], block_size=1, reuse_prefix=False).output_ids
     assert out == hf_greedy(model, prompt, 6)
 
