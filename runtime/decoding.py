@@ -212,8 +212,12 @@ class Session:
         if verify_len is None or verify_len == "auto":
             if self.call_costs is None:
                 self.set_sampling(0.0)
-                self.call_costs, _ = call_costs.load_or_measure(self)
-                self.forget_context()  # the measurement wrote over the caches
+                how = "failed"
+                try:
+                    self.call_costs, how = call_costs.load_or_measure(self)
+                finally:
+                    if how != "cached":  # a measurement (even a failed one) wrote over the caches
+                        self.forget_context()
             if block_size not in self.auto:
                 self.auto[block_size] = AdaptiveLength(self.call_costs, AcceptanceEstimate(self.acceptance_prior, block_size - 1))
             return self.auto[block_size]
@@ -391,9 +395,17 @@ class Session:
         return self.generate(messages=messages, **options)
 
     def reset(self) -> None:
-        """Forget the cached context: the next request prefills from position 0."""
-        with self._lock:
+        """Forget the cached context: the next request prefills from position 0.
+
+        Raises:
+            DFlashError: a generation is running on this session (close its stream first).
+        """
+        if not self._lock.acquire(blocking=False):
+            raise DFlashError("this Session is generating (a stream is open); close the stream before reset()")
+        try:
             self.forget_context()
+        finally:
+            self._lock.release()
 
     def check_request(self, ids: list[int], opts: GenerationOptions) -> int:
         """The block size a request of prompt `ids` with `opts` runs at, after checking it against this

@@ -286,3 +286,33 @@ def test_keep_logits_binds_the_logits(qwen):
     posterior, _ = sess.read_ids(0)
     logits = sess.backend.read(sess.logits.rows(0, 1))
     assert np.isfinite(logits).all() and int(np.argmax(logits[0])) == int(posterior[0])
+
+
+def test_a_failed_cost_measurement_forgets_the_cached_context(qwen, monkeypatch):
+    """The first auto request measures step costs on the session's buffers; if that fails half-way, the
+    rows it overwrote must not be reused by the next request (found by an adversarial review)."""
+    sess = runtime.load(qwen.artifact)
+    prompt = [5, 17, 33, 8, 61]
+    first = sess.generate(prompt, max_new_tokens=10, stop_token_ids=[], block_size=1)
+    assert len(sess.context.ids) > 0
+
+    def broken(session):
+        session.run_target(1, 3, 5)  # writes over cached rows, then fails
+        raise DFlashError("transient backend failure")
+    monkeypatch.setattr(call_costs, "load_or_measure", broken)
+    with pytest.raises(DFlashError, match="transient"):
+        sess.generate(prompt + first.output_ids, max_new_tokens=5, stop_token_ids=[])
+    assert sess.context.ids == []
+    follow = sess.generate(prompt + first.output_ids, max_new_tokens=6, stop_token_ids=[], block_size=1)
+    fresh = runtime.load(qwen.artifact).generate(prompt + first.output_ids, max_new_tokens=6, stop_token_ids=[], block_size=1)
+    assert follow.reused_tokens == 0 and follow.output_ids == fresh.output_ids
+
+
+def test_reset_while_a_stream_is_open_is_refused(qwen):
+    sess = runtime.load(qwen.artifact)
+    with sess.stream([5, 17, 33], max_new_tokens=8, stop_token_ids=[], block_size=1) as stream:
+        next(iter(stream))
+        with pytest.raises(DFlashError, match="close the stream before reset"):
+            sess.reset()
+    sess.reset()  # closed: allowed
+    assert sess.context.ids == []
