@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Device memory of a DFlash pair (Qwen3 target + 5-layer draft) at fp16, per Jetson device.
+"""Device memory of a DFlash pair (Qwen3 or Qwen3.5 hybrid target + 5-layer draft) at fp16, per Jetson device.
 
     python scripts/memory_table.py [--max-seq-len 2048] [--block-size 16] [--markdown]
 
@@ -14,6 +14,10 @@
   estimate, not a measurement.
 - Fit: against device memory minus a reserve for the OS, CUDA/TensorRT context and the process
   (`--reserve-gib`, default 2.5). Jetson memory is shared by CPU and GPU.
+
+Qwen3.5 hybrids: KV buffers for their 8 attention layers only; "other buffers" include the runtime's two
+Gated DeltaNet state sets and recorded-row sets (`runtime.recurrent`), constant in max_seq_len; the draft
+layout is the same 5-layer one (ASSUMED: the released drafts' configs were not available here).
 
 Draft layout: the released z-lab Qwen3-4B/8B drafts (5 layers, target hidden/intermediate, 32/8/128
 heads, 5 taps, block 16); for 0.6B/1.7B, which have no released draft, the same 5-layer layout at
@@ -40,6 +44,15 @@ QWEN3 = {
     "Qwen3-4B": dict(layers=36, hidden=2560, heads=32, kv_heads=8, head_dim=128, inter=9728, vocab=151936, tie=True),
     "Qwen3-8B": dict(layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=12288, vocab=151936, tie=False),
 }
+# Qwen3.5 hybrids (Gated DeltaNet + every 4th layer full attention). 32 layers, hidden, 16/4 heads, head_dim 256,
+# vocab 248320 and 8 attention layers are published figures; intermediate (4B), tying and the GDN head layout
+# (16 key heads, 32 value heads, 128 wide, conv 4: transformers' Qwen3_5TextConfig defaults) are ASSUMED.
+QWEN3_5 = {
+    "Qwen3.5-4B": dict(layers=32, hidden=2560, heads=16, kv_heads=4, head_dim=256, inter=9216, vocab=248320, tie=True,
+                       k_heads=16, v_heads=32, gdn_dim=128, conv=4, attention_every=4),
+    "Qwen3.5-9B": dict(layers=32, hidden=4096, heads=16, kv_heads=4, head_dim=256, inter=12288, vocab=248320, tie=False,
+                       k_heads=16, v_heads=32, gdn_dim=128, conv=4, attention_every=4),
+}
 DRAFT_LAYERS, DRAFT_TAPS = 5, 5
 DEVICES = {  # total memory (GiB, shared CPU/GPU)
     "Orin Nano 8GB": 8,
@@ -65,6 +78,28 @@ def _layer_bytes(c: dict, int4: bool = False) -> int:
     norms = 2 * h + 2 * c["head_dim"]  # input/post-attention norms, q_norm/k_norm (fp32)
     per_weight = 0.5 + FP16 / INT4_BLOCK if int4 else FP16
     return int(mats * per_weight) + norms * FP32
+
+
+def hybrid_types(t: dict) -> list[str]:
+    return ["full_attention" if (i + 1) % t["attention_every"] == 0 else "linear_attention" for i in range(t["layers"])]
+
+
+def _gdn_layer_bytes(t: dict, int4: bool) -> int:
+    h, inter = t["hidden"], t["inter"]
+    conv_dim = 2 * t["k_heads"] * t["gdn_dim"] + t["v_heads"] * t["gdn_dim"]
+    mats = h * conv_dim + h * t["v_heads"] * t["gdn_dim"] + 2 * h * t["v_heads"] + t["v_heads"] * t["gdn_dim"] * h + 3 * h * inter
+    per_weight = 0.5 + FP16 / INT4_BLOCK if int4 else FP16
+    return int(mats * per_weight) + conv_dim * t["conv"] * FP16 + (2 * h + t["gdn_dim"] + 2 * t["v_heads"]) * FP32
+
+
+def hybrid_weight_bytes(t: dict, d: dict, int4: bool = False) -> tuple[int, int]:
+    """(target, draft) weight bytes of a Qwen3.5 hybrid: GDN layers, gated attention layers (q_proj emits
+    query and gate: twice the query width), embedding/head fp16, norms and decay parameters fp32."""
+    types = hybrid_types(t)
+    attn = dict(t, heads=2 * t["heads"])  # the output gate doubles q_proj's rows
+    target = (types.count("linear_attention") * _gdn_layer_bytes(t, int4) + types.count("full_attention") * _layer_bytes(attn, int4)
+              + t["vocab"] * t["hidden"] * FP16 * (1 if t["tie"] else 2) + t["hidden"] * FP32)
+    return target, weight_bytes(t, d)[1]
 
 
 def weight_bytes(t: dict, d: dict, int4: bool = False) -> tuple[int, int]:
@@ -99,10 +134,15 @@ def runtime_buffer_bytes(t: dict, d: dict, max_seq_len: int, block_size: int) ->
     """Bytes the runtime allocates for this pair: `Session._allocate` itself, on a counting backend."""
     from runtime.decoding import Session
 
+    target = {"num_layers": t["layers"], "hidden_size": t["hidden"], "num_kv_heads": t["kv_heads"],
+              "head_dim": t["head_dim"], "vocab_size": t["vocab"]}
+    if "k_heads" in t:  # a hybrid: KV for its attention layers only, plus the runtime's Gated DeltaNet state sets
+        target.update(layer_types=hybrid_types(t), max_call_rows=64, gdn={
+            "conv_kernel": t["conv"], "conv_dim": 2 * t["k_heads"] * t["gdn_dim"] + t["v_heads"] * t["gdn_dim"],
+            "num_value_heads": t["v_heads"], "key_head_dim": t["gdn_dim"], "value_head_dim": t["gdn_dim"]})
     manifest = {
         "max_seq_len": max_seq_len,
-        "target": {"num_layers": t["layers"], "hidden_size": t["hidden"], "num_kv_heads": t["kv_heads"],
-                   "head_dim": t["head_dim"], "vocab_size": t["vocab"]},
+        "target": target,
         "draft": {"num_layers": d["layers"], "num_kv_heads": d["kv_heads"], "head_dim": d["head_dim"],
                   "target_layer_ids": list(range(d["taps"])), "block_size": block_size},
         "mask_embedding": "mask.npy",
@@ -112,13 +152,15 @@ def runtime_buffer_bytes(t: dict, d: dict, max_seq_len: int, block_size: int) ->
         sess = Session.__new__(Session)
         sess.manifest, sess.backend, sess.artifact_dir = manifest, CountingBackend(), Path(tmp)
         sess.dtype, sess.max_seq_len, sess.block_size = np.dtype(np.float16), max_seq_len, block_size
+        sess.keep_logits = True  # counted: the fp32 logits rows the loop may read
         sess._allocate()
         return sess.backend.bytes
 
 
 def kv_bytes(t: dict, d: dict, max_seq_len: int) -> int:
-    """The K/V part of the runtime buffers (2 per layer, [max_seq_len, Hkv, D] fp16)."""
-    return 2 * max_seq_len * FP16 * (t["layers"] * t["kv_heads"] * t["head_dim"] + d["layers"] * d["kv_heads"] * d["head_dim"])
+    """The K/V part of the runtime buffers (2 per attention layer, [max_seq_len, Hkv, D] fp16)."""
+    attn_layers = hybrid_types(t).count("full_attention") if "k_heads" in t else t["layers"]
+    return 2 * max_seq_len * FP16 * (attn_layers * t["kv_heads"] * t["head_dim"] + d["layers"] * d["kv_heads"] * d["head_dim"])
 
 
 def activation_bytes(t: dict, d: dict, max_seq_len: int, max_block: int = 64) -> int:
@@ -133,6 +175,11 @@ def activation_bytes(t: dict, d: dict, max_seq_len: int, max_block: int = 64) ->
         mlp = 3 * rows * c["inter"] * FP16
         return hidden + qkv + max(scores, mlp)
 
+    if "k_heads" in t:  # a hybrid feeds its prompt in calls of 64 rows: no [S, S] prefill scores
+        attn = dict(t, heads=2 * t["heads"])
+        gdn_chunk = t["v_heads"] * mb * (mb + 4 * t["gdn_dim"]) * FP32 * 4  # WY matrices and per-row q/k/v/decays
+        target = max(layer(attn, mb, S), gdn_chunk) + 4 * mb * t["vocab"] * FP32
+        return target + max(layer(d, mb, S + mb) + (mb) * d["taps"] * d["hidden"] * FP32 * 2, layer(d, mb, S + mb))
     prefill = layer(t, S - 1, S - 1)
     verify = layer(t, mb, S) + 4 * mb * t["vocab"] * FP32  # logits, softmax, cumsum, compare (sampling path)
     target = max(prefill, verify)
@@ -143,9 +190,9 @@ def activation_bytes(t: dict, d: dict, max_seq_len: int, max_block: int = 64) ->
 
 def rows(max_seq_len: int, block_size: int, reserve_gib: float, int4: bool = False) -> list[dict]:
     out = []
-    for name, t in QWEN3.items():
+    for name, t in {**QWEN3, **QWEN3_5}.items():
         d = draft_config(t)
-        wt, wd = weight_bytes(t, d, int4)
+        wt, wd = hybrid_weight_bytes(t, d, int4) if "k_heads" in t else weight_bytes(t, d, int4)
         buffers = runtime_buffer_bytes(t, d, max_seq_len, block_size)
         kv = kv_bytes(t, d, max_seq_len)
         act = activation_bytes(t, d, max_seq_len)
