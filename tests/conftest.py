@@ -139,3 +139,12 @@ def smollm2_artifact(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "art"
     build(None, None, out, max_seq_len=256, quiet=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def hybrid_pair(tmp_path_factory):
+    """A tiny random Qwen3.5 hybrid checkpoint and its artifact (`hybrid_fixtures.make_hybrid`), built
+    once per session (about a minute) for the hybrid runtime, check and TensorRT-double tests."""
+    from hybrid_fixtures import make_hybrid
+
+    return make_hybrid(tmp_path_factory.mktemp("qwen3_5"))

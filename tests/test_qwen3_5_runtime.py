@@ -12,33 +12,13 @@ import torch
 import runtime
 from dflash_export.build import build
 
-VOCAB = 256
-CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-              layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-              num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-              linear_key_head_dim=16, linear_num_value_heads=4, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-              tie_word_embeddings=True, eos_token_id=None,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+from hybrid_fixtures import CONFIG, VOCAB, oracle_draft
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    """(HF model, artifact dir) of a random tiny Qwen3.5 target with an untrained draft."""
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3_5TextConfig(**CONFIG)
-    cfg._attn_implementation = "eager"
-    model = transformers.Qwen3_5ForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger weights than the init: every part of the layers must matter
-        for name, p in model.named_parameters():
-            if p.ndim == 2 and "embed" not in name:
-                p.mul_(3.0)
-    root = tmp_path_factory.mktemp("qwen3_5")
-    model.save_pretrained(root / "target", safe_serialization=True)
-    art = root / "artifact"
-    build(str(root / "target"), None, art, max_seq_len=256, quiet=True)
-    return model, art
+def hybrid(hybrid_pair):
+    """(HF model, artifact dir) of the session's tiny random Qwen3.5 target with an untrained draft."""
+    return hybrid_pair.model, hybrid_pair.artifact
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -73,39 +53,6 @@ def test_long_prompt_is_fed_in_chunks_and_matches_hugging_face(hybrid, length):
     prompt = np.random.default_rng(1).integers(0, VOCAB, length).tolist()
     out = sess.generate(prompt, max_new_tokens=6, stop_token_ids=[], block_size=1, reuse_prefix=False).output_ids
     assert out == hf_greedy(model, prompt, 6)
-
-
-def oracle_draft(sess, reference: list[int], wrong: float):
-    """Replace the draft call: its hidden rows make the target's head propose the reference
-    continuation (the embedding row of the wanted token, scaled: tied head), except that a fraction
-    `wrong` of the proposals (drawn with a fixed seed) is another token, so blocks are accepted whole
-    and rejected part-way."""
-    table = _embedding_table(sess).astype(np.float32)
-    rng = np.random.default_rng(0)
-
-    def run_draft(n_context, past, block_size, taps_row=0):
-        start = len(sess.context.ids) + 1  # proposal 1 is the token after the anchor
-        rows = []
-        for j in range(block_size - 1):
-            pos = start + j
-            token = reference[pos] if pos < len(reference) else 0
-            if rng.random() < wrong:
-                token = (token + 1) % VOCAB
-            rows.append(table[token] * 20.0)
-        sess.backend.write(sess.draft_hidden.rows(0, block_size - 1), np.stack(rows).astype(sess.dtype))
-    sess.run_draft = run_draft
-
-
-def _embedding_table(sess) -> np.ndarray:
-    import onnx
-    from onnx import numpy_helper
-
-    graph = onnx.load(str(sess.artifact_dir / "target.onnx")).graph
-    for init in graph.initializer:
-        arr = numpy_helper.to_array(init)
-        if arr.shape == (VOCAB, CONFIG["hidden_size"]):
-            return arr
-    raise AssertionError("no embedding table in the target graph")
 
 
 @pytest.mark.parametrize("verify_len", ["all", 3])

@@ -16,7 +16,7 @@ as fp32 and a dtype mismatch is refused. Not checked: TensorRT itself (kernels, 
 a device, fp16 numerics), and fp16 hybrid engines (an fp16 export would double this file's build
 time; the strongly typed path is the Qwen3 one, with IO dtypes read from the engine).
 
-The hybrid is built once for this module (about 60 s), as tests/test_qwen3_5_runtime.py's fixture.
+The hybrid artifact is built once per session (`hybrid_pair`, tests/hybrid_fixtures.py).
 """
 
 from __future__ import annotations
@@ -28,74 +28,23 @@ import pytest
 
 from test_trt_backend_double import GPU, FakeTensorRT, doubles  # noqa: F401 - `doubles` is a fixture
 
-VOCAB = 256
-# the attention layer is layer 3: its caches are past_key_3 / past_value_3 (there is no past_key_0)
-CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-              layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-              num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-              linear_key_head_dim=16, linear_num_value_heads=4, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-              tie_word_embeddings=True, eos_token_id=None,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+from hybrid_fixtures import VOCAB, oracle_draft
+
 PROMPT = [5, 17, 33, 8, 61, 2, 99, 14]
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    """(artifact with fake fp32 engines, its manifest, the FakeTensorRT that built them) of a random tiny
-    Qwen3.5 target with an untrained draft (copied from tests/test_qwen3_5_runtime.py's fixture)."""
-    import torch
-    import transformers
-
-    from dflash_export.build import build
+def hybrid(hybrid_pair, tmp_path_factory):
+    """(artifact with fake fp32 engines, its manifest, the FakeTensorRT that built them): a copy of the
+    session's tiny random Qwen3.5 artifact (`hybrid_fixtures`, the attention layer is layer 3, so there
+    is no past_key_0) with engines built through the double."""
     from dflash_export.engine import build_engines
 
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3_5TextConfig(**CONFIG)
-    cfg._attn_implementation = "eager"
-    model = transformers.Qwen3_5ForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger weights than the init: every part of the layers must matter
-        for name, p in model.named_parameters():
-            if p.ndim == 2 and "embed" not in name:
-                p.mul_(3.0)
-    root = tmp_path_factory.mktemp("trt_hybrid")
-    model.save_pretrained(root / "target", safe_serialization=True)
-    src = root / "artifact"
-    build(str(root / "target"), None, src, max_seq_len=256, quiet=True)
-    out = root / "engines"
-    shutil.copytree(src, out)
+    out = tmp_path_factory.mktemp("trt_hybrid") / "engines"
+    shutil.copytree(hybrid_pair.artifact, out)
     fake = FakeTensorRT("10.3.0.30")
     manifest = build_engines(out, precision="fp32", trt=fake, gpu=GPU, quiet=True)
     return out, manifest, fake
-
-
-def oracle_draft(sess, reference: list[int], wrong: float):
-    """Replace the draft call (as tests/test_qwen3_5_runtime.py does): hidden rows that make the tied
-    head propose the reference continuation, a seeded fraction `wrong` of them another token."""
-    table = _embedding_table(sess).astype(np.float32)
-    rng = np.random.default_rng(0)
-
-    def run_draft(n_context, past, block_size, taps_row=0):
-        start = len(sess.context.ids) + 1
-        rows = []
-        for j in range(block_size - 1):
-            pos = start + j
-            token = reference[pos] if pos < len(reference) else 0
-            if rng.random() < wrong:
-                token = (token + 1) % VOCAB
-            rows.append(table[token] * 20.0)
-        sess.backend.write(sess.draft_hidden.rows(0, block_size - 1), np.stack(rows).astype(sess.dtype))
-    sess.run_draft = run_draft
-
-
-def _embedding_table(sess) -> np.ndarray:
-    import onnx
-    from onnx import numpy_helper
-
-    for init in onnx.load(str(sess.artifact_dir / "target.onnx")).graph.initializer:
-        arr = numpy_helper.to_array(init)
-        if arr.shape == (VOCAB, CONFIG["hidden_size"]):
-            return arr
-    raise AssertionError("no embedding table in the target graph")
 
 
 def _record(sess) -> list[tuple[str, dict, dict]]:

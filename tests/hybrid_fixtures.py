@@ -1,0 +1,77 @@
+"""A tiny random Qwen3.5 hybrid for the tests (3 Gated DeltaNet layers, then 1 full-attention layer:
+its caches are past_key_3 / past_value_3), and an oracle draft that makes speculation accept and
+reject blocks on purpose. The artifact is built once per session (`hybrid_pair` in conftest.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+VOCAB = 256
+CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+              layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+              linear_key_head_dim=16, linear_num_value_heads=4, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+              tie_word_embeddings=True, eos_token_id=None,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+
+
+@dataclass
+class HybridPair:
+    model: object  # the transformers Qwen3_5ForCausalLM (eager attention), the numerical reference
+    target_dir: Path  # its safetensors checkpoint
+    artifact: Path  # `build` of it with an untrained draft, fp32, max_seq_len 256
+
+
+def make_hybrid(root: Path) -> HybridPair:
+    """Save a seeded random Qwen3_5ForCausalLM under `root/target` and build `root/artifact`."""
+    import torch
+    import transformers
+
+    from dflash_export.build import build
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3_5TextConfig(**CONFIG)
+    cfg._attn_implementation = "eager"
+    model = transformers.Qwen3_5ForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger weights than the init: every part of the layers must matter
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed" not in name:
+                p.mul_(3.0)
+    model.save_pretrained(root / "target", safe_serialization=True)
+    build(str(root / "target"), None, root / "artifact", max_seq_len=256, quiet=True)
+    return HybridPair(model, root / "target", root / "artifact")
+
+
+def oracle_draft(sess, reference: list[int], wrong: float) -> None:
+    """Replace the session's draft call: its hidden rows make the target's (tied) head propose the
+    reference continuation (the wanted token's embedding row, scaled), except that a seeded fraction
+    `wrong` of the proposals is another token, so blocks are accepted whole and rejected part-way."""
+    table = embedding_table(sess).astype(np.float32)
+    rng = np.random.default_rng(0)
+
+    def run_draft(n_context, past, block_size, taps_row=0):
+        start = len(sess.context.ids) + 1  # proposal 1 is the token after the anchor
+        rows = []
+        for j in range(block_size - 1):
+            pos = start + j
+            token = reference[pos] if pos < len(reference) else 0
+            if rng.random() < wrong:
+                token = (token + 1) % VOCAB
+            rows.append(table[token] * 20.0)
+        sess.backend.write(sess.draft_hidden.rows(0, block_size - 1), np.stack(rows).astype(sess.dtype))
+    sess.run_draft = run_draft
+
+
+def embedding_table(sess) -> np.ndarray:
+    """The target graph's `[VOCAB, hidden]` embedding initializer."""
+    import onnx
+    from onnx import numpy_helper
+
+    for init in onnx.load(str(sess.artifact_dir / "target.onnx")).graph.initializer:
+        arr = numpy_helper.to_array(init)
+        if arr.shape == (VOCAB, CONFIG["hidden_size"]):
+            return arr
+    raise AssertionError("no embedding table in the target graph")
