@@ -64,7 +64,9 @@ def test_serve_command_end_to_end(chat_art, ref):
     address, answers, shuts down on Ctrl-C."""
     argv = cli_without(("torch", "transformers", "dflash_export"), "serve", str(chat_art), "--port", "0",
                        "--model-name", MODEL, "--queue-size", "4")
-    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
+    # Ctrl-C must reach it even when the tests run as a background job (which starts with SIGINT ignored)
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = [proc.stderr.readline()]
         while not lines[-1].startswith("serving") and lines[-1] and len(lines) < 50:  # past any library warning

@@ -422,10 +422,11 @@ def test_tiny_train_inherits_shape_saves_on_interrupt_and_resumes(tmp_path, tmp_
         return real_loss(*a, **k)
 
     monkeypatch.setattr(train_mod, "block_loss", interrupting_loss)
+    handler = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN under a background job
     assert main(base + ["--init-from", str(ck / "draft"), "--steps", "6"]) == 130
     err = capsys.readouterr().err
     assert f"training interrupted after step 3; its state is saved: rerun the same command with --resume {out} instead of --init-from" in err
-    assert not (out / "config.json").exists() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert not (out / "config.json").exists() and signal.getsignal(signal.SIGINT) is handler  # restored
     assert json.loads((out / "train_state" / "state.json").read_text())["step"] == 3
     monkeypatch.undo()
     assert main(base + ["--init-from", str(ck / "draft"), "--steps", "6"]) == 2
