@@ -20,8 +20,12 @@ import torch
 ATOL = 1e-4
 
 
-def reference_draft(state, cfg, context_hidden, block_emb, rope_theta=None):
+def reference_draft(state, cfg, context_hidden, block_emb, rope_theta=None, rope_tables=None):
     """Plain DFlash draft forward over the WHOLE context (no cache).
+
+    `rope_tables(cfg, positions)`, when given, supplies the cos/sin tables `[S, D]` (e.g. transformers'
+    own, for scaled RoPE); layers the config lists as `sliding_attention` mask keys with |i - j| >=
+    `sliding_window` (tests/test_sliding_drafts.py).
 
     Returns (draft_hidden [B-1, d], [K_ctx_0, V_ctx_0, K_ctx_1, ...] each [C, Hkv, D]) in float64.
     """
@@ -37,17 +41,22 @@ def reference_draft(state, cfg, context_hidden, block_emb, rope_theta=None):
     def lin(x, name):
         return x @ w[name].T
 
-    def rope(x, pos):  # x [S, heads, D]; HF rotate_half layout. Angles in fp32 as Hugging Face computes them.
-        inv = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
-        ang = (pos.float()[:, None] * inv[None, :]).to(f64)
-        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
-        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
     ctx = rms(lin(context_hidden.to(f64), "fc.weight"), w["hidden_norm.weight"])
     h = block_emb.to(f64)
     c, b = ctx.shape[0], h.shape[0]
     pos = torch.arange(c + b)
+    types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
+    if rope_tables is None:  # the draft's own theta; angles in fp32 as Hugging Face computes them
+        inv = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+        ang = (pos.float()[:, None] * inv[None, :]).to(f64)
+        cos_t, sin_t = (torch.cat([t, t], dim=-1)[:, None, :] for t in (ang.cos(), ang.sin()))
+    else:
+        cos_t, sin_t = (t.to(f64)[:, None, :] for t in rope_tables(cfg, pos))
+
+    def rope(x, rows):  # x [S, heads, D]; HF rotate_half layout
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+        return x * cos_t[rows] + torch.cat([-x2, x1], dim=-1) * sin_t[rows]
+
     kv_ctx = []
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
@@ -62,6 +71,9 @@ def reference_draft(state, cfg, context_hidden, block_emb, rope_theta=None):
         k_rep = k.repeat_interleave(H // Hkv, dim=1)  # repeat_kv: head j uses kv head j // (H / Hkv)
         v_rep = v.repeat_interleave(H // Hkv, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k_rep) / math.sqrt(D)  # no mask: non-causal
+        if types[i] == "sliding_attention":  # block query i sees key j iff |i - j| < window
+            visible = (pos[c:, None] - pos[None, :]).abs() < cfg["sliding_window"]
+            scores = scores.masked_fill(~visible, float("-inf"))
         attn = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v_rep).reshape(b, H * D)
         h = h + lin(attn, p + "self_attn.o_proj.weight")
         y = rms(h, w[p + "post_attention_layernorm.weight"])

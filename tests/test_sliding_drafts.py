@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import tiny_models
+from test_draft_parity import reference_draft as plain_reading
 from runtime.errors import DFlashError
 
 ATOL = 1e-5
@@ -38,53 +39,9 @@ def hf_cos_sin(cfg: dict, positions: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def reference_draft(state, cfg, context_hidden, block_emb):
-    """Plain DFlash draft forward over the WHOLE context (positions from 0), float64 after the RoPE
-    tables. Returns (draft_hidden [B-1, d], [K_ctx_0, V_ctx_0, ...] each [C, Hkv, D])."""
-    f64 = torch.float64
-    w = {k: v.to(f64) for k, v in state.items()}
-    eps = float(cfg["rms_norm_eps"])
-    H, Hkv, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
-
-    def rms(x, weight):
-        return weight * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
-
-    def lin(x, name):
-        return x @ w[name].T
-
-    ctx = rms(lin(context_hidden.to(f64), "fc.weight"), w["hidden_norm.weight"])
-    h = block_emb.to(f64)
-    c, b = ctx.shape[0], h.shape[0]
-    pos = torch.arange(c + b)
-    cos, sin = (t.to(f64)[:, None, :] for t in hf_cos_sin(cfg, pos))
-
-    def rope(x, rows):  # HF rotate_half layout
-        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
-        return x * cos[rows] + torch.cat([-x2, x1], dim=-1) * sin[rows]
-
-    kv_ctx = []
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"layers.{i}."
-        x = rms(h, w[p + "input_layernorm.weight"])
-        q = rms(lin(x, p + "self_attn.q_proj.weight").view(b, H, D), w[p + "self_attn.q_norm.weight"])
-        kin = torch.cat([ctx, x], dim=0)
-        k = rms(lin(kin, p + "self_attn.k_proj.weight").view(c + b, Hkv, D), w[p + "self_attn.k_norm.weight"])
-        v = lin(kin, p + "self_attn.v_proj.weight").view(c + b, Hkv, D)
-        q, k = rope(q, slice(c, None)), rope(k, slice(None))
-        kv_ctx += [k[:c], v[:c]]
-        k_rep = k.repeat_interleave(H // Hkv, dim=1)
-        v_rep = v.repeat_interleave(H // Hkv, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k_rep) / math.sqrt(D)
-        if types[i] == "sliding_attention":
-            qpos, kpos = pos[c:], pos
-            visible = (qpos[:, None] - kpos[None, :]).abs() < cfg["sliding_window"]
-            scores = scores.masked_fill(~visible, float("-inf"))
-        attn = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v_rep).reshape(b, H * D)
-        h = h + lin(attn, p + "self_attn.o_proj.weight")
-        y = rms(h, w[p + "post_attention_layernorm.weight"])
-        h = h + lin(torch.nn.functional.silu(lin(y, p + "mlp.gate_proj.weight")) * lin(y, p + "mlp.up_proj.weight"),
-                    p + "mlp.down_proj.weight")
-    return rms(h, w["norm.weight"])[1:], kv_ctx
+    """`test_draft_parity.reference_draft` (the plain reading, with its sliding-window mask) on
+    transformers' RoPE tables."""
+    return plain_reading(state, cfg, context_hidden, block_emb, rope_tables=hf_cos_sin)
 
 
 def _err(got, want) -> float:
