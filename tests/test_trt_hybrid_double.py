@@ -29,6 +29,7 @@ import pytest
 from test_trt_backend_double import GPU, FakeTensorRT, doubles  # noqa: F401 - `doubles` is a fixture
 
 from hybrid_fixtures import VOCAB, oracle_draft
+from test_profiles import _record  # records each backend call's input/output shapes
 
 PROMPT = [5, 17, 33, 8, 61, 2, 99, 14]
 
@@ -45,18 +46,6 @@ def hybrid(hybrid_pair, tmp_path_factory):
     fake = FakeTensorRT("10.3.0.30")
     manifest = build_engines(out, precision="fp32", trt=fake, gpu=GPU, quiet=True)
     return out, manifest, fake
-
-
-def _record(sess) -> list[tuple[str, dict, dict]]:
-    calls = []
-    inner = sess.backend.run
-
-    def run(graph, inputs, outputs):
-        calls.append((graph, {n: v.shape for n, v in inputs.items()}, {n: v.shape for n, v in outputs.items()}))
-        return inner(graph, inputs, outputs)
-
-    sess.backend.run = run
-    return calls
 
 
 def test_hybrid_engines_build_with_state_and_pending_row_profiles(hybrid):
