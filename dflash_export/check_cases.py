@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.errors import DFlashError
-from runtime.manifest import greedy_form_exported
+from runtime.manifest import greedy_form_exported, layer_types
 
 from .reference_models import reference_modules
 
@@ -158,10 +158,9 @@ def target_caches(target: dict, previous: dict | None, rows: int) -> dict[str, n
     (`runtime.recurrent`). `target` is the manifest's target section."""
     from runtime.recurrent import gdn_io_names
 
-    n = int(target["num_layers"])
     kvh, hd = int(target["num_kv_heads"]), int(target["head_dim"])
     out = {}
-    for i, kind in enumerate(target.get("layer_types") or ["full_attention"] * n):
+    for i, kind in enumerate(layer_types(target)):
         if kind == "full_attention":
             for name in ("key", "value"):
                 out[f"past_{name}_{i}"] = previous[f"{name}_{i}"][:rows] if previous is not None else np.zeros((0, kvh, hd), np.float32)

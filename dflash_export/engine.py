@@ -58,7 +58,7 @@ from pathlib import Path
 
 from runtime.errors import DFlashError
 from runtime.files import write_atomic
-from runtime.manifest import load_manifest
+from runtime.manifest import is_hybrid, load_manifest
 from runtime.profiles import max_block, profiles_to_json, shape_ranges
 from runtime.trt_backend import gpu_info, import_tensorrt
 
@@ -250,7 +250,7 @@ def build_engines(
         real_trt, real_gpu = require_tensorrt(exporting=False)
         trt, gpu = trt or real_trt, gpu or real_gpu
     version = str(trt.__version__)
-    hybrid = "linear_attention" in (manifest["target"].get("layer_types") or [])
+    hybrid = is_hybrid(manifest)
     plan = precision_plan(version, manifest["dtype"], precision, hybrid=hybrid)
     ranges = shape_ranges(manifest, max_block_size)
     logger = trt.Logger(trt.Logger.WARNING)

@@ -18,7 +18,7 @@ from .backend import Backend
 from .errors import DFlashError
 from . import call_costs
 from .loop import CachedContext, DecodeLoop
-from .manifest import DTYPES, greedy_form_exported, load_manifest
+from .manifest import DTYPES, greedy_form_exported, layer_types, load_manifest
 from .options import GenerationOptions, as_int
 from .results import GenerationResult, StreamChunk
 from .stream import GenerationStream
@@ -90,12 +90,14 @@ class Session:
         hidden = int(t["hidden_size"])
         self.max_block = max(MAX_BLOCK_SIZE, self.block_size)
         mb = self.max_block
-        types = t.get("layer_types") or ["full_attention"] * int(t["num_layers"])
+        types = layer_types(t)
+
+        def kv(graph: dict):  # one K or V buffer `[max_seq_len, Hkv, D]`
+            return be.alloc(self.dtype, S, (graph["num_kv_heads"], graph["head_dim"]))
+
         # (layer index, K, V) of the target's attention layers; a hybrid's other layers keep a recurrent state
-        self.t_kv = [(i, be.alloc(self.dtype, S, (t["num_kv_heads"], t["head_dim"])), be.alloc(self.dtype, S, (t["num_kv_heads"], t["head_dim"])))
-                     for i, kind in enumerate(types) if kind == "full_attention"]
-        self.d_kv = [(i, be.alloc(self.dtype, S, (d["num_kv_heads"], d["head_dim"])), be.alloc(self.dtype, S, (d["num_kv_heads"], d["head_dim"])))
-                     for i in range(int(d["num_layers"]))]
+        self.t_kv = [(i, kv(t), kv(t)) for i, kind in enumerate(types) if kind == "full_attention"]
+        self.d_kv = [(i, kv(d), kv(d)) for i in range(int(d["num_layers"]))]
         # rows one target call may take (a hybrid's chunked Gated DeltaNet form bounds it)
         self.target_call_rows = t.get("max_call_rows")
         self.recurrent = None

@@ -97,3 +97,15 @@ def greedy_form_exported(manifest: dict[str, Any]) -> bool:
     bind none of it and skip the sampling branch; graphs exported before that tie it to 1 + N."""
     inputs = manifest.get("io", {}).get("target", {}).get("inputs", [])
     return any(i["name"] == "uniform" and i["shape"][:1] == ["sampled_rows"] for i in inputs)
+
+
+def layer_types(section: dict[str, Any]) -> list[str]:
+    """A graph section's (`manifest["target"]` or `["draft"]`) type per layer: "full_attention",
+    "linear_attention" (a hybrid's Gated DeltaNet: a recurrent state, no KV cache) or
+    "sliding_attention" (a windowed draft layer: KV as full attention); all full attention when absent."""
+    return list(section.get("layer_types") or ["full_attention"] * int(section["num_layers"]))
+
+
+def is_hybrid(manifest: dict[str, Any]) -> bool:
+    """Whether the target has Gated DeltaNet layers (`runtime.recurrent`)."""
+    return "linear_attention" in layer_types(manifest["target"])

@@ -67,12 +67,12 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
     Raises:
         DFlashError: the graph and the manifest disagree (a damaged or hand-edited artifact).
     """
-    from .manifest import DTYPES
+    from .manifest import DTYPES, layer_types
     from .recurrent import gdn_io_names
 
     n = int(manifest[graph]["num_layers"])
     lead = ["input_ids", "draft_hidden", "temperature", "uniform"] if graph == "target" else ["context_hidden", "block_embeddings"]
-    types = manifest[graph].get("layer_types") or ["full_attention"] * n
+    types = layer_types(manifest[graph])
     expected = list(lead)
     for i, kind in enumerate(types):
         expected += gdn_io_names(i)[0] if kind == "linear_attention" else [f"past_key_{i}", f"past_value_{i}"]

@@ -36,6 +36,7 @@ import ast
 from dataclasses import dataclass, field
 
 from .errors import DFlashError
+from .manifest import is_hybrid
 
 # Symbolic dims of the exported graphs (dflash_export/export.py; a hybrid target adds "pending_rows",
 # dflash_export/qwen3_5_target.export_inputs).
@@ -130,7 +131,7 @@ def dim_ranges(manifest: dict, max_block_size: int | None = None) -> dict[str, l
     b = int(manifest["draft"]["block_size"])
     top = max(1, S - 1)
     ext = min(top, EXTEND_ROWS)
-    hybrid = "linear_attention" in (manifest["target"].get("layer_types") or [])
+    hybrid = is_hybrid(manifest)
     call_rows = manifest["target"].get("max_call_rows")
     t_top, t_ext, t_mb = top, ext, mb  # the target's rows per call (T, and N + 1) under a row bound
     if call_rows:
