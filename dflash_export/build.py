@@ -191,16 +191,6 @@ def _export_streamed_target(tspec: TargetSpec, dspec: DraftSpec, tsource: Weight
     return tsource.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(), head_config
 
 
-def _export_hybrid_target(tspec: TargetSpec, dspec: DraftSpec, path: Path, torch_dtype, qconfig):
-    """Export a Qwen3.5 hybrid target (`qwen3_5_target`; fp32 or fp16, INT4 with `qconfig`). Returns the
-    mask embedding row (fp32) and the quantized weights' names."""
-    from .qwen3_5_target import build_module, export_hybrid_target
-
-    module, embed = build_module(tspec, dspec.target_layer_ids, dspec.draft_vocab, torch_dtype)
-    names = export_hybrid_target(module, path, qconfig)
-    return embed[dspec.mask_token_id].float().numpy(), names
-
-
 def _proposal_head_config(choice: str, has_rows: bool, qconfig, hidden: int):
     """The INT4 config of the proposal head rows, or None when they stay in the graph dtype (choice
     "full", no proposal vocabulary, or --quant-lm-head, which quantizes them with the head)."""
@@ -350,8 +340,10 @@ def build(
         title = "Qwen3.5 hybrid: weights loaded whole" if tspec.hybrid is not None else "weights are read as they are written"
         with stage(f"exporting target.onnx ({title})"):
             if tspec.hybrid is not None:
-                (mask_row, qnames), head_config = _export_hybrid_target(tspec, dspec, tmp / "target.onnx", torch_dtype,
-                                                                        qconfig), None
+                from .qwen3_5_target import export_for_build
+
+                (mask_row, qnames), head_config = export_for_build(tspec, dspec, tmp / "target.onnx", torch_dtype,
+                                                                   qconfig), None
             else:
                 mask_row, head_config = _export_streamed_target(tspec, dspec, tsource, tmp / "target.onnx", torch_dtype,
                                                                 qconfig, qnames, proposal_head, quiet)
@@ -454,6 +446,11 @@ def _tool_versions() -> dict:
 def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, checks, tok_info, tmp: Path,
               hashes: dict[str, dict[str, str]]) -> dict:
     a, da = tspec.arch, dspec.arch
+    hybrid = {}
+    if tspec.hybrid is not None:
+        from .qwen3_5_target import hybrid_manifest_fields
+
+        hybrid = hybrid_manifest_fields(tspec.hybrid)
     stop = list(dict.fromkeys([*tspec.eos_token_ids, *tok_info["eos"]]))
     trained = dspec.path is not None
     sources = {"target": {"path": str(tspec.path), "name": name, "files": hashes["target"]},
@@ -474,7 +471,7 @@ def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, che
             "vocab_size": tspec.vocab_size,
             "tie_word_embeddings": tspec.tie_word_embeddings,
             "rope": a.rope,
-            **(_hybrid_manifest(tspec.hybrid) if tspec.hybrid is not None else {}),
+            **hybrid,
         },
         "draft": {
             "graph": "draft.onnx",
@@ -502,13 +499,3 @@ def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, che
         "tools": _tool_versions(),
         "host": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
     }
-
-
-def _hybrid_manifest(h) -> dict:
-    """A hybrid target's extra manifest fields: what the runtime needs for its recurrent state."""
-    from .gated_delta import MAX_ROWS
-
-    return {"layer_types": list(h.layer_types), "max_call_rows": MAX_ROWS, "rotary_dim": h.rotary_dim,
-            "gdn": {"conv_kernel": h.conv_kernel, "conv_dim": h.conv_dim, "num_key_heads": h.num_k_heads,
-                    "num_value_heads": h.num_v_heads, "key_head_dim": h.key_head_dim,
-                    "value_head_dim": h.value_head_dim}}

@@ -177,3 +177,20 @@ def dequantize_like_the_graph(module: HybridDFlashTarget, record: dict, graph_dt
         for name in record["tensors"]:
             w = params[name]
             w.copy_(dequantize(*quantize_rtn(w.detach().to(graph_dtype), block, graph_dtype), block).to(w.dtype))
+
+
+def export_for_build(tspec: TargetSpec, dspec, path: Path, dtype: torch.dtype, qconfig) -> tuple[np.ndarray, list[str]]:
+    """`build`'s target step for a hybrid (fp32 or fp16, INT4 with `qconfig`): the graph at `path`.
+    Returns the mask embedding row (fp32) and the quantized weights' names."""
+    module, embed = build_module(tspec, dspec.target_layer_ids, dspec.draft_vocab, dtype)
+    names = export_hybrid_target(module, path, qconfig)
+    return embed[dspec.mask_token_id].float().numpy(), names
+
+
+def hybrid_manifest_fields(h) -> dict:
+    """A hybrid target's extra manifest fields (`manifest["target"]`): what the runtime needs for its
+    recurrent state (`runtime.recurrent`) and its per-call row limit."""
+    return {"layer_types": list(h.layer_types), "max_call_rows": MAX_ROWS, "rotary_dim": h.rotary_dim,
+            "gdn": {"conv_kernel": h.conv_kernel, "conv_dim": h.conv_dim, "num_key_heads": h.num_k_heads,
+                    "num_value_heads": h.num_v_heads, "key_head_dim": h.key_head_dim,
+                    "value_head_dim": h.value_head_dim}}
