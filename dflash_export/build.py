@@ -25,8 +25,9 @@ from . import __version__
 from .checkpoint import TargetSpec, load_target_spec, safetensors_files
 from .draft_spec import DraftSpec, load_draft_spec, parse_draft_config
 from .sources import SourceHashes, random_draft_config, resolve_draft, resolve_target
-from .quantize import QuantConfig, proposal_head_block, quantization_record, quantized_names, rewrite_int4
-from .weights import WeightSource, bind_weights, check_weight_names, empty_module
+from .families import target_family
+from .quantize import QuantConfig, quantization_record
+from .weights import WeightSource, bind_weights, empty_module
 
 
 @dataclass
@@ -138,89 +139,8 @@ def prepare_pair(target: str | None, draft: str | None) -> tuple[TargetSpec, Dra
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise DFlashError(f"{what}: RoPE parameters {arch.rope} are incomplete or invalid ({exc!r})") from None
     tsource = WeightSource(f"target {tspec.path}", files=safetensors_files(tspec.path))
-    if tspec.hybrid is not None:
-        from .qwen3_5_target import check_weights
-
-        check_weights(tspec, dspec.target_layer_ids, tsource)
-        return tspec, dspec, tsource, dstate, name
-    from .modules import TargetForExport
-
-    empty = empty_module(lambda: TargetForExport(tspec, dspec.target_layer_ids))  # names and shapes only
-    check_weight_names({k: tuple(p.shape) for k, p in empty.named_parameters()}, tsource, tsource.where,
-                       tied=empty.lm_head is None)
+    target_family(tspec.family).check_weights(tspec, dspec.target_layer_ids, tsource)
     return tspec, dspec, tsource, dstate, name
-
-
-def target_export_module(tspec: TargetSpec, dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
-    """The target's export module in `dtype` (norms fp32) with streamed weights.
-
-    Returns:
-        (TargetForExport, {initializer name: reader}) for `export.export_target`.
-    """
-    from .modules import TargetForExport, cast_for_export
-
-    module = empty_module(lambda: TargetForExport(tspec, dspec.target_layer_ids, dtype, dspec.draft_vocab)).eval()
-    cast_for_export(module, dtype)
-    readers = bind_weights(module, source, f"target {tspec.path}")
-    head_rows = module.freeze_draft_head(readers.get(module.head_weight_name()))
-    if head_rows is None and module.draft_head is not None:  # a head small enough to be held, not streamed
-        rows = module.draft_head
-        head_rows = lambda: rows  # noqa: E731
-    if head_rows is not None:
-        readers["draft_head"] = head_rows
-    return module, readers
-
-
-def _export_streamed_target(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, path: Path, torch_dtype,
-                            qconfig, qnames: list[str], proposal_head: str, quiet: bool) -> tuple:
-    """Export a Qwen3/Llama target with its weights streamed (each read as its initializer is written,
-    INT4-quantized on the way when `qconfig`). Returns (mask embedding row fp32, proposal head config)."""
-    from .export import export_target
-
-    tmod, treaders = target_export_module(tspec, dspec, tsource, torch_dtype)
-    head_config = _proposal_head_config(proposal_head, "draft_head" in treaders, qconfig, tspec.arch.hidden_size)
-
-    def rewrite(model, packed):  # each weight is read, quantized and written as its initializer is saved
-        read = read_packed(packed, treaders, tsource, torch_dtype)
-        if qconfig is not None:
-            rewrite_int4(model, graph_weight_names(qnames, packed, qconfig.lm_head and "draft_head" in treaders),
-                         read, qconfig, torch_dtype)
-        if head_config is not None and not (qconfig is not None and qconfig.lm_head):
-            rewrite_int4(model, ["draft_head"], read, head_config, torch_dtype)
-    export_target(tmod, path, treaders, progress=not quiet, rewrite=rewrite)
-    return tsource.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(), head_config
-
-
-def _proposal_head_config(choice: str, has_rows: bool, qconfig, hidden: int):
-    """The INT4 config of the proposal head rows, or None when they stay in the graph dtype (choice
-    "full", no proposal vocabulary, or --quant-lm-head, which quantizes them with the head)."""
-    if choice != "int4" or not has_rows:
-        return None
-    if qconfig is not None and qconfig.lm_head:
-        return qconfig
-    return QuantConfig(method="rtn", block=proposal_head_block(hidden, qconfig.block if qconfig else None))
-
-
-def graph_weight_names(names: list[str], packed: dict[str, list[str]], draft_head: bool) -> list[str]:
-    """The target graph's initializers for checkpoint weights `names`: packed parts (all quantized
-    alike) by their packed name, plus the proposal head rows when `draft_head`."""
-    chosen = set(names)
-    out = [p for p, parts in packed.items() if set(parts) <= chosen]
-    in_packs = {n for parts in packed.values() for n in parts}
-    return out + [n for n in names if n not in in_packs] + (["draft_head"] if draft_head else [])
-
-
-def read_packed(packed: dict[str, list[str]], readers: dict, source: WeightSource, dtype):
-    """name -> weight `[N, K]` in `dtype` for a graph initializer: read from the shards, stacked for a
-    packed one, or derived (the proposal head rows)."""
-    import torch
-
-    def read(name):
-        if name in packed:
-            return torch.cat([source.read_as(part, dtype) for part in packed[name]], dim=0)
-        return readers[name]() if name == "draft_head" else source.read_as(name, dtype)
-
-    return read
 
 
 def draft_export_module(dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
@@ -310,14 +230,10 @@ def build(
     t_start = time.perf_counter()
     # Validation prints nothing, so bad input gives exactly one error line.
     tspec, dspec, tsource, dstate, name = prepare_pair(target, draft)
-    if tspec.hybrid is not None and (quant_lm_head or proposal_head != "full"):
-        raise DFlashError("Qwen3.5 hybrid targets keep their LM head in the graph dtype for now: drop "
-                          "--quant-lm-head / --proposal-head int4")
+    family = target_family(tspec.family)
+    family.check_options(tspec, dspec.target_layer_ids, tsource, qconfig, proposal_head)
     if draft_vocab == "full":
         dspec = replace(dspec, draft_vocab=None)
-    head_name = "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
-    # (a hybrid's are taken from its export module's text names: qwen3_5_target.export_hybrid_target)
-    qnames = quantized_names(tsource.names(), tsource.shapes, qconfig, head_name) if qconfig and tspec.hybrid is None else []
     # the manifest's source hashes read every shard once more: done on a thread while the draft and
     # the target template trace (CPU-bound, the disk idle), not after the weights are written
     hashes = SourceHashes(tspec, dspec)
@@ -337,26 +253,21 @@ def build(
             dmod, dreaders = draft_export_module(dspec, dsource, torch_dtype)
             export_draft(dmod, tmp / "draft.onnx", dreaders, progress=not quiet)
             del dstate, dsource, dmod, dreaders
-        title = "Qwen3.5 hybrid: weights loaded whole" if tspec.hybrid is not None else "weights are read as they are written"
-        with stage(f"exporting target.onnx ({title})"):
-            if tspec.hybrid is not None:
-                from .qwen3_5_target import export_for_build
-
-                (mask_row, qnames), head_config = export_for_build(tspec, dspec, tmp / "target.onnx", torch_dtype,
-                                                                   qconfig), None
-            else:
-                mask_row, head_config = _export_streamed_target(tspec, dspec, tsource, tmp / "target.onnx", torch_dtype,
-                                                                qconfig, qnames, proposal_head, quiet)
+        with stage(f"exporting target.onnx ({family.EXPORT_TITLE})"):
+            exported = family.export_for_build(tspec, dspec, tsource, tmp / "target.onnx", torch_dtype, qconfig,
+                                               proposal_head, quiet)
         with stage("checking graphs (TensorRT 10 operators, duplicate weights)"):
             checks = {g: check_graph(tmp / f"{g}.onnx") for g in ("target", "draft")}
         with stage("writing tokenizer and manifest"):
-            np.save(tmp / "mask_embedding.npy", mask_row.astype(np.float32), allow_pickle=False)
+            np.save(tmp / "mask_embedding.npy", exported.mask_row.astype(np.float32), allow_pickle=False)
             tok_info = _save_tokenizer(tspec.path, tmp / "tokenizer")
             manifest = _manifest(tspec, dspec, name, max_seq_len, dtype, checks, tok_info, tmp, hashes.result())
             if qconfig is not None:
-                manifest["quantization"] = quantization_record(qconfig, qnames, dtype, head_name)
-            if head_config is not None:
-                manifest["proposal_head"] = {"format": "int4", "method": head_config.method, "block": head_config.block}
+                head_name = "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
+                manifest["quantization"] = quantization_record(qconfig, exported.quantized, dtype, head_name)
+            if exported.proposal_head is not None:
+                head = exported.proposal_head
+                manifest["proposal_head"] = {"format": "int4", "method": head.method, "block": head.block}
             manifest["export_seconds"] = round(time.perf_counter() - t_start, 1)
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700; an artifact is meant to be shared and copied
@@ -446,11 +357,6 @@ def _tool_versions() -> dict:
 def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, checks, tok_info, tmp: Path,
               hashes: dict[str, dict[str, str]]) -> dict:
     a, da = tspec.arch, dspec.arch
-    hybrid = {}
-    if tspec.hybrid is not None:
-        from .qwen3_5_target import hybrid_manifest_fields
-
-        hybrid = hybrid_manifest_fields(tspec.hybrid)
     stop = list(dict.fromkeys([*tspec.eos_token_ids, *tok_info["eos"]]))
     trained = dspec.path is not None
     sources = {"target": {"path": str(tspec.path), "name": name, "files": hashes["target"]},
@@ -471,7 +377,7 @@ def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, che
             "vocab_size": tspec.vocab_size,
             "tie_word_embeddings": tspec.tie_word_embeddings,
             "rope": a.rope,
-            **hybrid,
+            **target_family(tspec.family).manifest_fields(tspec),  # a hybrid's layer types and state sizes
         },
         "draft": {
             "graph": "draft.onnx",

@@ -19,10 +19,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runtime.errors import DFlashError
+
 from .checkpoint import TargetSpec, load_state_dict
+from .families import ExportedTarget
 from .gated_delta import MAX_ROWS
 from .modules import TargetForExport, load_weights
 from .qwen3_5 import Qwen35TargetForExport, cache_names, text_state_dict, text_weight_name
+
+EXPORT_TITLE = "Qwen3.5 hybrid: weights loaded whole"  # build's progress line for the target step
 
 
 class HybridDFlashTarget(Qwen35TargetForExport):
@@ -141,7 +146,7 @@ def export_hybrid_target(module: HybridDFlashTarget, path: Path, qconfig=None) -
     Returns:
         the quantized weights' names (empty without `qconfig`).
     """
-    from .build import graph_weight_names
+    from .dense_target import graph_weight_names
     from .export import _export
     from .quantize import quantized_names, rewrite_int4
 
@@ -179,12 +184,47 @@ def dequantize_like_the_graph(module: HybridDFlashTarget, record: dict, graph_dt
             w.copy_(dequantize(*quantize_rtn(w.detach().to(graph_dtype), block, graph_dtype), block).to(w.dtype))
 
 
-def export_for_build(tspec: TargetSpec, dspec, path: Path, dtype: torch.dtype, qconfig) -> tuple[np.ndarray, list[str]]:
-    """`build`'s target step for a hybrid (fp32 or fp16, INT4 with `qconfig`): the graph at `path`.
-    Returns the mask embedding row (fp32) and the quantized weights' names."""
+def check_options(tspec: TargetSpec, tap_layers, source, qconfig, proposal_head: str) -> None:
+    """Family hook: refuse what hybrids lack (an INT4 LM head, INT4 proposal rows) and, with `qconfig`,
+    an INT4 block that does not divide a quantized layer's K, before any output exists.
+
+    Raises:
+        DFlashError: naming the option.
+    """
+    from .quantize import quantized_names
+    from .weights import empty_module
+
+    if (qconfig is not None and qconfig.lm_head) or proposal_head != "full":
+        raise DFlashError("Qwen3.5 hybrid targets keep their LM head in the graph dtype for now: drop "
+                          "--quant-lm-head / --proposal-head int4")
+    if qconfig is not None:
+        empty = empty_module(lambda: HybridDFlashTarget(tspec, tuple(tap_layers)))
+        shapes = {k: tuple(p.shape) for k, p in empty.named_parameters()}
+        quantized_names(list(shapes), shapes, qconfig)
+
+
+def export_for_build(tspec: TargetSpec, dspec, source, path: Path, dtype: torch.dtype, qconfig, proposal_head: str,
+                     quiet: bool) -> ExportedTarget:
+    """`build`'s target step for a hybrid (family hook; fp32 or fp16, INT4 with `qconfig`): the graph at
+    `path`, the weights loaded whole."""
     module, embed = build_module(tspec, dspec.target_layer_ids, dspec.draft_vocab, dtype)
     names = export_hybrid_target(module, path, qconfig)
-    return embed[dspec.mask_token_id].float().numpy(), names
+    return ExportedTarget(embed[dspec.mask_token_id].float().numpy(), names)
+
+
+def reference_target(tspec: TargetSpec, dspec, source, manifest: dict, vocab) -> HybridDFlashTarget:
+    """The fp32 reference `check` compares the graph with (family hook): the export module in fp32, its
+    weights loaded whole; an INT4 artifact's quantized weights as the graph computes with them."""
+    tmod = build_module(tspec, dspec.target_layer_ids, vocab, torch.float32)[0]
+    if manifest.get("quantization"):
+        dequantize_like_the_graph(tmod, manifest["quantization"],
+                                  {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]])
+    return tmod
+
+
+def manifest_fields(tspec: TargetSpec) -> dict:
+    """Family hook: `hybrid_manifest_fields` of the target's HybridSpec."""
+    return hybrid_manifest_fields(tspec.hybrid)
 
 
 def hybrid_manifest_fields(h) -> dict:

@@ -48,10 +48,9 @@ def reference_modules(manifest: dict):
     The target keeps its weights as stored (bf16 for most checkpoints: the model's size once, not
     twice) and computes in fp32: each weight is upcast when it is used (exact for bf16 and fp16).
     """
-    import torch
 
     from .build import prepare_pair
-    from .weights import empty_module, load_module_weights
+    from .families import target_family
 
     target, draft = verify_sources(manifest)
     tspec, dspec, tsource, dstate, _ = prepare_pair(target, draft)
@@ -60,27 +59,7 @@ def reference_modules(manifest: dict):
     vocab = dspec.draft_vocab if manifest["draft"].get("draft_vocab_size") else None
     if vocab is not None and len(vocab) != manifest["draft"]["draft_vocab_size"]:
         raise DFlashError("the source checkpoints no longer describe this artifact (draft_vocab.json differs); rebuild it")
-    if tspec.hybrid is not None:  # Qwen3.5: weights loaded whole, in fp32
-        from .qwen3_5_target import build_module, dequantize_like_the_graph
-
-        tmod = build_module(tspec, dspec.target_layer_ids, vocab, torch.float32)[0]
-        if manifest.get("quantization"):
-            dequantize_like_the_graph(tmod, manifest["quantization"], {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]])
-        return tmod, _reference_draft(dspec, dstate)
-    from .quantize import dequantized_source, head_rows_dequantizer
-
-    graph_dtype = {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]]
-    if manifest.get("quantization"):  # the model the INT4 graph computes: its dequantized weights
-        tsource = dequantized_source(tsource, manifest["quantization"], graph_dtype)
-    ReferenceTarget = _reference_target_class()
-    tmod = empty_module(lambda: ReferenceTarget(tspec, dspec.target_layer_ids, torch.float32, vocab)).eval()
-    tmod.head_rows_transform = head_rows_dequantizer(manifest.get("quantization"), graph_dtype)
-    proposal = manifest.get("proposal_head")  # INT4 proposal rows: rank proposals as the graph does
-    tmod.proposal_rows_transform = (head_rows_dequantizer({"lm_head": True, "block": proposal["block"]}, graph_dtype)
-                                    if proposal else tmod.head_rows_transform)
-    load_module_weights(tmod, tsource, f"target {tspec.path}")
-    tmod.model.embed_tokens.register_forward_hook(lambda module, args, out: out.to(torch.float32))
-    upcast_weights_on_use(tmod, skip=("model.embed_tokens.weight", tmod.head_weight_name()))  # upcast by rows
+    tmod = target_family(tspec.family).reference_target(tspec, dspec, tsource, manifest, vocab)
     return tmod, _reference_draft(dspec, dstate)
 
 
@@ -95,42 +74,6 @@ def _reference_draft(dspec, dstate):
     dsource = WeightSource(f"draft {dspec.path or '(untrained)'}", tensors=dstate)
     upcast_weights_on_use(load_module_weights(dmod, dsource, dsource.where))
     return dmod
-
-
-def _reference_target_class():
-    import torch
-
-    from .modules import TargetForExport
-
-    class ReferenceTarget(TargetForExport):
-        """The target module computing in fp32 over an LM head / embedding kept as stored (bf16): the
-        head is upcast a block of rows at a time, never as a whole fp32 copy (1.2 GB for Qwen3-8B)."""
-
-        rows_per_block = 8192
-        head_rows_transform = None  # rows -> the rows an INT4 head computes with (quantize.head_rows_dequantizer)
-        proposal_rows_transform = None  # the same for the proposal vocabulary's rows
-
-        def head_rows_fp32(self, rows: torch.Tensor | None = None, transform=None):
-            w = self.head_weight() if rows is None else torch.index_select(self.head_weight(), 0, rows)
-            transform = self.head_rows_transform if rows is None else transform
-            for start in range(0, w.shape[0], self.rows_per_block):
-                block = w[start:start + self.rows_per_block]
-                if transform is not None:
-                    block = transform(block)
-                yield block.to(torch.float32)
-
-        def logits_of(self, h):
-            return torch.cat([torch.matmul(h.to(torch.float32), blk.T) for blk in self.head_rows_fp32()], dim=-1)
-
-        def propose(self, draft_hidden):
-            if self.draft_vocab is None:
-                return torch.argmax(self.logits_of(draft_hidden), dim=-1)
-            h = draft_hidden.to(torch.float32)
-            sub = torch.cat([torch.matmul(h, blk.T) for blk in self.head_rows_fp32(self.draft_vocab, self.proposal_rows_transform)],
-                            dim=-1)
-            return torch.index_select(self.draft_vocab, 0, torch.argmax(sub, dim=-1))
-
-    return ReferenceTarget
 
 
 def upcast_weights_on_use(module, skip: tuple[str, ...] = ()):

@@ -1,0 +1,170 @@
+"""The Qwen3 / Llama target family (`families.py` hooks): the dense decoder of `modules.TargetForExport`,
+exported with its weights streamed from the shards, and its fp32 reference for `check`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import TargetSpec
+from .draft_spec import DraftSpec
+from .families import ExportedTarget
+from .modules import TargetForExport, cast_for_export
+from .quantize import QuantConfig, proposal_head_block, quantized_names, rewrite_int4
+from .weights import WeightSource, bind_weights, check_weight_names, empty_module, load_module_weights
+
+EXPORT_TITLE = "weights are read as they are written"  # build's progress line for the target step
+
+
+def check_weights(tspec: TargetSpec, tap_layers, source: WeightSource) -> None:
+    """Every parameter of the export module has a checkpoint tensor of its shape (family hook; names and
+    shapes from the safetensors headers, nothing read).
+
+    Raises:
+        DFlashError: missing or unexpected names, or a shape mismatch, named.
+    """
+    empty = empty_module(lambda: TargetForExport(tspec, tuple(tap_layers)))  # names and shapes only
+    check_weight_names({k: tuple(p.shape) for k, p in empty.named_parameters()}, source, source.where,
+                       tied=empty.lm_head is None)
+
+
+def _head_name(tspec: TargetSpec) -> str:
+    return "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
+
+
+def check_options(tspec: TargetSpec, tap_layers, source: WeightSource, qconfig, proposal_head: str) -> None:
+    """Family hook: every `build` option applies to dense targets; with `qconfig`, the INT4 block must
+    divide every quantized layer's K (checked before any output exists).
+
+    Raises:
+        DFlashError: a layer whose K the block does not divide, naming --quant-block.
+    """
+    if qconfig is not None:
+        quantized_names(source.names(), source.shapes, qconfig, _head_name(tspec))
+
+
+def manifest_fields(tspec: TargetSpec) -> dict:
+    """Family hook: dense targets add nothing to `manifest["target"]`."""
+    return {}
+
+
+def target_export_module(tspec: TargetSpec, dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
+    """The target's export module in `dtype` (norms fp32) with streamed weights.
+
+    Returns:
+        (TargetForExport, {initializer name: reader}) for `export.export_target`.
+    """
+    module = empty_module(lambda: TargetForExport(tspec, dspec.target_layer_ids, dtype, dspec.draft_vocab)).eval()
+    cast_for_export(module, dtype)
+    readers = bind_weights(module, source, f"target {tspec.path}")
+    head_rows = module.freeze_draft_head(readers.get(module.head_weight_name()))
+    if head_rows is None and module.draft_head is not None:  # a head small enough to be held, not streamed
+        rows = module.draft_head
+        head_rows = lambda: rows  # noqa: E731
+    if head_rows is not None:
+        readers["draft_head"] = head_rows
+    return module, readers
+
+
+def export_for_build(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, path: Path, torch_dtype,
+                     qconfig, proposal_head: str, quiet: bool) -> ExportedTarget:
+    """`build`'s target step (family hook): export a Qwen3/Llama target with its weights streamed (each
+    read as its initializer is written, INT4-quantized on the way when `qconfig`)."""
+    from .export import export_target
+
+    qnames = quantized_names(tsource.names(), tsource.shapes, qconfig, _head_name(tspec)) if qconfig else []
+    tmod, treaders = target_export_module(tspec, dspec, tsource, torch_dtype)
+    head_config = _proposal_head_config(proposal_head, "draft_head" in treaders, qconfig, tspec.arch.hidden_size)
+
+    def rewrite(model, packed):  # each weight is read, quantized and written as its initializer is saved
+        read = read_packed(packed, treaders, tsource, torch_dtype)
+        if qconfig is not None:
+            rewrite_int4(model, graph_weight_names(qnames, packed, qconfig.lm_head and "draft_head" in treaders),
+                         read, qconfig, torch_dtype)
+        if head_config is not None and not (qconfig is not None and qconfig.lm_head):
+            rewrite_int4(model, ["draft_head"], read, head_config, torch_dtype)
+    export_target(tmod, path, treaders, progress=not quiet, rewrite=rewrite)
+    return ExportedTarget(tsource.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(),
+                          qnames, head_config)
+
+
+def _proposal_head_config(choice: str, has_rows: bool, qconfig, hidden: int):
+    """The INT4 config of the proposal head rows, or None when they stay in the graph dtype (choice
+    "full", no proposal vocabulary, or --quant-lm-head, which quantizes them with the head)."""
+    if choice != "int4" or not has_rows:
+        return None
+    if qconfig is not None and qconfig.lm_head:
+        return qconfig
+    return QuantConfig(method="rtn", block=proposal_head_block(hidden, qconfig.block if qconfig else None))
+
+
+def graph_weight_names(names: list[str], packed: dict[str, list[str]], draft_head: bool) -> list[str]:
+    """The target graph's initializers for checkpoint weights `names`: packed parts (all quantized
+    alike) by their packed name, plus the proposal head rows when `draft_head`."""
+    chosen = set(names)
+    out = [p for p, parts in packed.items() if set(parts) <= chosen]
+    in_packs = {n for parts in packed.values() for n in parts}
+    return out + [n for n in names if n not in in_packs] + (["draft_head"] if draft_head else [])
+
+
+def read_packed(packed: dict[str, list[str]], readers: dict, source: WeightSource, dtype):
+    """name -> weight `[N, K]` in `dtype` for a graph initializer: read from the shards, stacked for a
+    packed one, or derived (the proposal head rows)."""
+    def read(name):
+        if name in packed:
+            return torch.cat([source.read_as(part, dtype) for part in packed[name]], dim=0)
+        return readers[name]() if name == "draft_head" else source.read_as(name, dtype)
+
+    return read
+
+
+def reference_target(tspec: TargetSpec, dspec: DraftSpec, source: WeightSource, manifest: dict, vocab):
+    """The fp32 reference target `check` compares the graph with (family hook): weights kept as stored
+    (bf16 for most checkpoints) and upcast as they are used; an INT4 artifact's quantized weights as
+    the graph computes with them (its dequantized weights)."""
+    from .quantize import dequantized_source, head_rows_dequantizer
+    from .reference_models import upcast_weights_on_use
+
+    graph_dtype = {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]]
+    if manifest.get("quantization"):  # the model the INT4 graph computes: its dequantized weights
+        source = dequantized_source(source, manifest["quantization"], graph_dtype)
+    tmod = empty_module(lambda: ReferenceTarget(tspec, dspec.target_layer_ids, torch.float32, vocab)).eval()
+    tmod.head_rows_transform = head_rows_dequantizer(manifest.get("quantization"), graph_dtype)
+    proposal = manifest.get("proposal_head")  # INT4 proposal rows: rank proposals as the graph does
+    tmod.proposal_rows_transform = (head_rows_dequantizer({"lm_head": True, "block": proposal["block"]}, graph_dtype)
+                                    if proposal else tmod.head_rows_transform)
+    load_module_weights(tmod, source, f"target {tspec.path}")
+    tmod.model.embed_tokens.register_forward_hook(lambda module, args, out: out.to(torch.float32))
+    upcast_weights_on_use(tmod, skip=("model.embed_tokens.weight", tmod.head_weight_name()))  # upcast by rows
+    return tmod
+
+
+class ReferenceTarget(TargetForExport):
+    """The target module computing in fp32 over an LM head / embedding kept as stored (bf16): the
+    head is upcast a block of rows at a time, never as a whole fp32 copy (1.2 GB for Qwen3-8B)."""
+
+    rows_per_block = 8192
+    head_rows_transform = None  # rows -> the rows an INT4 head computes with (quantize.head_rows_dequantizer)
+    proposal_rows_transform = None  # the same for the proposal vocabulary's rows
+
+    def head_rows_fp32(self, rows: torch.Tensor | None = None, transform=None):
+        w = self.head_weight() if rows is None else torch.index_select(self.head_weight(), 0, rows)
+        transform = self.head_rows_transform if rows is None else transform
+        for start in range(0, w.shape[0], self.rows_per_block):
+            block = w[start:start + self.rows_per_block]
+            if transform is not None:
+                block = transform(block)
+            yield block.to(torch.float32)
+
+    def logits_of(self, h):
+        return torch.cat([torch.matmul(h.to(torch.float32), blk.T) for blk in self.head_rows_fp32()], dim=-1)
+
+    def propose(self, draft_hidden):
+        if self.draft_vocab is None:
+            return torch.argmax(self.logits_of(draft_hidden), dim=-1)
+        h = draft_hidden.to(torch.float32)
+        sub = torch.cat([torch.matmul(h, blk.T) for blk in self.head_rows_fp32(self.draft_vocab, self.proposal_rows_transform)],
+                        dim=-1)
+        return torch.index_select(self.draft_vocab, 0, torch.argmax(sub, dim=-1))
