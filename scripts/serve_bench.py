@@ -11,6 +11,10 @@
 2. A 4-turn chat through the server: each turn's TTFT with KV reuse (the default: the turns before it
    are not prefilled again) and without (`reuse_prefix: false`), the modes taking turns; medians per turn,
    with the prompt tokens and how many the server reports as cached.
+3. Load (with --load-clients > 0): that many concurrent clients each send --load-requests greedy
+   requests (chat and completions, streamed and not, taking turns) to the one server: failed requests,
+   replies that differ from the same request sent alone, requests/s, latency percentiles and the
+   server's resident memory before and after (after a warm-up round).
 
 Needs the serve extra and the openai client: pip install 'dflash_export[serve]' openai.
 """
@@ -149,6 +153,93 @@ def chat_turns(client, max_tokens: int, repeats: int) -> dict[bool, list[list[Ru
     return out
 
 
+LOAD_PROMPTS = ["Name a fruit.", "What is 7 times 8?", "Say hello in French.", "Name a prime number."]
+
+
+def _load_request(client, i: int, max_tokens: int) -> str:
+    """Request i of the load mix: prompt i mod 4; chat or completion and streamed or not taking turns."""
+    prompt, stream, chat = LOAD_PROMPTS[i % len(LOAD_PROMPTS)], (i // 2) % 2 == 0, i % 2 == 0
+    kw = dict(model=MODEL, max_tokens=max_tokens, temperature=0, stream=stream)
+    if chat:
+        out = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw)
+        return "".join(c.choices[0].delta.content or "" for c in out if c.choices) if stream else \
+            out.choices[0].message.content
+    out = client.completions.create(prompt=prompt, **kw)
+    return "".join(c.choices[0].text for c in out if c.choices) if stream else out.choices[0].text
+
+
+def _server_rss(pid: int) -> int:
+    """Resident bytes of the server process (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@dataclass
+class Load:
+    """Part 3's figures."""
+
+    requests: int
+    failed: int
+    differing: int
+    seconds: float
+    latencies: list
+    rss_before: int
+    rss_after: int
+
+
+def load_test(server, url: str, clients: int, requests: int, max_tokens: int) -> Load:
+    """Part 3: `clients` threads, each with its own openai client, `requests` requests each."""
+    import openai
+    from concurrent.futures import ThreadPoolExecutor
+
+    def client_run(seed: int, n: int, want: dict | None) -> tuple[int, int, list]:
+        c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+        failed = differing = 0
+        lat = []
+        for r in range(n):
+            i = seed + r
+            t0 = time.perf_counter()
+            try:
+                text = _load_request(c, i, max_tokens)
+            except openai.OpenAIError:
+                failed += 1
+                continue
+            lat.append(time.perf_counter() - t0)
+            differing += want is not None and text != want[i % 4, i % 2 == 0]
+        c.close()
+        return failed, differing, lat
+
+    alone = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+    want = {(i % 4, i % 2 == 0): _load_request(alone, i, max_tokens) for i in range(8)}
+    alone.close()
+
+    def round_(n: int) -> tuple[int, int, list]:
+        with ThreadPoolExecutor(clients) as pool:
+            res = [f.result() for f in [pool.submit(client_run, s, n, want) for s in range(clients)]]
+        return sum(r[0] for r in res), sum(r[1] for r in res), [x for r in res for x in r[2]]
+
+    round_(2)  # warm-up: connections, allocator pools
+    before, t0 = _server_rss(server.proc.pid), time.perf_counter()
+    failed, differing, lat = round_(requests)
+    seconds = time.perf_counter() - t0
+    return Load(clients * requests, failed, differing, seconds, lat, before, _server_rss(server.proc.pid))
+
+
+def print_load(load: Load, clients: int, max_tokens: int) -> None:
+    lat = sorted(load.latencies) or [0.0]
+    pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3  # noqa: E731
+    print(f"\n3. load: {clients} concurrent clients x {load.requests // clients} greedy requests, up to {max_tokens}"
+          f" tokens each (chat/completions, streamed or not)\n")
+    print("| requests | failed | replies differing from alone | seconds | requests/s | latency p50 / p95 / max ms |"
+          " server RSS before -> after MiB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| {load.requests} | {load.failed} | {load.differing} | {load.seconds:.1f} | {load.requests / load.seconds:.2f}"
+          f" | {pct(0.5):.0f} / {pct(0.95):.0f} / {lat[-1] * 1e3:.0f} |"
+          f" {load.rss_before / 2**20:.1f} -> {load.rss_after / 2**20:.1f} |")
+
+
 def med(values) -> float:
     return statistics.median(values)
 
@@ -181,10 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--chat-tokens", type=int, default=48)
     p.add_argument("--backend", default="ort", choices=("ort", "ort-cuda", "trt"))
+    p.add_argument("--load-clients", type=int, default=8, help="part 3's concurrent clients (0: skip it)")
+    p.add_argument("--load-requests", type=int, default=25, help="part 3's requests per client")
+    p.add_argument("--load-tokens", type=int, default=16, help="part 3's max_tokens per request")
     p.add_argument("--prompt", default="Write a Python function that returns the n-th Fibonacci number.")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.max_tokens < 2 or args.chat_tokens < 1:
         p.error("--repeats and --chat-tokens must be >= 1, --max-tokens >= 2")
+    if args.load_clients < 0 or args.load_requests < 1 or args.load_tokens < 1:
+        p.error("--load-clients must be >= 0, --load-requests and --load-tokens >= 1")
     try:
         import openai
     except ImportError:
@@ -200,9 +296,13 @@ def main(argv: list[str] | None = None) -> int:
         client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=600)
         runs, same = single_prompt(sess, client, args.prompt, args.max_tokens, args.repeats)
         chats = chat_turns(client, args.chat_tokens, args.repeats)
+        load = load_test(server, server.url, args.load_clients, args.load_requests, args.load_tokens) \
+            if args.load_clients else None
     finally:
         server.stop()
     print_tables(sess, args, runs, same, chats)
+    if load is not None:
+        print_load(load, args.load_clients, args.load_tokens)
     sess.close()
     return 0
 
