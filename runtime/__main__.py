@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line: `serve` and `chat` subcommands."""
     p = argparse.ArgumentParser(prog="python -m runtime", description="Serve or chat with a dflash_export artifact.")
     sub = p.add_subparsers(dest="command", metavar="{serve,chat}")
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs: pip install 'dflash_export[serve]')")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra: pip install '.[serve]' from the project)")
     s.add_argument("dir", help="artifact directory (from `python -m dflash_export build`)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", choices=BACKENDS, default="ort")
     s.add_argument("--queue-size", type=int, default=16, help="requests that may wait while one generates (default: 16)")
     s.add_argument("--model-name", help="the model id clients use (default: the target checkpoint's name)")
+    s.add_argument("--max-connections", type=int, default=64,
+                   help="open connections beyond this get 503 at once (default: 64; see the README's Serving limits)")
     s.set_defaults(func=cmd_serve)
     c = sub.add_parser("chat", help="interactive multi-turn chat in the terminal, streamed")
     c.add_argument("dir", help="artifact directory")
@@ -55,8 +57,11 @@ def cmd_serve(args) -> int:
         raise DFlashError(f"--port must be between 0 and 65535 (got {args.port})")
     if args.queue_size < 1:
         raise DFlashError(f"--queue-size must be at least 1 (got {args.queue_size})")
-    if args.api_key is not None and not args.api_key.strip():
-        raise DFlashError("--api-key is empty")
+    if args.max_connections < args.queue_size + 2:
+        raise DFlashError(f"--max-connections must be at least --queue-size + 2 = {args.queue_size + 2} (the "
+                          f"running request, the waiting ones and a /health probe; got {args.max_connections})")
+    if args.api_key is not None:
+        args.api_key = check_api_key(args.api_key)
     import runtime
 
     try:
@@ -65,7 +70,7 @@ def cmd_serve(args) -> int:
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] not in SERVER_LIBRARIES:
             raise
-        raise DFlashError(f"the server needs {exc.name}, which is not installed: pip install 'dflash_export[serve]'") from None
+        raise DFlashError(f"the server needs {exc.name}, which is not installed: pip install '.[serve]' (the serve extra, from the dflash_export project directory)") from None
     load_manifest(args.dir)  # the cheap checks first: a bad directory, then an address in use
     sock = listen_socket(args.host, args.port)
     with contextlib.closing(sock), runtime.load(args.dir, backend=args.backend) as sess:
@@ -78,8 +83,25 @@ def cmd_serve(args) -> int:
         if args.api_key is None and not _is_loopback(args.host):
             print(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
                   file=sys.stderr)
-        uvicorn_server(app).run(sockets=[sock])
+        uvicorn_server(app, max_connections=args.max_connections).run(sockets=[sock])
     return 0
+
+
+def check_api_key(key: str) -> str:
+    """The key with surrounding whitespace removed (a trailing newline from a file or an environment
+    variable would lock every client out: no header can carry it).
+
+    Raises:
+        DFlashError: an empty key, or one that is not printable ASCII without spaces (what an HTTP
+        header carries the same way in every client: `Authorization: Bearer <key>`).
+    """
+    key = key.strip()
+    if not key:
+        raise DFlashError("--api-key is empty")
+    if not all("!" <= ch <= "~" for ch in key):
+        raise DFlashError("--api-key must be printable ASCII without spaces (HTTP clients send it in the "
+                          "Authorization header; other characters are encoded differently by each client)")
+    return key
 
 
 def _warm_up(sess) -> None:

@@ -19,7 +19,7 @@ from .errors import DFlashError
 from . import call_costs
 from .loop import CachedContext, DecodeLoop
 from .manifest import DTYPES, greedy_form_exported, layer_types, load_manifest
-from .options import GenerationOptions, as_int
+from .options import GENERATION_OPTION_NAMES, GenerationOptions, as_int
 from .results import GenerationResult, StreamChunk
 from .stream import GenerationStream
 from .speculation import (TRAINED_DRAFT_PRIOR, UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength,
@@ -318,10 +318,12 @@ class Session:
             DFlashError: bad prompt or options, a request beyond the KV buffers, another generation
                 running on this session, or a closed session.
         """
-        try:
-            opts = GenerationOptions(**options)
-        except TypeError as exc:
-            raise DFlashError(f"unknown generation option ({exc}); see runtime.options.GenerationOptions") from None
+        unknown = sorted(set(options) - GENERATION_OPTION_NAMES)
+        if unknown:  # (named here: the dataclass's TypeError shows Python internals)
+            raise DFlashError(f"unknown generation option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the "
+                              f"options are {', '.join(sorted(GENERATION_OPTION_NAMES))} (penalties and logit bias "
+                              "are not supported: they cannot be kept exact)")
+        opts = GenerationOptions(**options)
         if (prompt is None) == (messages is None):
             raise DFlashError("pass either a prompt or messages (exactly one)")
         ids = self.encode(prompt, chat=chat, enable_thinking=enable_thinking) if messages is None \

@@ -7,7 +7,7 @@ so the server can answer it as a 400 and the command line print it without a tra
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import numpy as np
@@ -99,6 +99,10 @@ class GenerationOptions:
         temperature alone; greedy decoding ignores both, as they never remove the argmax)."""
         return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0)
 
+
+
+# the keyword arguments Session.generate / stream / chat accept as options
+GENERATION_OPTION_NAMES = frozenset(f.name for f in fields(GenerationOptions))
 
 def as_int(value, what: str) -> int:
     """An integer argument (bools and non-integral floats refused) or a DFlashError naming it."""

@@ -35,11 +35,19 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def uvicorn_server(app, log_level: str = "info"):
+DEFAULT_MAX_CONNECTIONS = 64
+
+
+def uvicorn_server(app, log_level: str = "info", max_connections: int = DEFAULT_MAX_CONNECTIONS):
     """A uvicorn.Server for `app`: the pure-Python h11 protocol, no websockets, and a short grace
-    period on shutdown. On shutdown the app's generation worker stops first (see :class:`DFlashServer`)."""
+    period on shutdown. On shutdown the app's generation worker stops first (see :class:`DFlashServer`).
+
+    `max_connections` (uvicorn's limit_concurrency): connections beyond it are answered 503 at once,
+    so clients that never finish sending a request (uvicorn has no header-read deadline) hold a bounded
+    number of sockets; exposed beyond localhost, put a reverse proxy with read timeouts in front."""
     config = uvicorn.Config(app, http="h11", ws="none", lifespan="on", log_level=log_level,
-                            timeout_graceful_shutdown=3)
+                            # uvicorn refuses when the open connections, the new one included, reach the limit
+                            timeout_graceful_shutdown=3, limit_concurrency=max_connections + 1)
     api = getattr(getattr(app, "state", None), "api", None)
     return DFlashServer(config, before_shutdown=getattr(getattr(api, "worker", None), "stop", None))
 
@@ -76,10 +84,11 @@ class ServerThread:
         url: e.g. "http://127.0.0.1:40123".
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS):
         self._sock = listen_socket(host, port)
         self.url = f"http://{host}:{self._sock.getsockname()[1]}"
-        self.server = uvicorn_server(app, log_level)
+        self.server = uvicorn_server(app, log_level, max_connections)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name="uvicorn", daemon=True)
 

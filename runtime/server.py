@@ -206,16 +206,19 @@ class OpenAIApi:
             raise ApiError(400, f"max_tokens {opts['max_new_tokens']} exceeds this model's max_seq_len {limit} (its KV "
                                 f"buffers hold the prompt and the reply together); pass at most {limit - n} for "
                                 f"this {n}-token prompt", param="max_tokens", code="context_length_exceeded")
+        if n + opts["max_new_tokens"] > limit:  # an API client cannot rebuild: no "rebuild with" hint
+            raise ApiError(400, f"the prompt ({n} tokens) plus max_tokens {opts['max_new_tokens']} exceeds this model's "
+                                f"max_seq_len {limit} (its KV buffers hold the prompt and the reply together); "
+                                + (f"pass max_tokens at most {limit - n}" if n < limit else "shorten the prompt"),
+                           param="max_tokens" if n < limit else where, code="context_length_exceeded")
         try:
             # the same check Session.stream makes, before the request waits in the queue
             self.session.check_request(ids, GenerationOptions(**opts))
         except DFlashError as exc:
             message = str(exc).replace("max_new_tokens", "max_tokens")
-            too_long = n + opts["max_new_tokens"] > limit
             # the artifact's limits on options: their messages start with the option's name
             named = message.split(" ", 1)[0] if message.split(" ", 1)[0] in ("top_k", "verify_len") else None
-            raise ApiError(400, message, param=("max_tokens" if n < limit else where) if too_long else named,
-                           code="context_length_exceeded" if too_long else None) from None
+            raise ApiError(400, message, param=named) from None
         return opts
 
     async def _collect(self, watch: "_DisconnectWatch", job: Job, event, reply: Reply) -> dict | None:

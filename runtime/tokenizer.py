@@ -112,6 +112,8 @@ def check_messages(messages) -> list[dict[str, str]]:
             content = "".join(texts)
         if not isinstance(content, str):
             raise DFlashError(f"messages[{i}].content must be a string (got {type(content).__name__})")
+        if "name" in m and not isinstance(m["name"], str):  # accepted (OpenAI's participant name), not templated
+            raise DFlashError(f"messages[{i}].name must be a string (got {type(m['name']).__name__})")
         extra = sorted(set(m) - {"role", "content", "name"})
         if extra:
             raise DFlashError(f"messages[{i}] has unsupported fields {extra} (tools and function calls are not supported)")

@@ -38,6 +38,15 @@ def test_cli_usage_and_bad_directories(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: --port")
 
 
+def test_api_key_is_stripped_and_must_be_printable_ascii(tmp_path):
+    from runtime.__main__ import check_api_key
+
+    assert check_api_key("s3cret\n") == check_api_key("  s3cret ") == "s3cret"  # e.g. $(cat keyfile)
+    for bad, phrase in (("   ", "empty"), ("a b", "printable ASCII"), ("clé", "printable ASCII")):
+        r = run_cli("serve", str(tmp_path), "--port", "0", "--api-key", bad)
+        assert r.returncode == 2 and phrase in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
 def cli_without(modules: tuple[str, ...], *args: str) -> list[str]:
     """The argv of `python -m runtime ARGS` in an interpreter where `modules` cannot be imported."""
     blocker = (
@@ -56,7 +65,7 @@ def cli_without(modules: tuple[str, ...], *args: str) -> list[str]:
 def test_serve_without_the_extra_names_the_pip_command(tmp_path):
     r = subprocess.run(cli_without(("starlette", "uvicorn"), "serve", str(tmp_path)), capture_output=True, text=True,
                        timeout=60, cwd=ROOT)
-    assert r.returncode == 2 and "pip install 'dflash_export[serve]'" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert r.returncode == 2 and "pip install '.[serve]'" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_serve_command_end_to_end(chat_art, ref):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 
 import pytest
 
@@ -136,6 +137,7 @@ BAD_REQUESTS = [  # (path, body, param, a phrase of the message)
     ("chat", {"model": MODEL}, "messages", "required"),
     ("chat", chat_body(messages=[{"role": "robot", "content": "t9"}]), "messages", "role must be one of"),
     ("chat", chat_body(messages="t9"), "messages", "non-empty list"),
+    ("chat", chat_body(messages=[{"role": "user", "content": "t9", "name": 5}]), "messages", "name must be a string"),
     ("chat", chat_body(wibble=1), "wibble", "unrecognized"),
     ("chat", chat_body(model=3), "model", "string"),
     ("comp", comp_body(prompt=["t5", "t6"]), "prompt", "2 prompts"),
@@ -170,6 +172,45 @@ def test_bad_requests_get_400(served, path, body, param, phrase):
     status, _, out = post(served[0], PATHS[path], body)
     err = expect_error(status, out, 400, param, phrase)
     assert err["type"] == "invalid_request_error"
+
+
+def test_context_length_errors_name_the_limit_not_a_rebuild(served):
+    """An API client cannot rebuild the artifact: the 400 says what to send instead."""
+    for path, body, param in (("comp", comp_body(prompt=[5] * 10, max_tokens=60), "max_tokens"),
+                              ("comp", comp_body(prompt=[5] * 63, max_tokens=2), "max_tokens"),
+                              ("comp", comp_body(prompt=[5] * 64), "prompt"), ("chat", chat_body(max_tokens=62), "max_tokens")):
+        status, _, out = post(served[0], PATHS[path], body)
+        err = expect_error(status, out, 400, param, "max_seq_len")
+        assert err["code"] == "context_length_exceeded" and "rebuild" not in err["message"], err
+
+
+def test_connections_beyond_the_limit_get_503_at_once(chat_art):
+    """Clients that never finish their request hold at most --max-connections sockets; the next
+    connection is answered 503 at once, and a slot frees when one of them leaves."""
+    import socket
+
+    with runtime.load(chat_art) as sess, ServerThread(create_app(sess, model_name=MODEL, queue_size=2),
+                                                      max_connections=4) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        stalled = []
+        for _ in range(4):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+            stalled.append(s)
+        time.sleep(0.3)
+
+        def health_status() -> int:  # (uvicorn's own 503 has a text body, so no JSON decoding)
+            conn = http.client.HTTPConnection(host, int(port), timeout=10)
+            conn.request("GET", "/health")
+            status = conn.getresponse().status
+            conn.close()
+            return status
+        assert health_status() == 503
+        stalled.pop().close()
+        time.sleep(0.3)
+        assert health_status() == 200
+        for s in stalled:
+            s.close()
 
 
 @pytest.mark.parametrize("path,body,param", UNSUPPORTED, ids=[f"{p}-{q}" for p, _, q in UNSUPPORTED])
