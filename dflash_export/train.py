@@ -142,7 +142,6 @@ def generate_dataset(
          "unknown" (a cache written before the dtype was recorded)}.
     """
     import torch
-    from safetensors import safe_open
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -493,9 +492,14 @@ def _draft_config(tspec, layers, taps, block_size, mask_id) -> dict:
 
 
 def _init_from_target(draft, tstate, tspec, layers) -> None:
-    """Initialise draft layers from the target's last layers (same shapes); q/k norms stay at one."""
+    """Initialise draft layers from the target's last layers (same shapes); q/k norms stay at one.
+
+    A Qwen3.5 hybrid stores its RMSNorm weights zero-centred (it scales by 1 + w, `qwen3_5.RMSNorm`);
+    the draft's norms scale by w, so those are copied as 1 + w (copied as stored they would zero
+    the draft's output: a flat loss)."""
     import torch
 
+    offset = 1.0 if tspec.hybrid is not None else 0.0
     first = tspec.arch.num_layers - layers
     with torch.no_grad():
         for i, layer in enumerate(draft.layers):
@@ -503,9 +507,9 @@ def _init_from_target(draft, tstate, tspec, layers) -> None:
             for name, p in layer.named_parameters():
                 src = tstate.get(prefix + name)
                 if src is not None and tuple(src.shape) == tuple(p.shape):
-                    p.copy_(src.to(p.dtype))
+                    p.copy_(src.to(p.dtype) + (offset if name.endswith("norm.weight") else 0.0))
         if "model.norm.weight" in tstate:
-            draft.norm.weight.copy_(tstate["model.norm.weight"])
+            draft.norm.weight.copy_(tstate["model.norm.weight"] + offset)
 
 
 def _load_init_draft(source: Path, tspec) -> dict:
@@ -747,6 +751,10 @@ def train_draft(args) -> int:
         raise DFlashError(f"no training data: every response is shorter than 2 tokens (--max-new-tokens "
                           f"{args.max_new_tokens}); raise --max-new-tokens or use other prompts")
     tstate = load_state_dict(target_dir)
+    if tspec.hybrid is not None:  # a Qwen3_5ForConditionalGeneration's text weights under the CausalLM names
+        from .qwen3_5 import text_state_dict
+
+        tstate = text_state_dict(tstate)
     embed_w = tstate["model.embed_tokens.weight"].float().to(device)
     head_w = (tstate.get("lm_head.weight", tstate["model.embed_tokens.weight"])).float()
     vocab, label_map = None, None

@@ -5,6 +5,9 @@ prompts longer than one call's 64 rows are fed in chunks; KV and state reuse acr
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +15,8 @@ import torch
 import runtime
 from dflash_export.build import build
 
+import runtime_fixtures as rf
+from dflash_export.cli import main
 from hybrid_fixtures import CONFIG, VOCAB, oracle_draft
 
 
@@ -104,6 +109,47 @@ def test_sampled_speculative_equals_sampled_plain_at_the_same_seed(hybrid):
     assert max(s["accepted"] for s in spec.steps if s["proposed"]) >= 2
 
 
+def hf_next_probs(model, ids: list[int], temperature: float) -> np.ndarray:
+    """softmax(logits / T) of the token after `ids` from the Hugging Face model (float64)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].double().numpy()
+    return rf.softmax(logits, temperature)
+
+
+def test_sampling_after_a_rejected_proposal_has_the_targets_distribution(hybrid):
+    """Chi-square over seeds, through a verify that rejects: x1 ~ p(.|P); x2, verified against a fixed
+    proposal m (the second most likely token), ~ p(.|P, x1) and accepted iff x2 == m; x3 after a
+    rejection (x2 = b != m) ~ p(.|P, a, b), which holds only if the Gated DeltaNet state forgot m's row:
+    the same counts are rejected against p(.|P, a, m, b), the distribution without rollback."""
+    model, art = hybrid
+    prompt, t, n_seeds = [5, 17, 33, 8, 61, 2, 99, 14], 0.03, 700
+    p1 = hf_next_probs(model, prompt, t)
+    a = int(np.argmax(p1))
+    p2 = hf_next_probs(model, prompt + [a], t)
+    b, m = (int(i) for i in np.argsort(-p2)[:2])
+    p3 = hf_next_probs(model, prompt + [a, b], t)
+    p3_no_rollback = hf_next_probs(model, prompt + [a, m, b], t)
+    sess = runtime.load(art)
+    oracle_draft(sess, [0] * (len(prompt) + 1) + [m, m], wrong=0.0)
+    first, second, third = np.zeros(VOCAB, int), np.zeros(VOCAB, int), np.zeros(VOCAB, int)
+    for seed in range(n_seeds):
+        res = sess.generate(prompt, max_new_tokens=3, stop_token_ids=[], temperature=t, seed=seed, block_size=2,
+                            verify_len="all", record_steps=True, reuse_prefix=False)
+        x1, x2, x3 = res.output_ids
+        step = res.steps[0]
+        assert step["proposed"] == [m] and step["accepted"] == int(x2 == m)
+        first[x1] += 1
+        if x1 == a:
+            second[x2] += 1
+            if x2 == b:
+                third[x3] += 1
+    for counts, probs, what in ((first, p1, "x1"), (second, p2, "x2 | a"), (third, p3, "x3 | a, b (rejected m)")):
+        ok, stat, thr = rf.chi_square_ok(counts, probs)
+        assert ok, f"{what}: chi-square {stat:.1f} > {thr:.1f} over {counts.sum()} samples"
+    assert third.sum() >= 100, "too few samples after a rejection"
+    assert not rf.chi_square_ok(third, p3_no_rollback)[0], "the test cannot tell a missing rollback"
+
+
 def test_check_passes_on_the_hybrid_artifact(hybrid):
     """`check`: the graphs against the fp32 PyTorch modules, teacher-forced through the caches (the
     verify case folds the prefill's rows as pending rows)."""
@@ -180,3 +226,30 @@ def test_fp16_int4_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_pat
     oracle_draft(sess, prompt + plain, wrong=0.2)
     spec = sess.generate(prompt, verify_len="all", record_steps=True, **kw)
     assert spec.output_ids == plain and max(s["accepted"] for s in spec.steps if s["proposed"]) >= 2
+
+
+@pytest.mark.slow
+def test_train_draft_then_bench_on_a_hybrid(hybrid_pair, tmp_path):
+    """train-draft on the tiny hybrid's own responses, build with that draft, bench: the loss falls (the
+    draft's layers start from the target's, whose zero-centred norms become 1 + w: copied as stored they
+    zeroed the draft's output and the loss stayed flat), and every bench policy's output equals plain."""
+    target = tmp_path / "target"
+    shutil.copytree(hybrid_pair.target_dir, target)
+    rf.add_word_tokenizer(target)  # "t3".."t95": a base model without a chat template
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "category": ["code", "math"][i % 2],
+                                           "prompt": " ".join(f"t{3 + (i * 7 + j * 5) % 90}" for j in range(6))}) + "\n"
+                               for i in range(4)))
+    draft = tmp_path / "draft"
+    assert main(["train-draft", "--target", str(target), "--device", "cpu", "--prompts", str(prompts), "--out", str(draft),
+                 "--max-new-tokens", "24", "--steps", "20", "--batch", "2", "--anchors", "4", "--layers", "1",
+                 "--data-cache", str(tmp_path / "data")]) == 0
+    losses = json.loads((draft / "train_state" / "state.json").read_text())["losses"]
+    assert losses[-1] < losses[0] - 0.05, losses
+    art = tmp_path / "art"
+    build(str(target), str(draft), art, max_seq_len=128, quiet=True)
+    assert main(["bench", str(art), "--prompts", str(prompts), "--max-new-tokens", "10", "--policies", "auto,1,7",
+                 "--past-lengths", "", "--no-torch-baseline", "--out", str(tmp_path / "bench")]) == 0
+    report = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert len(report["prompts"]) == 4
+    assert all(p["lossless_match"] for row in report["prompts"] for p in row["policies"].values())
