@@ -96,7 +96,7 @@ def resolve_target(target: str | None) -> tuple[Path, str | None]:
     if snap is None:
         raise DFlashError(
             f"target {name} ({entry['target']}) is not in the local Hugging Face cache. Download it on a machine "
-            f"with network access: `huggingface-cli download {entry['target']}` (then copy ~/.cache/huggingface), "
+            f"with network access: `hf download {entry['target']}` (then copy ~/.cache/huggingface), "
             "or pass --target DIR"
         )
     return snap, name
@@ -132,7 +132,7 @@ def resolve_draft(draft: str | None, target_name: str | None) -> Path | None:
     if snap is None:
         raise DFlashError(
             f"the released draft {repo} for {target_name} is not in the local Hugging Face cache: "
-            f"`huggingface-cli download {repo}`, or pass --draft DIR"
+            f"`hf download {repo}`, or pass --draft DIR"
         )
     return snap
 

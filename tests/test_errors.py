@@ -66,10 +66,10 @@ def test_known_name_not_in_hf_cache(ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "empty_hf_home"))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     msg = build_fails("Qwen3-8B", None, tmp_path / "art", "not in the local Hugging Face cache")
-    assert "huggingface-cli download Qwen/Qwen3-8B" in msg and "--target DIR" in msg
+    assert "hf download Qwen/Qwen3-8B" in msg and "--target DIR" in msg
     # names are matched case-insensitively, and the repository id works as well
     build_fails("qwen3-8b", None, tmp_path / "art", r"Qwen3-8B \(Qwen/Qwen3-8B\) is not in the local")
-    build_fails("Qwen/Qwen3-8B", None, tmp_path / "art", "huggingface-cli download Qwen/Qwen3-8B")
+    build_fails("Qwen/Qwen3-8B", None, tmp_path / "art", "hf download Qwen/Qwen3-8B")
 
 
 def test_known_target_cached_but_released_draft_missing(ckpt, tmp_path, monkeypatch):
@@ -81,7 +81,7 @@ def test_known_target_cached_but_released_draft_missing(ckpt, tmp_path, monkeypa
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     msg = build_fails("Qwen3-8B", None, tmp_path / "art", "released draft z-lab/Qwen3-8B-DFlash-b16")
-    assert "huggingface-cli download z-lab/Qwen3-8B-DFlash-b16" in msg and "--draft DIR" in msg
+    assert "hf download z-lab/Qwen3-8B-DFlash-b16" in msg and "--draft DIR" in msg
 
 
 def test_missing_draft_dir(ckpt, tmp_path):
