@@ -50,15 +50,17 @@ def manifest_fields(tspec: TargetSpec) -> dict:
     return {}
 
 
-def target_export_module(tspec: TargetSpec, dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
-    """The target's export module in `dtype` (norms fp32) with streamed weights.
+def target_export_module(tspec: TargetSpec, dspec: DraftSpec, source: WeightSource, dtype,
+                         module_class=TargetForExport, load_whole=lambda name: False) -> tuple:
+    """The target's export module (`module_class`: TargetForExport or a subclass with its interface)
+    in `dtype` (norms fp32) with streamed weights (`weights.bind_weights`, `load_whole` passed on).
 
     Returns:
-        (TargetForExport, {initializer name: reader}) for `export.export_target`.
+        (module, {initializer name: reader}) for `export.export_target` or `export._export`.
     """
-    module = empty_module(lambda: TargetForExport(tspec, dspec.target_layer_ids, dtype, dspec.draft_vocab)).eval()
+    module = empty_module(lambda: module_class(tspec, dspec.target_layer_ids, dtype, dspec.draft_vocab)).eval()
     cast_for_export(module, dtype)
-    readers = bind_weights(module, source, f"target {tspec.path}")
+    readers = bind_weights(module, source, f"target {tspec.path}", load_whole)
     head_rows = module.freeze_draft_head(readers.get(module.head_weight_name()))
     if head_rows is None and module.draft_head is not None:  # a head small enough to be held, not streamed
         rows = module.draft_head
@@ -66,6 +68,20 @@ def target_export_module(tspec: TargetSpec, dspec: DraftSpec, source: WeightSour
     if head_rows is not None:
         readers["draft_head"] = head_rows
     return module, readers
+
+
+def streaming_rewrite(treaders: dict, tsource: WeightSource, torch_dtype, qconfig, qnames: list[str], head_config):
+    """The `rewrite(model, packed)` hook of `export._export`: each weight is read (stacked when packed),
+    INT4-quantized when `qconfig` (and the proposal head rows with `head_config`) as its initializer
+    is saved."""
+    def rewrite(model, packed):
+        read = read_packed(packed, treaders, tsource, torch_dtype)
+        if qconfig is not None:
+            rewrite_int4(model, graph_weight_names(qnames, packed, qconfig.lm_head and "draft_head" in treaders),
+                         read, qconfig, torch_dtype)
+        if head_config is not None and not (qconfig is not None and qconfig.lm_head):
+            rewrite_int4(model, ["draft_head"], read, head_config, torch_dtype)
+    return rewrite
 
 
 def export_for_build(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, path: Path, torch_dtype,
@@ -77,14 +93,7 @@ def export_for_build(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource,
     qnames = quantized_names(tsource.names(), tsource.shapes, qconfig, _head_name(tspec)) if qconfig else []
     tmod, treaders = target_export_module(tspec, dspec, tsource, torch_dtype)
     head_config = _proposal_head_config(proposal_head, "draft_head" in treaders, qconfig, tspec.arch.hidden_size)
-
-    def rewrite(model, packed):  # each weight is read, quantized and written as its initializer is saved
-        read = read_packed(packed, treaders, tsource, torch_dtype)
-        if qconfig is not None:
-            rewrite_int4(model, graph_weight_names(qnames, packed, qconfig.lm_head and "draft_head" in treaders),
-                         read, qconfig, torch_dtype)
-        if head_config is not None and not (qconfig is not None and qconfig.lm_head):
-            rewrite_int4(model, ["draft_head"], read, head_config, torch_dtype)
+    rewrite = streaming_rewrite(treaders, tsource, torch_dtype, qconfig, qnames, head_config)
     export_target(tmod, path, treaders, progress=not quiet, rewrite=rewrite)
     return ExportedTarget(tsource.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(),
                           qnames, head_config)

@@ -313,7 +313,7 @@ class TargetForExport(nn.Module):
             return None
         from .weights import placeholder
 
-        self.draft_head = placeholder((len(self.draft_vocab), self.spec.arch.hidden_size), self.head_weight().dtype)
+        self.draft_head = placeholder((len(self.draft_vocab), self.head_weight().shape[1]), self.head_weight().dtype)
         vocab = self.draft_vocab
         return lambda: torch.index_select(head_reader(), 0, vocab)
 

@@ -8,8 +8,10 @@ then each layer's caches in layer order (`qwen3_5.cache_names`): full attention 
 cache outputs. One call takes T + N <= `gated_delta.MAX_ROWS` rows (and at most as many pending rows):
 the runtime feeds longer prompts in chunks (`max_call_rows` in the manifest).
 
-Weights are loaded whole (not streamed, unlike Qwen3 targets: the exporter folds `1 + weight`,
-`-exp(A_log)` and the conv columns into new initializers, which the streaming check refuses).
+`build` streams the weights as for Qwen3 targets (`export_for_build`): each is read from its shard when
+its initializer is written. The few the graph derives new constants from are loaded first: the norms
+(`1 + weight`), A_log and dt_bias (small, `weights.STREAM_MIN_ELEMENTS`) and the conv kernels, whose
+columns the optimizer folds (`_derived_in_graph`). No layer replication yet: every layer is traced.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .gated_delta import MAX_ROWS
 from .modules import TargetForExport, load_weights
 from .qwen3_5 import Qwen35TargetForExport, cache_names, text_state_dict, text_weight_name
 
-EXPORT_TITLE = "Qwen3.5 hybrid: weights loaded whole"  # build's progress line for the target step
+EXPORT_TITLE = "weights are read as they are written"  # build's progress line for the target step
 
 
 class HybridDFlashTarget(Qwen35TargetForExport):
@@ -90,22 +92,6 @@ def export_inputs(module: HybridDFlashTarget) -> tuple:
     return args, io_names(module), ({0: T}, {0: N}, None, {0: U}, tuple(dyn))
 
 
-class _TextWeights:
-    """A WeightSource's names, shapes and dtypes under `Qwen3_5ForCausalLM` names (`text_weight_name`)."""
-
-    def __init__(self, source):
-        mapped = {text_weight_name(n): n for n in source.names() if text_weight_name(n) is not None}
-        self._names = list(mapped)
-        self.shapes = {k: source.shapes[v] for k, v in mapped.items()}
-        self.dtypes = {k: source.dtypes[v] for k, v in mapped.items()}
-
-    def names(self) -> list[str]:
-        return self._names
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.shapes
-
-
 def check_weights(tspec: TargetSpec, tap_layers, source) -> None:
     """Every parameter of the hybrid export module has a checkpoint tensor of its shape, before anything
     is exported (`weights.check_weight_names` on the text weights).
@@ -116,7 +102,7 @@ def check_weights(tspec: TargetSpec, tap_layers, source) -> None:
     from .weights import check_weight_names, empty_module
 
     empty = empty_module(lambda: HybridDFlashTarget(tspec, tuple(tap_layers)))
-    check_weight_names({k: tuple(p.shape) for k, p in empty.named_parameters()}, _TextWeights(source),
+    check_weight_names({k: tuple(p.shape) for k, p in empty.named_parameters()}, source.renamed(text_weight_name),
                        source.where, tied=empty.lm_head is None)
 
 
@@ -138,50 +124,13 @@ def build_module(tspec: TargetSpec, tap_layers, draft_vocab, dtype) -> tuple[Hyb
     return module, embed
 
 
-def export_hybrid_target(module: HybridDFlashTarget, path: Path, qconfig=None) -> list[str]:
-    """Trace and write the hybrid DFlash target graph (`export._export`: dynamo, opset 20, optimized,
-    shared-input GEMMs packed); with `qconfig`, its decoder linear layers (attention, MLP and the Gated
-    DeltaNet projections: `quantize.QUANTIZED_LAYER`) become INT4 weight-only as for Qwen3 targets.
-
-    Returns:
-        the quantized weights' names (empty without `qconfig`).
-    """
-    from .dense_target import graph_weight_names
+def export_hybrid_target(module: HybridDFlashTarget, path: Path) -> None:
+    """Trace and write the hybrid DFlash target graph of a module holding its weights (`export._export`:
+    dynamo, opset 20, optimized, shared-input GEMMs packed). `build` streams the weights instead
+    (`export_for_build`)."""
     from .export import _export
-    from .quantize import quantized_names, rewrite_int4
 
-    if qconfig is None:
-        _export(module, *export_inputs(module), Path(path))
-        return []
-    shapes = {k: tuple(p.shape) for k, p in module.named_parameters()}
-    names = quantized_names(list(shapes), shapes, qconfig)
-    dtype = module.compute_dtype
-
-    def rewrite(model, packed):  # the weights are in memory: their values are the graph's initializers
-        chosen = graph_weight_names(names, packed, False)
-        done = {part for name in chosen for part in packed.get(name, [name])}
-        assert done == set(names), f"weights left unquantized by the GEMM packing: {sorted(set(names) - done)[:3]}"
-        values = {name: model.graph.initializers[name].const_value for name in chosen}  # kept past their removal
-
-        def read(name):
-            return torch.from_numpy(np.array(values[name].numpy())).to(dtype)
-        rewrite_int4(model, chosen, read, qconfig, dtype)
-    _export(module, *export_inputs(module), Path(path), rewrite=rewrite)
-    return names
-
-
-def dequantize_like_the_graph(module: HybridDFlashTarget, record: dict, graph_dtype: torch.dtype) -> None:
-    """Replace the quantized weights (the manifest's `quantization` record) of an fp32 reference module
-    by the values the INT4 graph computes with: quantized and dequantized as `build` did, in the graph
-    dtype (`check` then compares the graph with the model its weights define)."""
-    from .quantize import dequantize, quantize_rtn
-
-    block = int(record["block"])
-    params = dict(module.named_parameters())
-    with torch.no_grad():
-        for name in record["tensors"]:
-            w = params[name]
-            w.copy_(dequantize(*quantize_rtn(w.detach().to(graph_dtype), block, graph_dtype), block).to(w.dtype))
+    _export(module, *export_inputs(module), Path(path))
 
 
 def check_options(tspec: TargetSpec, tap_layers, source, qconfig, proposal_head: str) -> None:
@@ -203,23 +152,50 @@ def check_options(tspec: TargetSpec, tap_layers, source, qconfig, proposal_head:
         quantized_names(list(shapes), shapes, qconfig)
 
 
+def _derived_in_graph(name: str) -> bool:
+    """Weights the graph computes new constants from (the conv kernel's K columns): loaded whole, so
+    the optimizer folds real values (a few 10k elements per layer), not a streamed placeholder."""
+    return name.endswith("conv1d.weight")
+
+
 def export_for_build(tspec: TargetSpec, dspec, source, path: Path, dtype: torch.dtype, qconfig, proposal_head: str,
                      quiet: bool) -> ExportedTarget:
     """`build`'s target step for a hybrid (family hook; fp32 or fp16, INT4 with `qconfig`): the graph at
-    `path`, the weights loaded whole."""
-    module, embed = build_module(tspec, dspec.target_layer_ids, dspec.draft_vocab, dtype)
-    names = export_hybrid_target(module, path, qconfig)
-    return ExportedTarget(embed[dspec.mask_token_id].float().numpy(), names)
+    `path`, each weight read from its shard (a ConditionalGeneration's under its text name) when its
+    initializer is written, INT4-quantized on the way, as for Qwen3 targets."""
+    from .dense_target import streaming_rewrite, target_export_module
+    from .export import _export
+    from .quantize import quantized_names
+
+    text = source.renamed(text_weight_name)
+    module, readers = target_export_module(tspec, dspec, text, dtype, HybridDFlashTarget, _derived_in_graph)
+    names = []
+    if qconfig is not None:
+        shapes = {k: tuple(p.shape) for k, p in module.named_parameters()}
+        names = quantized_names(list(shapes), shapes, qconfig)
+    rewrite = streaming_rewrite(readers, text, dtype, qconfig, names, None)
+    _export(module, *export_inputs(module), Path(path), readers=readers, progress=not quiet, rewrite=rewrite)
+    return ExportedTarget(text.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(), names)
 
 
 def reference_target(tspec: TargetSpec, dspec, source, manifest: dict, vocab) -> HybridDFlashTarget:
-    """The fp32 reference `check` compares the graph with (family hook): the export module in fp32, its
-    weights loaded whole; an INT4 artifact's quantized weights as the graph computes with them."""
-    tmod = build_module(tspec, dspec.target_layer_ids, vocab, torch.float32)[0]
-    if manifest.get("quantization"):
-        dequantize_like_the_graph(tmod, manifest["quantization"],
-                                  {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]])
-    return tmod
+    """The fp32 reference `check` compares the graph with (family hook): the export module computing in
+    fp32 over the weights as stored (bf16 for most checkpoints: each is upcast when used, so the model
+    is held once), an INT4 artifact's quantized weights as the graph computes with them."""
+    from .quantize import dequantized_source
+    from .reference_models import upcast_weights_on_use
+    from .weights import empty_module, load_module_weights
+
+    text = source.renamed(text_weight_name)
+    if manifest.get("quantization"):  # the model the INT4 graph computes: its dequantized weights
+        graph_dtype = {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]]
+        text = dequantized_source(text, manifest["quantization"], graph_dtype)
+    tmod = empty_module(lambda: HybridDFlashTarget(tspec, tuple(dspec.target_layer_ids), torch.float32, vocab)).eval()
+    load_module_weights(tmod, text, f"target {tspec.path}")
+    tmod.freeze_draft_head()
+    if tmod.draft_head is not None:
+        tmod.draft_head = tmod.draft_head.to(torch.float32)
+    return upcast_weights_on_use(tmod)
 
 
 def manifest_fields(tspec: TargetSpec) -> dict:

@@ -108,6 +108,21 @@ class WeightSource:
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise _unreadable(f"{key} from {path}", exc) from None
 
+    def renamed(self, rename: Callable[[str], str | None]) -> "WeightSource":
+        """The same tensors under `rename(stored name)` (None: left out), read from the same shards: a
+        Qwen3_5ForConditionalGeneration's text weights under the CausalLM names, for example."""
+        out = WeightSource(self.where, tensors={} if self._tensors is not None else None)
+        for name in self.names():
+            new = rename(name)
+            if new is None:
+                continue
+            out.shapes[new], out.dtypes[new] = self.shapes[name], self.dtypes[name]
+            if self._tensors is not None:
+                out._tensors[new] = self._tensors[name]
+            else:
+                out._files[new] = self._files[name]
+        return out
+
     def read_as(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """`name` cast to `dtype` (exact for bf16/fp16 -> fp32; one rounding for fp32/bf16 -> fp16)."""
         t = self.read(name)
@@ -187,11 +202,14 @@ def placeholder(shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(1, dtype=dtype).expand(*shape)
 
 
-def bind_weights(module: nn.Module, source: WeightSource, where: str) -> dict[str, Reader]:
+def bind_weights(module: nn.Module, source: WeightSource, where: str,
+                 load_whole: Callable[[str], bool] = lambda name: False) -> dict[str, Reader]:
     """Give an :func:`empty_module`'s parameters their checkpoint values, in each parameter's dtype.
 
-    Parameters of at most `STREAM_MIN_ELEMENTS` elements are loaded now; larger ones become
-    placeholders whose reader is returned, to be called when the initializer is written.
+    Parameters of at most `STREAM_MIN_ELEMENTS` elements, and those `load_whole(name)` names (small
+    weights the graph transforms, whose derived values the optimizer must compute), are loaded now;
+    larger ones become placeholders whose reader is returned, to be called when the initializer is
+    written.
 
     Returns:
         parameter name -> reader returning the tensor in the parameter's dtype.
@@ -205,7 +223,7 @@ def bind_weights(module: nn.Module, source: WeightSource, where: str) -> dict[st
     readers: dict[str, Reader] = {}
     for name, p in params.items():
         read = partial(source.read_as, name, p.dtype)
-        if p.numel() > STREAM_MIN_ELEMENTS:
+        if p.numel() > STREAM_MIN_ELEMENTS and not load_whole(name):
             readers[name] = read
             set_parameter(module, name, placeholder(p.shape, p.dtype))
         else:

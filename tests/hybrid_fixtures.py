@@ -23,14 +23,19 @@ class HybridPair:
     model: object  # the transformers Qwen3_5ForCausalLM (eager attention), the numerical reference
     target_dir: Path  # its safetensors checkpoint
     artifact: Path  # `build` of it with an untrained draft, fp32, max_seq_len 256
+    reads: dict  # checkpoint tensor name -> times `build` read it (WeightSource.read)
+    streamed: list  # the target weights `build` streamed (placeholders until written)
+
+
+# this model's weights are small: below this many elements `build` would load every one at once
+# (weights.STREAM_MIN_ELEMENTS); the fixture's build lowers the threshold so it streams most of them
+TEST_STREAM_MIN_ELEMENTS = 4096
 
 
 def make_hybrid(root: Path) -> HybridPair:
     """Save a seeded random Qwen3_5ForCausalLM under `root/target` and build `root/artifact`."""
     import torch
     import transformers
-
-    from dflash_export.build import build
 
     torch.manual_seed(0)
     cfg = transformers.Qwen3_5TextConfig(**CONFIG)
@@ -41,8 +46,41 @@ def make_hybrid(root: Path) -> HybridPair:
             if p.ndim == 2 and "embed" not in name:
                 p.mul_(3.0)
     model.save_pretrained(root / "target", safe_serialization=True)
-    build(str(root / "target"), None, root / "artifact", max_seq_len=256, quiet=True)
-    return HybridPair(model, root / "target", root / "artifact")
+    reads, streamed = streamed_build(root / "target", root / "artifact")
+    return HybridPair(model, root / "target", root / "artifact", reads, streamed)
+
+
+def streamed_build(target: Path, out: Path) -> tuple[dict, list]:
+    """`build` of `target` (untrained draft, fp32, max_seq_len 256) with the streaming threshold at
+    TEST_STREAM_MIN_ELEMENTS and loading a state dict whole made an error; returns (reads per
+    checkpoint tensor, the target weights bound as streamed)."""
+    from collections import Counter
+    from unittest import mock
+
+    from dflash_export import qwen3_5_target, weights
+    from dflash_export.build import build
+
+    reads, streamed = Counter(), []
+    read, bind = weights.WeightSource.read, weights.bind_weights
+
+    def counting_read(self, name):
+        reads[name] += 1
+        return read(self, name)
+
+    def recording_bind(module, source, where, *args):
+        readers = bind(module, source, where, *args)
+        if where.startswith("target"):
+            streamed.extend(readers)
+        return readers
+
+    def whole(*_):
+        raise AssertionError("build loaded the hybrid target's state dict whole")
+    with mock.patch.object(weights, "STREAM_MIN_ELEMENTS", TEST_STREAM_MIN_ELEMENTS), \
+            mock.patch.object(weights.WeightSource, "read", counting_read), \
+            mock.patch("dflash_export.dense_target.bind_weights", recording_bind), \
+            mock.patch.object(qwen3_5_target, "load_state_dict", whole):
+        build(str(target), None, out, max_seq_len=256, quiet=True)
+    return dict(reads), streamed
 
 
 def oracle_draft(sess, reference: list[int], wrong: float) -> None:

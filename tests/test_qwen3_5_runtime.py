@@ -42,6 +42,20 @@ def test_manifest_describes_the_hybrid(hybrid):
     assert m["target"]["max_call_rows"] == 64 and m["target"]["gdn"]["conv_dim"] == 2 * 2 * 16 + 4 * 16
 
 
+def test_build_streams_the_hybrid_weights(hybrid_pair):
+    """`build` reads each target weight once, when it is written (the fixture's build: state dicts
+    loaded whole are an error there), and streams every weight above the threshold except the conv
+    kernels, whose columns the graph folds."""
+    from hybrid_fixtures import TEST_STREAM_MIN_ELEMENTS
+
+    target_reads = {k: n for k, n in hybrid_pair.reads.items() if k.startswith(("model.", "lm_head"))}
+    assert target_reads and max(target_reads.values()) == 1, target_reads
+    big = [k for k, p in hybrid_pair.model.named_parameters() if p.numel() > TEST_STREAM_MIN_ELEMENTS]
+    want = sorted(k for k in big if not k.endswith("conv1d.weight"))
+    assert "model.embed_tokens.weight" in want and any("linear_attn.in_proj_qkv" in k for k in want)
+    assert sorted(k for k in hybrid_pair.streamed if k != "draft_head") == want
+
+
 def test_plain_decoding_equals_hugging_face(hybrid):
     model, art = hybrid
     sess = runtime.load(art)
