@@ -37,7 +37,8 @@ def py310_env(tmp_path_factory):
     venv = tmp_path_factory.mktemp("py310") / "venv"
     subprocess.run([py, "-m", "venv", str(venv)], check=True)
     pip = subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "-q", "numpy", "onnxruntime==1.23.2", "tokenizers", "jinja2"],
+        [str(venv / "bin" / "pip"), "install", "-q", "numpy", "onnxruntime==1.23.2", "tokenizers", "jinja2",
+         "starlette>=0.40", "uvicorn>=0.30"],  # the runtime and its serve extra, as pyproject.toml lists them
         capture_output=True, text=True, timeout=600,
     )
     if pip.returncode != 0:
@@ -73,3 +74,37 @@ def test_runtime_on_python310_onnxruntime_1_23(py310_env, tmp_path_factory):
     # onnxruntime 1.23.2 commits accepted blocks (verify calls of 1 + N rows with the sampling branch bound)
     assert out["blocks"] == [[ctxfree.mask_id] * 14, rf.expected_acceptance(14, ctxfree.block_size)]
     assert max(out["blocks"][1]) == ctxfree.block_size
+
+
+def test_server_on_python310_onnxruntime_1_23(py310_env, tmp_path_factory):
+    """`python -m runtime serve` under Python 3.10 with onnxruntime 1.23.2 and no torch: a greedy
+    completion (plain HTTP, no client library) equals the in-process reply; Ctrl-C ends it with 130."""
+    import signal
+    import urllib.request
+
+    import runtime
+
+    pair = rf.artifact("qwen3", tmp_path_factory)
+    want = runtime.load(pair.artifact).generate("t5 t6 t7", max_new_tokens=8, stop_token_ids=[]).text
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    proc = subprocess.Popen([str(py310_env), "-m", "runtime", "serve", str(pair.artifact), "--port", "0",
+                             "--model-name", "m"], stderr=subprocess.PIPE, text=True, env=env,
+                            # Ctrl-C must reach it even when the tests run as a background job (SIGINT ignored)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("serving"):
+                break
+        assert lines and lines[-1].startswith("serving"), "".join(lines[-20:])
+        url = lines[-1].split(" on ")[1].split(" ")[0]
+        body = json.dumps({"model": "m", "prompt": "t5 t6 t7", "max_tokens": 8, "temperature": 0}).encode()
+        req = urllib.request.Request(url + "/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            reply = json.loads(r.read())
+        assert reply["choices"][0]["text"] == want and reply["usage"]["completion_tokens"] == 8
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(30)
+    assert code == 130
