@@ -180,22 +180,27 @@ def export_for_build(tspec: TargetSpec, dspec, source, path: Path, dtype: torch.
 
 def reference_target(tspec: TargetSpec, dspec, source, manifest: dict, vocab) -> HybridDFlashTarget:
     """The fp32 reference `check` compares the graph with (family hook): the export module computing in
-    fp32 over the weights as stored (bf16 for most checkpoints: each is upcast when used, so the model
-    is held once), an INT4 artifact's quantized weights as the graph computes with them."""
+    fp32 over the weights as stored (bf16 for most checkpoints: each is upcast when used, the LM head
+    a block of rows at a time as for Qwen3, so the model is held once), an INT4 artifact's quantized
+    weights as the graph computes with them."""
+    from .dense_target import ReferenceTarget
     from .quantize import dequantized_source
     from .reference_models import upcast_weights_on_use
     from .weights import empty_module, load_module_weights
+
+    class HybridReference(HybridDFlashTarget):  # ReferenceTarget's row-blocked fp32 head on the hybrid stack
+        rows_per_block = ReferenceTarget.rows_per_block
+        head_rows_transform = proposal_rows_transform = None  # a hybrid's LM head is never INT4
+        head_rows_fp32, logits_of, propose = ReferenceTarget.head_rows_fp32, ReferenceTarget.logits_of, ReferenceTarget.propose
 
     text = source.renamed(text_weight_name)
     if manifest.get("quantization"):  # the model the INT4 graph computes: its dequantized weights
         graph_dtype = {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]]
         text = dequantized_source(text, manifest["quantization"], graph_dtype)
-    tmod = empty_module(lambda: HybridDFlashTarget(tspec, tuple(dspec.target_layer_ids), torch.float32, vocab)).eval()
+    tmod = empty_module(lambda: HybridReference(tspec, tuple(dspec.target_layer_ids), torch.float32, vocab)).eval()
     load_module_weights(tmod, text, f"target {tspec.path}")
-    tmod.freeze_draft_head()
-    if tmod.draft_head is not None:
-        tmod.draft_head = tmod.draft_head.to(torch.float32)
-    return upcast_weights_on_use(tmod)
+    tmod.model.embed_tokens.register_forward_hook(lambda module, args, out: out.to(torch.float32))
+    return upcast_weights_on_use(tmod, skip=("model.embed_tokens.weight", tmod.head_weight_name()))
 
 
 def manifest_fields(tspec: TargetSpec) -> dict:
