@@ -18,16 +18,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from runtime.errors import DFlashError
 
-from .checkpoint import TargetSpec, load_state_dict
+from .checkpoint import TargetSpec
 from .families import ExportedTarget
 from .gated_delta import MAX_ROWS
-from .modules import TargetForExport, load_weights
-from .qwen3_5 import Qwen35TargetForExport, cache_names, text_state_dict, text_weight_name
+from .modules import TargetForExport
+from .qwen3_5 import Qwen35TargetForExport, cache_names, text_weight_name
 
 EXPORT_TITLE = "weights are read as they are written"  # build's progress line for the target step
 
@@ -106,24 +105,6 @@ def check_weights(tspec: TargetSpec, tap_layers, source) -> None:
                        source.where, tied=empty.lm_head is None)
 
 
-def build_module(tspec: TargetSpec, tap_layers, draft_vocab, dtype) -> tuple[HybridDFlashTarget, np.ndarray]:
-    """The export module with the checkpoint's weights, and the target's embedding table as fp32
-    numpy rows (for the mask embedding).
-
-    Raises:
-        DFlashError: the weights do not match the architecture (named).
-    """
-    from .modules import cast_for_export
-
-    module = HybridDFlashTarget(tspec, tuple(tap_layers), dtype, draft_vocab).eval()
-    state = text_state_dict(load_state_dict(tspec.path))
-    load_weights(module, state, f"target {tspec.path}")
-    embed = module.model.embed_tokens.weight.detach()
-    cast_for_export(module, dtype)
-    module.freeze_draft_head()
-    return module, embed
-
-
 def export_hybrid_target(module: HybridDFlashTarget, path: Path) -> None:
     """Trace and write the hybrid DFlash target graph of a module holding its weights (`export._export`:
     dynamo, opset 20, optimized, shared-input GEMMs packed). `build` streams the weights instead
@@ -140,16 +121,22 @@ def check_options(tspec: TargetSpec, tap_layers, source, qconfig, proposal_head:
     Raises:
         DFlashError: naming the option.
     """
-    from .quantize import quantized_names
     from .weights import empty_module
 
     if (qconfig is not None and qconfig.lm_head) or proposal_head != "full":
         raise DFlashError("Qwen3.5 hybrid targets keep their LM head in the graph dtype for now: drop "
                           "--quant-lm-head / --proposal-head int4")
     if qconfig is not None:
-        empty = empty_module(lambda: HybridDFlashTarget(tspec, tuple(tap_layers)))
-        shapes = {k: tuple(p.shape) for k, p in empty.named_parameters()}
-        quantized_names(list(shapes), shapes, qconfig)
+        _quantized_names(empty_module(lambda: HybridDFlashTarget(tspec, tuple(tap_layers))), qconfig)
+
+
+def _quantized_names(module: HybridDFlashTarget, qconfig) -> list[str]:
+    """The module's weights `--quant int4` stores as INT4 (`quantize.quantized_names`; raises on a block
+    that does not divide a layer's K)."""
+    from .quantize import quantized_names
+
+    shapes = {k: tuple(p.shape) for k, p in module.named_parameters()}
+    return quantized_names(list(shapes), shapes, qconfig)
 
 
 def _derived_in_graph(name: str) -> bool:
@@ -165,14 +152,10 @@ def export_for_build(tspec: TargetSpec, dspec, source, path: Path, dtype: torch.
     initializer is written, INT4-quantized on the way, as for Qwen3 targets."""
     from .dense_target import streaming_rewrite, target_export_module
     from .export import _export
-    from .quantize import quantized_names
 
     text = source.renamed(text_weight_name)
     module, readers = target_export_module(tspec, dspec, text, dtype, HybridDFlashTarget, _derived_in_graph)
-    names = []
-    if qconfig is not None:
-        shapes = {k: tuple(p.shape) for k, p in module.named_parameters()}
-        names = quantized_names(list(shapes), shapes, qconfig)
+    names = _quantized_names(module, qconfig) if qconfig is not None else []
     rewrite = streaming_rewrite(readers, text, dtype, qconfig, names, None)
     _export(module, *export_inputs(module), Path(path), readers=readers, progress=not quiet, rewrite=rewrite)
     return ExportedTarget(text.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(), names)
