@@ -46,8 +46,10 @@ def check_options(tspec: TargetSpec, tap_layers, source: WeightSource, qconfig, 
 
 
 def manifest_fields(tspec: TargetSpec) -> dict:
-    """Family hook: dense targets add nothing to `manifest["target"]`."""
-    return {}
+    """Family hook: a dense target's rows are split-invariant (`row_exact`: each row computes the same
+    floats in any call, see `modules.Attention.attend`), which lets the runtime use kernels with int8
+    activations and stay lossless."""
+    return {"row_exact": True}
 
 
 def target_export_module(tspec: TargetSpec, dspec: DraftSpec, source: WeightSource, dtype,

@@ -162,12 +162,22 @@ class Attention(nn.Module):
         new_v: torch.Tensor,
         new_bias: torch.Tensor | None,
         past_bias: torch.Tensor | None = None,
+        split_invariant: bool = False,
     ) -> torch.Tensor:
         """Attention of `q [T, H, D]` over past `[P, Hkv, D]` and new `[S, Hkv, D]` rows.
 
         `q` already carries the 1/sqrt(D) score scale (see `query`). `new_bias` (fp32 `[g * T, S]`,
         `causal_bias`) masks the new rows; `past_bias` (fp32 `[g * T, P]`, a draft's sliding window)
         the past, which is otherwise always visible. Returns `[T, H * D]` before o_proj.
+
+        `split_invariant` (the target's layers): each query row's output is bit-identical however the
+        rows are split into past and new (row k of a verify call and the one row of a later plain step
+        see the same floats), so speculative output equals plain output exactly, also under kernels that
+        turn a one-ulp difference into an int8 rounding step (onnxruntime's MatMulNBits at accuracy
+        level 4). Every sum over keys is one MatMul over the concatenated values, whose per-element
+        accumulation runs over the keys in order (masked keys add exact zeros); the split form's softmax
+        and two-part value sum round differently per split. Cost: one copy of the past V per layer
+        and call (`python scripts/int4_split_check.py` shows the difference is 0).
         """
         t = q.shape[0]
         g = self.num_heads // self.num_kv_heads
@@ -180,13 +190,30 @@ class Attention(nn.Module):
             s_new = s_new + new_bias
         if past_bias is not None:
             s_past = s_past + past_bias
-        p = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1).to(q.dtype)
+        scores = torch.cat([s_past, s_new], dim=-1)
+        if split_invariant:
+            out = _split_invariant_values(scores, torch.cat([past_v, new_v], dim=0), q.dtype)
+            out = out.view(self.num_kv_heads, g, t, self.head_dim).permute(2, 0, 1, 3)
+            return out.reshape(t, self.num_heads * self.head_dim)
+        p = torch.softmax(scores, dim=-1).to(q.dtype)
         n_past = past_k.shape[0]
         out = torch.matmul(p[..., :n_past], past_v.permute(1, 0, 2)) + torch.matmul(
             p[..., n_past:], new_v.permute(1, 0, 2)
         )
         out = out.view(self.num_kv_heads, g, t, self.head_dim).permute(2, 0, 1, 3)
         return out.reshape(t, self.num_heads * self.head_dim)
+
+
+def _split_invariant_values(scores: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """softmax(scores) @ values with no reduction whose rounding depends on the key count: the max is
+    exact in any order, and both the weighted value sum and the normaliser are MatMuls over the keys
+    (sequential per element). `scores` fp32 `[Hkv, R, L]`, `values` `[L, Hkv, D]` -> `[Hkv, R, D]`."""
+    e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    numerator = torch.matmul(e.to(dtype), values.permute(1, 0, 2)).to(torch.float32)
+    # the normaliser as a 16-column MatMul: a one-column one takes onnxruntime's matrix-vector path,
+    # whose rounding depends on the key count
+    denominator = torch.matmul(e, torch.ones(scores.shape[-1], 16, dtype=torch.float32))[..., :1]
+    return (numerator / denominator).to(dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -210,7 +237,7 @@ class DecoderLayer(nn.Module):
         x = self.input_layernorm(h)
         q = self.self_attn.query(x, *rope_q)
         k, v = self.self_attn.key_value(x, *rope_k)
-        attn = self.self_attn.attend(q, past_k, past_v, k, v, causal)
+        attn = self.self_attn.attend(q, past_k, past_v, k, v, causal, split_invariant=True)
         h = h + self.self_attn.o_proj(attn)
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, k, v

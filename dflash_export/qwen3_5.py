@@ -113,7 +113,7 @@ class GatedAttention(Attention):
         """`x [S, d]` (normed) -> (output `[S, d]`, new keys, new values `[S, Hkv, D]`)."""
         q, gate = self.query(x, cos, sin)
         k, v = self.key_value(x, cos, sin)
-        attn = self.attend(q, past_k, past_v, k, v, causal)
+        attn = self.attend(q, past_k, past_v, k, v, causal, split_invariant=True)
         return self.o_proj(attn * torch.sigmoid(gate)), k, v
 
 

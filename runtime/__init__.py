@@ -19,14 +19,16 @@ from .errors import DFlashError
 __all__ = ["load", "generate", "Session", "GenerationResult", "DFlashError"]
 
 
-def load(artifact_dir: str | Path, backend: str = "ort", threads: int | None = None, keep_logits: bool = False) -> Session:
+def load(artifact_dir: str | Path, backend: str = "ort", threads: int | None = None, keep_logits: bool = False,
+         int4_accuracy_level: int | None = None) -> Session:
     """Load an artifact directory into a reusable :class:`Session` (buffers allocated once; use it
-    as a context manager or call `close()` to free them).
+    as a context manager or call `close()` to free them). Arguments as :class:`Session`'s.
 
     Raises:
         DFlashError: missing/incomplete artifact, manifest of another version, unknown backend.
     """
-    return Session(artifact_dir, backend=backend, threads=threads, keep_logits=keep_logits)
+    return Session(artifact_dir, backend=backend, threads=threads, keep_logits=keep_logits,
+                   int4_accuracy_level=int4_accuracy_level)
 
 
 def generate(

@@ -88,6 +88,10 @@ class Backend(ABC):
     # whether greedy target calls may bind 0 uniforms (skipping the sampling branch); False for
     # engines known to mishandle that empty branch (see OrtBackend)
     greedy_without_uniforms: bool = True
+    # whether the target's kernels round activations to int8 (onnxruntime's MatMulNBits at level 4):
+    # then a one-ulp difference between a row's calls becomes a whole int8 step, and Session pads
+    # one-row calls where they round differently from multi-row ones (`runtime.row_exact`)
+    int8_activations: bool = False
 
     @abstractmethod
     def alloc(self, dtype, rows: int, row_shape: tuple[int, ...] = ()) -> Buffer:

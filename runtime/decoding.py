@@ -16,6 +16,7 @@ import numpy as np
 
 from .backend import Backend
 from .errors import DFlashError
+from .row_exact import needs_row_padding
 from . import call_costs
 from .loop import CachedContext, DecodeLoop
 from .manifest import DTYPES, greedy_form_exported, layer_types, load_manifest
@@ -42,6 +43,9 @@ class Session:
         keep_logits: also write the target's `[1 + N, V]` fp32 logits into `session.logits` on every
             call (off by default: the loop reads only token ids; onnxruntime then never materialises
             them in a bound buffer, TensorRT writes them to a scratch buffer).
+        int4_accuracy_level: INT4 artifacts on onnxruntime's CPU backend: 4 (int8 activations, W4A8)
+            or 1 (fp32 compute); default 4 where the target is row-exact, else 1 (see
+            :class:`runtime.ort_backend.OrtBackend`). Ignored elsewhere.
 
     Use it as a context manager (or call :meth:`close`) to free device memory deterministically.
     One `generate` runs at a time per Session: a second thread calling it while one runs gets a
@@ -57,11 +61,11 @@ class Session:
     """
 
     def __init__(self, artifact_dir: str | Path, backend: str = "ort", threads: int | None = None,
-                 keep_logits: bool = False):
+                 keep_logits: bool = False, int4_accuracy_level: int | None = None):
         self.artifact_dir = Path(artifact_dir)
         self.keep_logits = bool(keep_logits)
         self.manifest = m = load_manifest(self.artifact_dir)
-        self.backend = _make_backend(backend, self.artifact_dir, m, threads)
+        self.backend = _make_backend(backend, self.artifact_dir, m, threads, int4_accuracy_level)
         self.dtype = np.dtype(DTYPES[m["dtype"]])
         self.max_seq_len = int(m["max_seq_len"])
         self.block_size = int(m["draft"]["block_size"])
@@ -73,6 +77,8 @@ class Session:
         self.acceptance_prior = TRAINED_DRAFT_PRIOR if m["draft"].get("trained") else UNTRAINED_DRAFT_PRIOR
         self.auto: dict[int, AdaptiveLength] = {}  # by block size: what the policy learned lasts the session
         self.closed = False
+        # Whether one-row target calls run as two rows (decided on the first generate: `runtime.row_exact`)
+        self.pad_single_rows: bool | None = None
         self.context = CachedContext()  # what the caches hold: the next request reuses its common prefix
         # One generate at a time: the static buffers belong to the session, not to a call.
         self._lock = threading.Lock()
@@ -136,6 +142,8 @@ class Session:
         """
         if self.closed:
             raise DFlashError("this Session is closed; load the artifact again")
+        if n_ids + n_proposals == 1 and self.pad_single_rows and past + 2 <= self.max_seq_len:
+            n_proposals = 1  # a second row whose outputs nobody reads (`runtime.row_exact`)
         rows = n_ids + n_proposals
         inputs = {
             "input_ids": self.input_ids.rows(0, n_ids),
@@ -337,6 +345,8 @@ class Session:
         try:
             if self.closed:
                 raise DFlashError("this Session is closed; load the artifact again")
+            if self.pad_single_rows is None:
+                self.pad_single_rows = needs_row_padding(self)
             policy = self.policy(b, opts.verify_len)
             policy.start()
             stops = set(self.stop_token_ids if opts.stop_token_ids is None else opts.stop_token_ids)
@@ -464,11 +474,12 @@ def _load_mask_embedding(path: Path, hidden: int) -> np.ndarray:
     return row
 
 
-def _make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | None) -> Backend:
+def _make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | None,
+                  int4_accuracy_level: int | None = None) -> Backend:
     if name == "ort":
         from .ort_backend import OrtBackend
 
-        return OrtBackend(artifact_dir, manifest, threads=threads)
+        return OrtBackend(artifact_dir, manifest, threads=threads, int4_accuracy_level=int4_accuracy_level)
     if name == "trt":  # TensorRT and CUDA are imported only here
         from .trt_backend import TrtBackend
 

@@ -118,12 +118,14 @@ class OrtBackend(Backend):
             fp16 target: peak 4.6 GiB instead of 7.3 GiB; calls are 2-3x slower).
         graphs: the graphs to load (`check` loads one at a time).
         int4_accuracy_level: the compute type of the MatMulNBits kernel onnxruntime fuses INT4 weights
-            into. 1 = fp32 (default): exactly the dequantized model the artifact defines, and a verify
-            of 1 + N rows agrees with a one-row step as in fp32 graphs, so speculative output equals
-            plain output. 4 = activations rounded to int8 per weight block (onnxruntime-genai's
-            default): about 2x faster plain decoding on AVX2, but one row and several rows round
-            differently, so speculative and plain output diverge (measured on SmolLM2 block 32: 4 of
-            5 prompts within 96 tokens). None = onnxruntime's default (4).
+            into. 1 = fp32: exactly the dequantized model the artifact defines. 4 = activations
+            rounded to int8 per weight block (W4A8, onnxruntime's and onnxruntime-genai's default;
+            1.3-2x faster decoding on CPUs). Level 4 turns a one-ulp difference into a whole int8
+            step, so it is lossless only when every row computes the same floats in any call: the
+            target's attention is split-invariant (manifest `target.row_exact`, artifacts built
+            since it exists) and one-row calls that round differently are padded to two rows
+            (`Session.pad_single_rows`). None (default): 4 for such artifacts, 1 for others
+            (hybrid targets, whose chunked recurrence rounds by call size, and older artifacts).
         spin_threads: let both sessions' worker threads spin after a run (onnxruntime's default; off
             here: see the comment in the constructor).
 
@@ -135,7 +137,7 @@ class OrtBackend(Backend):
 
     def __init__(self, artifact_dir: Path, manifest: dict, providers: list[str] | None = None, threads: int | None = None,
                  low_memory: bool = False, graphs: tuple[str, ...] = ("target", "draft"),
-                 int4_accuracy_level: int | None = 1, spin_threads: bool = False):
+                 int4_accuracy_level: int | None = None, spin_threads: bool = False):
         try:
             import onnxruntime as ort
         except ImportError:
@@ -143,7 +145,13 @@ class OrtBackend(Backend):
         self._ort = ort
         self.greedy_without_uniforms = empty_rows_supported(ort)
         self.threads = int(threads or os.cpu_count() or 1)
+        if int4_accuracy_level is None:
+            int4_accuracy_level = 4 if manifest["target"].get("row_exact") else 1
+        if int4_accuracy_level not in (1, 4):
+            raise DFlashError(f"int4_accuracy_level must be 1 (fp32 compute) or 4 (int8 activations), not {int4_accuracy_level!r}")
         self.int4_accuracy_level = int4_accuracy_level if manifest.get("quantization") else None
+        # int8 activations amplify a one-ulp difference between a row's calls: Session checks one-row calls
+        self.int8_activations = self.int4_accuracy_level == 4 and self.providers_are_cpu(providers)
         # one IOBinding per graph, and what each name is bound to: a call rebinds only what moved
         self._bindings: dict[str, tuple] = {}
         self.providers = list(providers or ["CPUExecutionProvider"])
@@ -178,6 +186,10 @@ class OrtBackend(Backend):
             except Exception as exc:  # onnxruntime raises its own untyped Fail errors
                 raise DFlashError(f"onnxruntime cannot load {path}: {exc}") from None
             check_graph_io(graph, [(i.name, i.type) for i in self.sessions[graph].get_inputs()], manifest)
+
+    @staticmethod
+    def providers_are_cpu(providers) -> bool:
+        return list(providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
 
     def alloc(self, dtype, rows: int, row_shape=()) -> HostBuffer:
         return HostBuffer(dtype, rows * int(np.prod(row_shape, dtype=np.int64) if row_shape else 1), row_shape)
