@@ -162,7 +162,7 @@ class Attention(nn.Module):
         new_v: torch.Tensor,
         new_bias: torch.Tensor | None,
         past_bias: torch.Tensor | None = None,
-        split_invariant: bool = False,
+        key_ones: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of `q [T, H, D]` over past `[P, Hkv, D]` and new `[S, Hkv, D]` rows.
 
@@ -170,7 +170,8 @@ class Attention(nn.Module):
         `causal_bias`) masks the new rows; `past_bias` (fp32 `[g * T, P]`, a draft's sliding window)
         the past, which is otherwise always visible. Returns `[T, H * D]` before o_proj.
 
-        `split_invariant` (the target's layers): each query row's output is bit-identical however the
+        `key_ones` (fp32 `[P + S, 16]` ones, `key_ones_for`; the target's layers) selects the
+        split-invariant form: each query row's output is bit-identical however the
         rows are split into past and new (row k of a verify call and the one row of a later plain step
         see the same floats), so speculative output equals plain output exactly, also under kernels that
         turn a one-ulp difference into an int8 rounding step (onnxruntime's MatMulNBits at accuracy
@@ -191,8 +192,8 @@ class Attention(nn.Module):
         if past_bias is not None:
             s_past = s_past + past_bias
         scores = torch.cat([s_past, s_new], dim=-1)
-        if split_invariant:
-            out = _split_invariant_values(scores, torch.cat([past_v, new_v], dim=0), q.dtype)
+        if key_ones is not None:
+            out = _split_invariant_values(scores, torch.cat([past_v, new_v], dim=0), key_ones, q.dtype)
             out = out.view(self.num_kv_heads, g, t, self.head_dim).permute(2, 0, 1, 3)
             return out.reshape(t, self.num_heads * self.head_dim)
         p = torch.softmax(scores, dim=-1).to(q.dtype)
@@ -204,15 +205,24 @@ class Attention(nn.Module):
         return out.reshape(t, self.num_heads * self.head_dim)
 
 
-def _split_invariant_values(scores: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def key_ones_for(past: int, rows: int) -> torch.Tensor:
+    """fp32 `[past + rows, 16]` ones: the split-invariant attention's normaliser is `exp-scores @ ones`,
+    a 16-column MatMul (a one-column one takes onnxruntime's matrix-vector path, whose rounding depends
+    on the key count). Built once per graph and shared by the layers, as `causal_bias` is; as two parts
+    (a symbolic `past + rows` traces to a sum whose operand order differs between a full trace and a
+    layer-replication template)."""
+    return torch.cat([torch.ones(past, 16, dtype=torch.float32), torch.ones(rows, 16, dtype=torch.float32)])
+
+
+def _split_invariant_values(scores: torch.Tensor, values: torch.Tensor, key_ones: torch.Tensor,
+                            dtype: torch.dtype) -> torch.Tensor:
     """softmax(scores) @ values with no reduction whose rounding depends on the key count: the max is
     exact in any order, and both the weighted value sum and the normaliser are MatMuls over the keys
-    (sequential per element). `scores` fp32 `[Hkv, R, L]`, `values` `[L, Hkv, D]` -> `[Hkv, R, D]`."""
+    (sequential per element). `scores` fp32 `[Hkv, R, L]`, `values` `[L, Hkv, D]`, `key_ones` fp32
+    `[L, 16]` -> `[Hkv, R, D]`."""
     e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
     numerator = torch.matmul(e.to(dtype), values.permute(1, 0, 2)).to(torch.float32)
-    # the normaliser as a 16-column MatMul: a one-column one takes onnxruntime's matrix-vector path,
-    # whose rounding depends on the key count
-    denominator = torch.matmul(e, torch.ones(scores.shape[-1], 16, dtype=torch.float32))[..., :1]
+    denominator = torch.matmul(e, key_ones)[..., :1]
     return (numerator / denominator).to(dtype)
 
 
@@ -226,18 +236,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
 
-    def forward(self, h, rope_q, rope_k, past_k, past_v, causal):
+    def forward(self, h, rope_q, rope_k, past_k, past_v, causal, key_ones):
         """One causal target layer: `h [S, d]` -> (`h [S, d]`, new keys, new values `[S, Hkv, D]`).
 
         `rope_q` / `rope_k` are the (cos, sin) tables of the queries (times the score scale, see
-        `Attention.query`) and the keys; `causal` is the `causal_bias` of the S new rows. The whole
+        `Attention.query`) and the keys; `causal` is the `causal_bias` of the S new rows, `key_ones`
+        the `key_ones_for` the P + S keys. The whole
         layer runs inside this module call, so every exported node of it carries the layer's name
         scope (`model.layers.i`): `layer_replication` cuts one layer's nodes out by that scope.
         """
         x = self.input_layernorm(h)
         q = self.self_attn.query(x, *rope_q)
         k, v = self.self_attn.key_value(x, *rope_k)
-        attn = self.self_attn.attend(q, past_k, past_v, k, v, causal, split_invariant=True)
+        attn = self.self_attn.attend(q, past_k, past_v, k, v, causal, key_ones=key_ones)
         h = h + self.self_attn.o_proj(attn)
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, k, v
@@ -362,9 +373,10 @@ class TargetForExport(nn.Module):
         attn0 = self.model.layers[0].self_attn
         cos_q, sin_q = cos * attn0.scale, sin * attn0.scale  # every layer has the same head_dim
         causal = causal_bias(s, attn0.num_heads // attn0.num_kv_heads)
+        key_ones = key_ones_for(p, s)
         taps, new_kv = {}, []
         for i, layer in enumerate(self.model.layers):
-            h, k, v = layer(h, (cos_q, sin_q), (cos, sin), past[2 * i], past[2 * i + 1], causal)
+            h, k, v = layer(h, (cos_q, sin_q), (cos, sin), past[2 * i], past[2 * i + 1], causal, key_ones)
             new_kv += [k, v]
             if i in self.tap_layers and i != a.num_layers - 1:
                 taps[i] = h

@@ -93,13 +93,47 @@ def test_onnxruntime_fuses_int4_weights_into_matmulnbits(pairs, tmp_path):
     if int(_optimization_level(ort)) < int(ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED):
         pytest.skip(f"onnxruntime {ort.__version__} runs these graphs at the basic level: no MatMulNBits fusion")
     assert ops.count("MatMulNBits") == 3 * GEMMS and "DequantizeLinear" not in ops
-    # the runtime's accuracy level computes a row alike as row 1 of a verify or alone: lossless up to
-    # fp32 rounding (level 4 is not: scripts/int4_split_check.py)
+    # the attention is split-invariant: a row computes the same floats as row 1 of a verify and as the
+    # row of a (padded) plain step, at both accuracy levels; one-row calls differ by fp32 rounding at
+    # most (scripts/int4_split_check.py)
+    assert manifest["target"]["row_exact"] is True
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from int4_split_check import check
 
-    d = check(tmp_path / "art", level=1, past_len=12, proposals=3)
-    assert max(d.values()) < 1e-3, d
+    for level in (1, 4):
+        d = check(tmp_path / "art", level=level, past_len=12, proposals=3)
+        assert d["split_padded_logits"] == d["split_padded_keys"] == 0.0, (level, d)
+        assert max(d.values()) < 1e-3, (level, d)
+
+
+def test_runtime_defaults_to_int8_activations_only_where_rows_are_exact(pairs, tmp_path):
+    """INT4 artifacts with a row-exact target run MatMulNBits at level 4 (int8 activations) by default,
+    others at level 1; the one-row probe decides padding, and speculative output equals plain output."""
+    from runtime.row_exact import single_row_calls_match
+
+    target, draft = pairs["qwen3"]
+    art = tmp_path / "art"
+    build(str(target), str(draft), art, max_seq_len=64, quiet=True, quant="int4", quant_block=16)
+    sess = runtime.load(art)
+    assert (sess.backend.int4_accuracy_level, sess.backend.int8_activations) == (4, True)
+    assert runtime.load(art, int4_accuracy_level=1).backend.int4_accuracy_level == 1
+    with pytest.raises(DFlashError, match="int4_accuracy_level must be 1"):
+        runtime.load(art, int4_accuracy_level=2)
+    plain = sess.generate([3, 9, 27], max_new_tokens=20, stop_token_ids=[], block_size=1).output_ids
+    assert sess.pad_single_rows == (not single_row_calls_match(sess))  # decided by the probe on first use
+    assert sess.generate([3, 9, 27], max_new_tokens=20, stop_token_ids=[], verify_len="all").output_ids == plain
+    sess.pad_single_rows = True  # padded plain steps give the same ids (the padding row is never read)
+    assert sess.generate([3, 9, 27], max_new_tokens=20, stop_token_ids=[], block_size=1).output_ids == plain
+    manifest_path = art / "manifest.json"  # an artifact without row_exact (older builds) keeps fp32 compute
+    import json
+
+    m = json.loads(manifest_path.read_text())
+    del m["target"]["row_exact"]
+    manifest_path.write_text(json.dumps(m))
+    old = runtime.load(art)
+    assert (old.backend.int4_accuracy_level, old.backend.int8_activations) == (1, False)
+    old.generate([3, 9, 27], max_new_tokens=4, stop_token_ids=[])
+    assert old.pad_single_rows is False  # no probe without int8 activations
 
 
 def test_int4_speculative_equals_plain_with_accepted_blocks(tmp_path_factory, tmp_path):

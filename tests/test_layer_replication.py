@@ -150,8 +150,8 @@ def test_a_template_of_another_structure_is_refused(five_layers, template_graph,
     model = ir.serde.deserialize_model(template_graph)
     first, last = layer_replication._partition(model.graph)[0]
     if edit == "attribute":  # the first layer computes something else: it is not a copy of the last
-        softmax = next(n for n in first.nodes if n.op_type == "Softmax")
-        softmax.attributes["axis"] = ir.AttrInt64("axis", 0)
+        score_max = next(n for n in first.nodes if n.op_type == "ReduceMax")  # the attention's score max
+        score_max.attributes["keepdims"] = ir.AttrInt64("keepdims", 0)
     elif edit == "operator":
         sigmoid = next(n for n in last.nodes if n.op_type == "Sigmoid")
         sigmoid.op_type = "Tanh"
