@@ -50,9 +50,24 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) 
     return torch.cat([freqs, freqs], dim=-1)[:, None, :].cos() * scale, torch.cat([-sin, sin], dim=-1)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [S, H, D]` by the `rope_cos_sin` tables `[S, 1, D]`; math in fp32, result in x's dtype."""
+def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """fp32 `[S, D, D]` rotations from the `rope_cos_sin` tables `[S, 1, D]`: `x @ R[s]` is `apply_rope`'s
+    x * cos + [x2, x1] * sin for position s (R = diag(cos) + the half-swap permutation times diag(sin)).
+    Built once per graph, it turns each layer's RoPE of q and of k into one MatMul instead of five
+    nodes (Split, Concat, Mul, Mul, Add): onnxruntime's per-node cost dominates small decoding steps.
+    Each output is x_i cos + x_j sin plus exact zeros, a row's own batch: still row-exact."""
+    d = cos.shape[-1]
+    eye = torch.eye(d, dtype=torch.float32)
+    swap = torch.roll(eye, d // 2, dims=0)  # swap[i, j] = 1 where i = (j + D/2) mod D
+    return eye * cos + swap * sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor | None) -> torch.Tensor:
+    """Rotate `x [S, H, D]` by the `rope_cos_sin` tables `[S, 1, D]`, or (`sin` None) by a `rope_matrix`
+    `cos [S, D, D]`; math in fp32, result in x's dtype."""
     xf = x.to(torch.float32)
+    if sin is None:
+        return torch.matmul(xf, cos).to(x.dtype)
     half = xf.shape[-1] // 2
     swapped = torch.cat([xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos + swapped * sin).to(x.dtype)
@@ -371,12 +386,13 @@ class TargetForExport(nn.Module):
         positions = torch.arange(s, dtype=torch.int64) + p
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
         attn0 = self.model.layers[0].self_attn
-        cos_q, sin_q = cos * attn0.scale, sin * attn0.scale  # every layer has the same head_dim
+        rot = rope_matrix(cos, sin)  # (matrix, None): `apply_rope`'s one-MatMul form
+        rot_q = rot * attn0.scale  # every layer has the same head_dim
         causal = causal_bias(s, attn0.num_heads // attn0.num_kv_heads)
         key_ones = key_ones_for(p, s)
         taps, new_kv = {}, []
         for i, layer in enumerate(self.model.layers):
-            h, k, v = layer(h, (cos_q, sin_q), (cos, sin), past[2 * i], past[2 * i + 1], causal, key_ones)
+            h, k, v = layer(h, (rot_q, None), (rot, None), past[2 * i], past[2 * i + 1], causal, key_ones)
             new_kv += [k, v]
             if i in self.tap_layers and i != a.num_layers - 1:
                 taps[i] = h
