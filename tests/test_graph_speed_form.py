@@ -52,6 +52,18 @@ def test_onnxruntime_fuses_norms_and_no_layer_masks_or_negates(artifact, tmp_pat
     assert layers >= 4 and exported["Neg"] <= 1 and exported["Where"] == 4
 
 
+def test_attention_is_split_invariant_and_rope_is_one_matmul(artifact):
+    """Per layer: RoPE of q and of k as one MatMul each (`modules.rope_matrix`), the scores against the
+    past and the new rows, and the split-invariant value sum and normaliser (`Attention.attend`): six
+    MatMuls, one score max and one Exp, no Softmax (the one left is the sampling branch's)."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    exported = _ops(artifact / "target.onnx")
+    layers = manifest["target"]["num_layers"]
+    assert manifest["target"]["row_exact"] is True
+    assert (exported["MatMul"], exported["ReduceMax"], exported["Exp"]) == (6 * layers, layers, layers)
+    assert exported["Softmax"] == 1
+
+
 class _Version:
     def __init__(self, version):
         self.__version__ = version
