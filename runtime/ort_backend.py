@@ -126,8 +126,9 @@ class OrtBackend(Backend):
             since it exists) and one-row calls that round differently are padded to two rows
             (`Session.pad_single_rows`). None (default): 4 for such artifacts, 1 for others
             (hybrid targets, whose chunked recurrence rounds by call size, and older artifacts).
-        spin_threads: let both sessions' worker threads spin after a run (onnxruntime's default; off
-            here: see the comment in the constructor).
+        spin_threads: let worker threads spin while a run dispatches work, stopping at the end of
+            each run (`session.force_spinning_stop`); False: they sleep between operators. See the
+            comment in the constructor.
 
     Raises:
         DFlashError: onnxruntime is missing or cannot load a graph.
@@ -137,7 +138,7 @@ class OrtBackend(Backend):
 
     def __init__(self, artifact_dir: Path, manifest: dict, providers: list[str] | None = None, threads: int | None = None,
                  low_memory: bool = False, graphs: tuple[str, ...] = ("target", "draft"),
-                 int4_accuracy_level: int | None = None, spin_threads: bool = False):
+                 int4_accuracy_level: int | None = None, spin_threads: bool = True):
         try:
             import onnxruntime as ort
         except ImportError:
@@ -145,6 +146,7 @@ class OrtBackend(Backend):
         self._ort = ort
         self.greedy_without_uniforms = empty_rows_supported(ort)
         self.threads = int(threads or os.cpu_count() or 1)
+        self.spin_threads = bool(spin_threads)
         if int4_accuracy_level is None:
             int4_accuracy_level = 4 if manifest["target"].get("row_exact") else 1
         if int4_accuracy_level not in (1, 4):
@@ -158,17 +160,21 @@ class OrtBackend(Backend):
         self.sessions = {}
         for graph in graphs:
             path = Path(artifact_dir) / manifest[graph]["graph"]
-            # The two graphs alternate every step, so neither session's worker threads spin after a
-            # run (onnxruntime spins by default): spinning threads of the idle session steal the cores from
-            # the other one. Measured on 2 cores, SmolLM2 fp32, a draft + 1-proposal verify step:
-            # 1.35-1.42x a plain step with the target spinning, 1.24-1.26x with neither, while plain
-            # steps kept their speed (`python scripts/step_overhead.py ARTIFACT`). onnxruntime's process-wide pool
-            # would also fix it, but it breaks every other InferenceSession the host program creates.
+            # Worker threads spin while a run dispatches its operators (a sleeping worker costs a
+            # wake-up per parallel operator: SmolLM2 plain decoding, 2 cores, interleaved: int4 78.5 ->
+            # 105.9 tok/s, fp32 38.5 -> 45.6) and stop spinning when the run returns
+            # (force_spinning_stop): the two graphs alternate every step, and spinning threads of the
+            # idle session would steal the cores from the other one (measured before that option was
+            # used: a draft + 1-proposal verify step 1.35-1.42x a plain step with the target spinning
+            # after its runs, 1.24-1.26x with neither spinning; `python scripts/step_overhead.py ARTIFACT`).
+            # onnxruntime's process-wide pool would also fix it, but it breaks every other
+            # InferenceSession the host program creates.
             opts = ort.SessionOptions()
             opts.graph_optimization_level = _optimization_level(ort)
             opts.log_severity_level = 3
             opts.intra_op_num_threads = self.threads
             opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_threads else "0")
+            opts.add_session_config_entry("session.force_spinning_stop", "1")
             if int4_accuracy_level is not None:
                 opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(int4_accuracy_level))
             if low_memory:
@@ -223,7 +229,7 @@ class OrtBackend(Backend):
 
     def describe(self) -> dict:
         return {"name": self.name, "onnxruntime": self._ort.__version__, "providers": self.providers,
-                "threads": self.threads, "int4_accuracy_level": self.int4_accuracy_level}
+                "threads": self.threads, "spin_threads": self.spin_threads, "int4_accuracy_level": self.int4_accuracy_level}
 
     def close(self) -> None:
         self._bindings.clear()
