@@ -29,7 +29,7 @@ from torch import nn
 
 from .hybrid_spec import HybridSpec
 from .gated_delta import MAX_ROWS, gated_delta_chunk, l2_normalize, softplus
-from .modules import MLP, Attention, RMSNorm, apply_rope, causal_bias, key_ones_for, rope_cos_sin
+from .modules import MLP, Attention, RMSNorm, apply_rope, causal_bias, rope_cos_sin
 
 def text_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's text weights under `Qwen3_5ForCausalLM` names: `model.language_model.*` (the
@@ -109,12 +109,11 @@ class GatedAttention(Attention):
         v = self.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
         return partial_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, past_k, past_v, causal, key_ones):
-        """`x [S, d]` (normed) -> (output `[S, d]`, new keys, new values `[S, Hkv, D]`); `causal` and
-        `key_ones` as `modules.DecoderLayer.forward` takes them."""
+    def forward(self, x, cos, sin, past_k, past_v, causal):
+        """`x [S, d]` (normed) -> (output `[S, d]`, new keys, new values `[S, Hkv, D]`)."""
         q, gate = self.query(x, cos, sin)
         k, v = self.key_value(x, cos, sin)
-        attn = self.attend(q, past_k, past_v, k, v, causal, key_ones=key_ones)
+        attn = self.attend(q, past_k, past_v, k, v, causal)
         return self.o_proj(attn * torch.sigmoid(gate)), k, v
 
 
@@ -204,15 +203,14 @@ class HybridDecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCentredRMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec.hidden_size, spec.intermediate_size, bias=False)
 
-    def forward(self, h, cache, rope, causal, key_ones):
+    def forward(self, h, cache, rope, causal):
         """`h [T, d]`, this layer's cache inputs (see `cache_names`) -> (`h [T, d]`, its cache outputs).
-        `rope` is the (cos, sin) pair of the new rows' positions, `causal` their `causal_bias`,
-        `key_ones` the attention layers' `key_ones_for` their keys."""
+        `rope` is the (cos, sin) pair of the new rows' positions, `causal` their `causal_bias`."""
         x = self.input_layernorm(h)
         if self.layer_type == "linear_attention":
             mixed, *new = self.linear_attn(x, *cache)
         else:
-            mixed, *new = self.self_attn(x, *rope, *cache, causal, key_ones)
+            mixed, *new = self.self_attn(x, *rope, *cache, causal)
         h = h + mixed
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, new
@@ -300,11 +298,10 @@ class Qwen35TargetForExport(nn.Module):
         p = caches[self.cache_offsets[self.first_attention]].shape[0]
         rope = rope_cos_sin(torch.arange(s, dtype=torch.int64) + p, self.inv_freq, 1.0)
         causal = causal_bias(s, spec.num_heads // spec.num_kv_heads)
-        key_ones = key_ones_for(p, s)
         h = self.model.embed_tokens(ids)
         taps, new = {}, []
         for i, layer in enumerate(self.model.layers):
-            h, outs = layer(h, caches[self.cache_offsets[i] : self.cache_offsets[i + 1]], rope, causal, key_ones)
+            h, outs = layer(h, caches[self.cache_offsets[i] : self.cache_offsets[i + 1]], rope, causal)
             new += outs
             if i in self.tap_layers and i != spec.num_layers - 1:
                 taps[i] = h
