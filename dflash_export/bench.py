@@ -140,7 +140,7 @@ def run_bench(args) -> int:
 
     if args.fresh_costs:  # a first-time user's run: auto measures the step costs itself
         os.environ[COSTS_ENV] = tempfile.mkdtemp(prefix="dflash-bench-costs-")
-    sess = runtime.load(args.artifact, backend=args.backend)
+    sess = runtime.load(args.artifact, backend=args.backend, int4_accuracy_level=args.int4_accuracy_level)
     b, policies = _check_args(args, sess)
     past_lengths = parse_past_lengths(args.past_lengths)
     prompts = read_prompts(Path(args.prompts))
@@ -405,6 +405,9 @@ def register(sub) -> None:
     p.add_argument("--past-lengths", default=",".join(map(str, DEFAULT_PAST_LENGTHS)),
                    help="decode tok/s at these past lengths, plain and auto (default 128,512,1024,2000; '' skips)")
     p.add_argument("--backend", default="ort", help="ort (default), ort-cuda or trt")
+    p.add_argument("--int4-accuracy-level", type=int, choices=(1, 4), default=None,
+                   help="INT4 artifacts on onnxruntime CPU: 4 = int8 activations (default where the target is "
+                        "row-exact: lossless and faster), 1 = fp32 compute")
     p.add_argument("--no-torch-baseline", dest="torch_baseline", action="store_false",
                    help="skip timing the PyTorch loop (Hugging Face target + PyTorch draft)")
     p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png (default: bench-out)")

@@ -68,7 +68,7 @@ def _verify_len(text: str):
 def cmd_generate(args) -> int:
     import runtime
 
-    sess = runtime.load(args.artifact, backend=args.backend)
+    sess = runtime.load(args.artifact, backend=args.backend, int4_accuracy_level=args.int4_accuracy_level)
     if args.prompt_ids is not None and args.chat:
         raise DFlashError("--chat applies to --prompt text, not to --prompt-ids")
     prompt = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
@@ -146,6 +146,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="stop string (repeatable): the reply ends before it")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling random numbers (default 0)")
     g.add_argument("--backend", default="ort", help="ort (onnxruntime CPU), ort-cuda or trt (TensorRT engines)")
+    g.add_argument("--int4-accuracy-level", type=int, choices=(1, 4), default=None,
+                   help="INT4 artifacts on onnxruntime CPU: 4 = int8 activations (default where the target is "
+                        "row-exact: lossless and faster), 1 = fp32 compute")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--steps", action="store_true", help="include each step's proposed and accepted tokens")
     g.set_defaults(func=cmd_generate)
