@@ -124,8 +124,11 @@ class OrtBackend(Backend):
             step, so it is lossless only when every row computes the same floats in any call: the
             target's attention is split-invariant (manifest `target.row_exact`, artifacts built
             since it exists) and one-row calls that round differently are padded to two rows
-            (`Session.pad_single_rows`). None (default): 4 for such artifacts, 1 for others
-            (hybrid targets, whose chunked recurrence rounds by call size, and older artifacts).
+            (`Session.pad_single_rows`). None (default): 4 for such fp32 artifacts, 1 for others:
+            hybrid targets (their chunked recurrence rounds by call size), older artifacts, and fp16
+            graphs, whose fp16 operators on onnxruntime's CPU round a row by the call's shape
+            (SmolLM2 fp16 int4: 0.02 in logits at level 1, 0.56 at level 4, padded split;
+            `scripts/int4_split_check.py`).
         spin_threads: let worker threads spin while a run dispatches work, stopping at the end of
             each run (`session.force_spinning_stop`); False: they sleep between operators. See the
             comment in the constructor.
@@ -148,7 +151,7 @@ class OrtBackend(Backend):
         self.threads = int(threads or os.cpu_count() or 1)
         self.spin_threads = bool(spin_threads)
         if int4_accuracy_level is None:
-            int4_accuracy_level = 4 if manifest["target"].get("row_exact") else 1
+            int4_accuracy_level = 4 if manifest["target"].get("row_exact") and manifest.get("dtype") == "fp32" else 1
         if int4_accuracy_level not in (1, 4):
             raise DFlashError(f"int4_accuracy_level must be 1 (fp32 compute) or 4 (int8 activations), not {int4_accuracy_level!r}")
         self.int4_accuracy_level = int4_accuracy_level if manifest.get("quantization") else None

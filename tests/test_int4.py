@@ -134,6 +134,10 @@ def test_runtime_defaults_to_int8_activations_only_where_rows_are_exact(pairs, t
     assert (old.backend.int4_accuracy_level, old.backend.int8_activations) == (1, False)
     old.generate([3, 9, 27], max_new_tokens=4, stop_token_ids=[])
     assert old.pad_single_rows is False  # no probe without int8 activations
+    # fp16 graphs: onnxruntime's CPU fp16 operators round rows by call shape, so fp32 compute
+    half = tmp_path / "half"
+    build(str(target), str(draft), half, max_seq_len=64, dtype="fp16", quiet=True, quant="int4", quant_block=16)
+    assert runtime.load(half).backend.int4_accuracy_level == 1
 
 
 def test_int4_speculative_equals_plain_with_accepted_blocks(tmp_path_factory, tmp_path):
