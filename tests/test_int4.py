@@ -295,3 +295,30 @@ def test_opset_21_without_int4_weights_is_refused(tmp_path):
     onnx.save(model, str(tmp_path / "g.onnx"))
     with pytest.raises(DFlashError, match="opset 21 > 20 without INT4 weights"):
         check_graph(tmp_path / "g.onnx")
+
+
+def test_drift_from_the_full_precision_artifact(pairs, tmp_path, capsys):
+    """`dflash_export.drift`: an artifact against itself has agreement 1 and KL 0 exactly; the INT4 build
+    of the same target drifts (KL > 0); `check --drift-reference` reports it, and a bad reference fails
+    before the check runs."""
+    import json
+
+    from dflash_export import cli
+    from dflash_export.drift import measure_drift, prompt_ids
+
+    target, draft = pairs["qwen3"]
+    full, quant = tmp_path / "fp32", tmp_path / "int4"
+    build(str(target), str(draft), full, max_seq_len=64, quiet=True)
+    build(str(target), str(draft), quant, max_seq_len=64, quiet=True, quant="int4", quant_block=16)
+    ref = runtime.load(full)
+    prompts = prompt_ids(ref, Path(__file__).resolve().parents[1] / "models" / "prompts" / "eval.jsonl", 1)
+    assert len(prompts) >= 3 and all(len(p) == 12 for p in prompts)  # no tokenizer: seeded id prompts
+    same, int4 = measure_drift(ref, {"same": runtime.load(full), "int4": runtime.load(quant)}, prompts, 8)
+    assert (same.top1_agreement, same.mean_kl, same.positions) == (1.0, 0.0, 8 * len(prompts))
+    assert int4.mean_kl > 0 and 0 <= int4.top1_agreement <= 1 and int4.int4_accuracy_level == 4
+    assert cli.main(["check", str(quant), "--drift-reference", str(full), "--drift-tokens", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["drift"]["positions"] == 8 * len(prompts)
+    assert report["drift"]["mean_kl"] == pytest.approx(int4.mean_kl)
+    assert cli.main(["check", str(quant), "--drift-reference", str(tmp_path / "missing")]) == 2
+    assert "missing does not exist" in capsys.readouterr().err
