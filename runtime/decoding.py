@@ -137,7 +137,10 @@ class Session:
         `draft_hidden`, with the target cache's rows [0, past) as its past; writes the new K/V at row
         `past`, 1 + n_proposals posterior ids (their embeddings to `next_embeddings`) and then the
         proposals' target-head argmax to `token_ids` (read both with :meth:`read_ids`), and the tap features of every row to `taps` from row
-        `taps_row`. Rows of the cache past `past + n_ids + n_proposals` are untouched. (Calling this
+        `taps_row`. Rows of the cache past `past + n_ids + n_proposals` are untouched, except that a
+        one-row call with :attr:`pad_single_rows` runs as two rows (a proposal from whatever
+        `draft_hidden` holds) and also writes K/V row `past + 1` and taps row `taps_row + 1`, past
+        what it commits. (Calling this
         directly leaves :attr:`context` stale: call :meth:`reset` before the next `generate`.)
         """
         if self.closed:
@@ -213,8 +216,11 @@ class Session:
     def policy(self, block_size: int, verify_len: int | str | None = None) -> Policy:
         """The speculation policy `generate` uses for these arguments (see its docstring).
 
-        Measures (or loads the cached) step costs on first use of the adaptive policy.
+        Decides :attr:`pad_single_rows` on first use (`runtime.row_exact`), then measures (or loads the
+        cached) step costs on first use of the adaptive policy, so costs are timed as steps will run.
         """
+        if self.pad_single_rows is None:
+            self.pad_single_rows = needs_row_padding(self)
         if block_size == 1:
             return FixedLength(0)
         if verify_len == "all":
@@ -345,8 +351,6 @@ class Session:
         try:
             if self.closed:
                 raise DFlashError("this Session is closed; load the artifact again")
-            if self.pad_single_rows is None:
-                self.pad_single_rows = needs_row_padding(self)
             policy = self.policy(b, opts.verify_len)
             policy.start()
             stops = set(self.stop_token_ids if opts.stop_token_ids is None else opts.stop_token_ids)

@@ -1,7 +1,9 @@
 """Does a target row compute the same floats in a one-row call as in a multi-row one?
 
 Speculative decoding is lossless only if a token's outputs do not depend on whether the target saw
-it as row k of a verify call or as the one row of a plain step. The target graph's attention is
+it as row k of a verify call or as the one row of a plain step (bit for bit for every value that
+feeds an int8-activation kernel; the logits may differ by the LM head's own fp32 rounding, see
+`_row_outputs`). The target graph's attention is
 split-invariant (`dflash_export.modules.Attention.attend`), and GEMM kernels give each row the same
 floats for any row count >= 2, but some take another code path for a single row: onnxruntime's
 MatMulNBits at accuracy level 1 everywhere, at level 4 on some CPUs (measured: AVX2 without VNNI;
@@ -22,8 +24,10 @@ PROBE_PROMPT_ROWS = 3  # the probe's past: a short prefill, so the row attends t
 
 
 def _row_outputs(session, row: int) -> list[np.ndarray]:
-    """The target's outputs for cache row `row` of the last call: every attention layer's K and V
-    row and the tap features (written at taps row 0)."""
+    """The target's outputs for cache row `row` of the last call: every attention layer's K and V row
+    and the tap features (written at taps row 0). Not the logits: the LM head is the last operation,
+    so where it rounds one row differently (an fp32 head, or an INT4 head onnxruntime leaves unfused)
+    that is fp32 rounding of the output alone, as in fp32 artifacts, and no int8 step amplifies it."""
     be = session.backend
     out = [be.read(session.taps.rows(0, 1))]
     for _, k, v in session.t_kv:
@@ -61,5 +65,5 @@ def needs_row_padding(session) -> bool:
     """Whether `session` should run its one-row target calls as two rows: only where the backend's
     kernels round activations to int8 and the probe finds one-row calls rounding differently."""
     if not getattr(session.backend, "int8_activations", False) or session.max_seq_len < PROBE_PROMPT_ROWS + 2:
-        return False
+        return False  # (an artifact of under 5 positions is never padded)
     return not single_row_calls_match(session)

@@ -16,7 +16,8 @@ Artifacts whose attention is split-invariant (manifest `target.row_exact`) give 
 *split, padded* at every level. Measured on SmolLM2 int4 (block 32, LM head int4; onnxruntime 1.32,
 2-core AMD EPYC with AVX-512 VNNI): with the split-invariant attention, 0 (split, padded) at levels
 1 and 4; level 1 differs by 4e-5 for one-row calls (another kernel path), level 4 not at all on this
-CPU (it did on an AVX2 machine: 0.55). Before it (softmax and a two-part value sum), level 1
+CPU at block 32 (0.37 at block 64, and 0.55 at block 32 on an AVX2 machine: the runtime's probe pads
+there). Before it (softmax and a two-part value sum), level 1
 differed by 5e-5 and level 4 by 0.40-0.49: int8 quantization of each activation block turns a
 one-ulp difference into a whole quantization step, layer after layer.
 """
