@@ -77,7 +77,7 @@ class Session:
         self.acceptance_prior = TRAINED_DRAFT_PRIOR if m["draft"].get("trained") else UNTRAINED_DRAFT_PRIOR
         self.auto: dict[int, AdaptiveLength] = {}  # by block size: what the policy learned lasts the session
         self.closed = False
-        # Whether one-row target calls run as two rows (decided on the first generate: `runtime.row_exact`)
+        # Whether one-row target calls run as two rows (decided by the first `policy()`: `runtime.row_exact`)
         self.pad_single_rows: bool | None = None
         self.context = CachedContext()  # what the caches hold: the next request reuses its common prefix
         # One generate at a time: the static buffers belong to the session, not to a call.

@@ -155,11 +155,11 @@ class OrtBackend(Backend):
         if int4_accuracy_level not in (1, 4):
             raise DFlashError(f"int4_accuracy_level must be 1 (fp32 compute) or 4 (int8 activations), not {int4_accuracy_level!r}")
         self.int4_accuracy_level = int4_accuracy_level if manifest.get("quantization") else None
+        self.providers = list(providers or ["CPUExecutionProvider"])
         # int8 activations amplify a one-ulp difference between a row's calls: Session checks one-row calls
-        self.int8_activations = self.int4_accuracy_level == 4 and self.providers_are_cpu(providers)
+        self.int8_activations = self.int4_accuracy_level == 4 and self.providers == ["CPUExecutionProvider"]
         # one IOBinding per graph, and what each name is bound to: a call rebinds only what moved
         self._bindings: dict[str, tuple] = {}
-        self.providers = list(providers or ["CPUExecutionProvider"])
         self.sessions = {}
         for graph in graphs:
             path = Path(artifact_dir) / manifest[graph]["graph"]
@@ -195,10 +195,6 @@ class OrtBackend(Backend):
             except Exception as exc:  # onnxruntime raises its own untyped Fail errors
                 raise DFlashError(f"onnxruntime cannot load {path}: {exc}") from None
             check_graph_io(graph, [(i.name, i.type) for i in self.sessions[graph].get_inputs()], manifest)
-
-    @staticmethod
-    def providers_are_cpu(providers) -> bool:
-        return list(providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
 
     def alloc(self, dtype, rows: int, row_shape=()) -> HostBuffer:
         return HostBuffer(dtype, rows * int(np.prod(row_shape, dtype=np.int64) if row_shape else 1), row_shape)

@@ -3,11 +3,11 @@
 Speculative decoding is lossless only if a token's outputs do not depend on whether the target saw
 it as row k of a verify call or as the one row of a plain step (bit for bit for every value that
 feeds an int8-activation kernel; the logits may differ by the LM head's own fp32 rounding, see
-`_row_outputs`). The target graph's attention is
-split-invariant (`dflash_export.modules.Attention.attend`), and GEMM kernels give each row the same
-floats for any row count >= 2, but some take another code path for a single row: onnxruntime's
+`_row_outputs`). The target graph's attention is split-invariant
+(`dflash_export.modules.Attention.attend`), and GEMM kernels give each row the same floats for any
+row count >= 2, but some take another code path for a single row: onnxruntime's
 MatMulNBits at accuracy level 1 everywhere, at level 4 on some CPUs (measured: AVX2 without VNNI;
-identical on an AVX-512 VNNI EPYC), and MLAS's fp32 GEMM. In fp32 compute that costs a few ulps
+identical at block 32 on an AVX-512 VNNI EPYC, not at block 64), and MLAS's fp32 GEMM. In fp32 compute that costs a few ulps
 (about 5e-5 in logits: lossless on every clear-margin step, and no padding is worth 20% of a plain
 step); with int8 activations (level 4) one ulp can move an activation across an int8 rounding
 boundary and the difference grows layer by layer (0.4 in logits, measured). So on such backends
@@ -64,6 +64,6 @@ def single_row_calls_match(session) -> bool:
 def needs_row_padding(session) -> bool:
     """Whether `session` should run its one-row target calls as two rows: only where the backend's
     kernels round activations to int8 and the probe finds one-row calls rounding differently."""
-    if not getattr(session.backend, "int8_activations", False) or session.max_seq_len < PROBE_PROMPT_ROWS + 2:
+    if not session.backend.int8_activations or session.max_seq_len < PROBE_PROMPT_ROWS + 2:
         return False  # (an artifact of under 5 positions is never padded)
     return not single_row_calls_match(session)
