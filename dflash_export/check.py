@@ -431,33 +431,20 @@ def format_report(rep: CheckReport) -> str:
 
 
 def cmd_check(args) -> int:
-    if args.drift_reference:  # a bad reference fails before the check runs
-        from runtime.manifest import load_manifest
+    from .drift import check_args_drift, drift_for_check
 
-        load_manifest(Path(args.drift_reference))
+    check_args_drift(args)
     rep = run_check(
         args.artifact, backend=args.backend, atol=args.atol, rtol=args.rtol, min_cosine=args.min_cosine,
         id_margin=args.id_margin, prompt_len=args.prompt_len, seed=args.seed, reference=args.reference,
         save_reference_to=args.save_reference, verbose=args.verbose,
     )
-    drift = check_drift(args) if args.drift_reference else None
+    drift = drift_for_check(args) if args.drift_reference else None
     if args.json:
         print(json.dumps({**rep.to_dict(), **({"drift": drift.to_dict()} if drift else {})}))
     else:
         print(format_report(rep) + (f"\n{drift.line()} (reference {args.drift_reference})" if drift else ""))
     return 0 if rep.passed else 1
-
-
-def check_drift(args):
-    """The artifact's `drift.Drift` from `--drift-reference` (a report: it never fails the check)."""
-    import runtime
-
-    from .drift import DEFAULT_PROMPTS, measure_drift, prompt_ids
-
-    ref = runtime.load(args.drift_reference)
-    sess = runtime.load(args.artifact)
-    prompts = prompt_ids(ref, Path(args.drift_prompts or DEFAULT_PROMPTS), args.drift_per_category)
-    return measure_drift(ref, {str(args.artifact): sess}, prompts, args.drift_tokens)[0]
 
 
 def register(subparsers) -> None:
@@ -479,8 +466,8 @@ def register(subparsers) -> None:
                    help="also report the drift from this full-precision artifact of the same model (quantized "
                         "artifacts): teacher-forced top-1 agreement and mean KL on held-out prompts")
     p.add_argument("--drift-prompts", default=None, help="JSONL prompts for the drift (default models/prompts/eval.jsonl)")
-    p.add_argument("--drift-per-category", type=int, default=1, help="drift prompts per category (default 1)")
-    p.add_argument("--drift-tokens", type=int, default=48, help="teacher-forced positions per prompt (default 48)")
+    p.add_argument("--drift-per-category", type=int, default=None, help="drift prompts per category (default 1)")
+    p.add_argument("--drift-tokens", type=int, default=None, help="teacher-forced positions per prompt (default 48)")
     p.set_defaults(func=cmd_check)
 
 

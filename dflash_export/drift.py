@@ -17,8 +17,11 @@ from pathlib import Path
 import numpy as np
 
 from runtime.errors import DFlashError
+from runtime.manifest import load_manifest
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "models" / "prompts" / "eval.jsonl"
+DEFAULT_TOKENS = 48  # teacher-forced positions per prompt (`check --drift-tokens`)
+DEFAULT_PER_CATEGORY = 1  # prompts per category (`check --drift-per-category`)
 
 
 @dataclass
@@ -118,3 +121,39 @@ def measure_drift(reference, sessions: dict, prompts: list[list[int]], max_new_t
     return [Drift(label, sess.backend.describe().get("int4_accuracy_level"), len(prompts), totals[label][2],
                   totals[label][0] / totals[label][2], totals[label][1] / totals[label][2])
             for label, sess in sessions.items()]
+
+
+def check_args_drift(args) -> None:
+    """`check`'s drift options, refused before the check runs (one error naming the option).
+
+    Raises:
+        DFlashError: a drift option without `--drift-reference`, a count below 1, a reference that is
+            not an artifact or is itself quantized.
+    """
+    options = ("drift_tokens", "drift_per_category", "drift_prompts")
+    if not args.drift_reference:
+        if any(getattr(args, name) is not None for name in options):
+            raise DFlashError("--drift-tokens, --drift-per-category and --drift-prompts need --drift-reference DIR")
+        return
+    for name in options[:2]:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise DFlashError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    try:
+        ref = load_manifest(Path(args.drift_reference))
+    except DFlashError as exc:
+        raise DFlashError(f"--drift-reference: {exc}") from None
+    if ref.get("quantization"):
+        raise DFlashError(f"--drift-reference {args.drift_reference} is an INT4 artifact; pass the full-precision "
+                          "build of the same model (the drift is measured from it)")
+
+
+def drift_for_check(args) -> Drift:
+    """`check DIR --drift-reference REF`: the artifact's `Drift` from REF (a report: it never fails the check)."""
+    import runtime
+
+    ref = runtime.load(args.drift_reference)
+    sess = runtime.load(args.artifact)
+    per_category = DEFAULT_PER_CATEGORY if args.drift_per_category is None else args.drift_per_category
+    prompts = prompt_ids(ref, Path(args.drift_prompts or DEFAULT_PROMPTS), per_category)
+    tokens = DEFAULT_TOKENS if args.drift_tokens is None else args.drift_tokens
+    return measure_drift(ref, {str(args.artifact): sess}, prompts, tokens)[0]

@@ -345,5 +345,9 @@ def test_drift_from_the_full_precision_artifact(pairs, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and report["drift"]["positions"] == 8 * len(prompts)
     assert report["drift"]["mean_kl"] == pytest.approx(int4.mean_kl)
-    assert cli.main(["check", str(quant), "--drift-reference", str(tmp_path / "missing")]) == 2
-    assert "missing does not exist" in capsys.readouterr().err
+    for bad, message in ((["--drift-reference", str(tmp_path / "missing")], "--drift-reference: artifact directory"),
+                         (["--drift-reference", str(quant)], "is an INT4 artifact"),
+                         (["--drift-reference", str(full), "--drift-tokens", "0"], "--drift-tokens must be at least 1"),
+                         (["--drift-tokens", "16"], "need --drift-reference")):
+        assert cli.main(["check", str(quant), *bad]) == 2
+        assert message in capsys.readouterr().err, bad
