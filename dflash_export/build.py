@@ -186,7 +186,8 @@ def build(
             DequantizeLinear form TensorRT and onnxruntime both load); "none" keeps `dtype` weights.
         quant_block: INT4 values per scale along K (a power of two >= 16 dividing each layer's K;
             default 128).
-        quant_method: "rtn" (round to nearest, the default).
+        quant_method: "rtn" (round to nearest, the default) or "awq" (activation-aware scales calibrated on
+            models/prompts text and folded into the checkpoint before round to nearest: `awq.py`).
         quant_lm_head: with int4, quantize the LM head too (the embedding lookups keep their table).
         proposal_head: "full" (default) keeps the proposal vocabulary's head rows (`draft_vocab`) in the
             graph dtype; "int4" stores them INT4 weight-only: they only rank the draft's proposals,
@@ -264,7 +265,8 @@ def build(
             manifest = _manifest(tspec, dspec, name, max_seq_len, dtype, checks, tok_info, tmp, hashes.result())
             if qconfig is not None:
                 head_name = "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
-                manifest["quantization"] = quantization_record(qconfig, exported.quantized, dtype, head_name)
+                manifest["quantization"] = {**quantization_record(qconfig, exported.quantized, dtype, head_name),
+                                            **exported.quant_extra}
             if exported.proposal_head is not None:
                 head = exported.proposal_head
                 manifest["proposal_head"] = {"format": "int4", "method": head.method, "block": head.block}

@@ -56,7 +56,7 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
     """The four teacher-forced cases with fp32 PyTorch reference outputs (see the module doc)."""
     import torch
 
-    tmod, dmod = modules or reference_modules(manifest)
+    tmod, dmod = modules or reference_modules(manifest, artifact_dir)
     io = manifest["io"]
     dt = {g: {t["name"]: np.dtype(t["dtype"]) for t in io[g]["inputs"]} for g in io}
     out_names = {g: [t["name"] for t in io[g]["outputs"]] for g in io}

@@ -93,12 +93,41 @@ def export_for_build(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource,
     from .export import export_target
 
     qnames = quantized_names(tsource.names(), tsource.shapes, qconfig, _head_name(tspec)) if qconfig else []
+    quant_extra = {}
+    if qconfig is not None and qconfig.method == "awq":
+        tsource, quant_extra = _awq_source(tspec, dspec, tsource, path.parent, torch_dtype, qconfig, quiet)
     tmod, treaders = target_export_module(tspec, dspec, tsource, torch_dtype)
     head_config = _proposal_head_config(proposal_head, "draft_head" in treaders, qconfig, tspec.arch.hidden_size)
     rewrite = streaming_rewrite(treaders, tsource, torch_dtype, qconfig, qnames, head_config)
     export_target(tmod, path, treaders, progress=not quiet, rewrite=rewrite)
     return ExportedTarget(tsource.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(),
-                          qnames, head_config)
+                          qnames, head_config, quant_extra)
+
+
+def _awq_source(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, out_dir: Path, torch_dtype, qconfig,
+                quiet: bool) -> tuple[WeightSource, dict]:
+    """Calibrate AWQ's scales (`awq.calibrate`), write them into the artifact's directory and return the
+    scaled source and the manifest fields that name them."""
+    import time
+
+    from . import awq
+
+    t0 = time.perf_counter()
+    ids = awq.calibration_ids(tspec.path, tspec.vocab_size)
+    module = empty_module(lambda: TargetForExport(tspec, tuple(dspec.target_layer_ids))).eval()
+    bar = None
+    if not quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=tspec.arch.num_layers, desc="AWQ calibration (layers)", leave=False)
+    scales = awq.calibrate(module, tsource, ids, qconfig.block, torch_dtype, progress=bar and (lambda i, n: bar.update(1)))
+    if bar is not None:
+        bar.close()
+    awq.save_scales(out_dir / awq.SCALES_FILE, scales)
+    extra = {"awq_scales": awq.SCALES_FILE, "awq_calibration": {
+        "prompts": "models/prompts/train*.jsonl", "tokens": int(ids.numel()), "grid": awq.GRID,
+        "seconds": round(time.perf_counter() - t0, 1)}}
+    return awq.scaled_source(tsource, scales), extra
 
 
 def _proposal_head_config(choice: str, has_rows: bool, qconfig, hidden: int):

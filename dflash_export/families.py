@@ -37,11 +37,13 @@ class ExportedTarget:
     mask_row: fp32 numpy `[d]`, the target embedding row of the draft's mask token.
     quantized: names of the checkpoint weights stored INT4 in the graph (empty without --quant).
     proposal_head: the INT4 config of the proposal head rows (`--proposal-head int4`), or None.
+    quant_extra: fields for the manifest's `quantization` record (AWQ's scales file and calibration).
     """
 
     mask_row: Any
     quantized: list[str] = field(default_factory=list)
     proposal_head: Any = None
+    quant_extra: dict = field(default_factory=dict)
 
 
 def target_family(name: str) -> ModuleType:

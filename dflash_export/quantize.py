@@ -42,7 +42,8 @@ class QuantConfig:
     """What `build --quant int4` quantizes and how.
 
     Attributes:
-        method: "rtn" (round to nearest).
+        method: "rtn" (round to nearest) or "awq" (activation-aware scales folded into the checkpoint
+            first, then round to nearest: `awq.py`).
         block: values per scale along K (a power of two >= 16 dividing every quantized layer's K).
         lm_head: quantize the LM head too (its logits GEMM, and the proposal head rows). A tied
             embedding keeps its table in the graph dtype for the token lookups.
@@ -54,8 +55,8 @@ class QuantConfig:
 
     def validate(self) -> None:
         """Raises DFlashError for an unknown method or a block that is not a power of two >= 16."""
-        if self.method != "rtn":
-            raise DFlashError(f"--quant-method {self.method!r} is not supported (supported: rtn)")
+        if self.method not in ("rtn", "awq"):
+            raise DFlashError(f"--quant-method {self.method!r} is not supported (supported: rtn, awq)")
         if self.block < 16 or self.block & (self.block - 1):
             raise DFlashError(f"--quant-block {self.block} must be a power of two >= 16 (e.g. 32, 64, 128)")
 
@@ -324,23 +325,22 @@ def check_int4_form(model, read_array) -> int:
 def dequantized_source(source, record: dict, dtype: torch.dtype):
     """A weight source whose quantized decoder layers (the manifest's `quantization` record) read as
     the weights the graph computes with: quantized and dequantized here exactly as `build` did, in
-    `dtype`. The LM head is not among them (a tied table is also the embedding, which stays): see
-    :func:`head_rows_dequantizer`."""
-    from .weights import WeightSource
+    `dtype`, after AWQ's scaling for `method` "awq" (`record["awq_scales"]`: the scales file's path,
+    made absolute by the caller). The LM head is not among them (a tied table is also the embedding,
+    which stays): see :func:`head_rows_dequantizer`."""
+    if record["method"] == "awq":
+        from .awq import load_scales, scaled_source
 
-    config = QuantConfig(method=record["method"], block=int(record["block"]))
+        source = scaled_source(source, load_scales(record["awq_scales"]))
+    block = int(record["block"])
     names = {n for n in record["tensors"] if QUANTIZED_LAYER.match(n)}
 
-    class Dequantized(WeightSource):
-        def __init__(self):  # shares the wrapped source's index: nothing is read here
-            self.__dict__.update(source.__dict__)
+    def transform(name, t):
+        if name not in names:
+            return t
+        return dequantize(*quantize_rtn(t.to(dtype), block, dtype), block)
 
-        def read(self, name):
-            if name not in names:
-                return source.read(name)
-            return dequantize(*quantize_rtn(source.read_as(name, dtype), config.block, dtype), config.block)
-
-    return Dequantized()
+    return source.mapped(transform, "dequantized")
 
 
 def head_rows_dequantizer(record: dict | None, dtype: torch.dtype):

@@ -126,6 +126,9 @@ def check_options(tspec: TargetSpec, tap_layers, source, qconfig, proposal_head:
     if (qconfig is not None and qconfig.lm_head) or proposal_head != "full":
         raise DFlashError("Qwen3.5 hybrid targets keep their LM head in the graph dtype for now: drop "
                           "--quant-lm-head / --proposal-head int4")
+    if qconfig is not None and qconfig.method == "awq":
+        raise DFlashError("--quant-method awq supports dense Llama / Qwen3 targets only; use --quant-method rtn "
+                          "for Qwen3.5 hybrids")
     if qconfig is not None:
         _quantized_names(empty_module(lambda: HybridDFlashTarget(tspec, tuple(tap_layers))), qconfig)
 

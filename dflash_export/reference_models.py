@@ -42,8 +42,9 @@ def verify_sources(manifest: dict) -> tuple[str, str | None]:
     return paths[0], paths[1]
 
 
-def reference_modules(manifest: dict):
-    """The fp32 reference modules, rebuilt from the recorded source checkpoints.
+def reference_modules(manifest: dict, artifact_dir: Path | None = None):
+    """The fp32 reference modules, rebuilt from the recorded source checkpoints (and, for an AWQ
+    artifact, the scales stored in `artifact_dir`).
 
     The target keeps its weights as stored (bf16 for most checkpoints: the model's size once, not
     twice) and computes in fp32: each weight is upcast when it is used (exact for bf16 and fp16).
@@ -59,6 +60,11 @@ def reference_modules(manifest: dict):
     vocab = dspec.draft_vocab if manifest["draft"].get("draft_vocab_size") else None
     if vocab is not None and len(vocab) != manifest["draft"]["draft_vocab_size"]:
         raise DFlashError("the source checkpoints no longer describe this artifact (draft_vocab.json differs); rebuild it")
+    quant = manifest.get("quantization") or {}
+    if quant.get("awq_scales"):
+        if artifact_dir is None:
+            raise DFlashError("an AWQ artifact's reference needs its directory (the scales are stored there)")
+        manifest = {**manifest, "quantization": {**quant, "awq_scales": str(Path(artifact_dir) / quant["awq_scales"])}}
     tmod = target_family(tspec.family).reference_target(tspec, dspec, tsource, manifest, vocab)
     return tmod, _reference_draft(dspec, dstate)
 

@@ -123,6 +123,15 @@ class WeightSource:
                 out._files[new] = self._files[name]
         return out
 
+    def mapped(self, transform: Callable[[str, torch.Tensor], torch.Tensor], what: str) -> "WeightSource":
+        """The same names and shapes, each tensor read as `transform(name, tensor as stored)` (an INT4
+        graph's dequantized weights, AWQ's scaled ones); `what` is added to the source's name in errors.
+        Shares this source's index: nothing is read here."""
+        out = WeightSource(f"{self.where} ({what})", tensors=self._tensors)
+        out._files, out.shapes, out.dtypes = self._files, self.shapes, self.dtypes
+        out.read = lambda name: transform(name, self.read(name))
+        return out
+
     def read_as(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """`name` cast to `dtype` (exact for bf16/fp16 -> fp32; one rounding for fp32/bf16 -> fp16)."""
         t = self.read(name)

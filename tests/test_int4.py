@@ -208,7 +208,7 @@ def test_rtn_round_trip_and_packing():
                            r"divides every quantized layer's K is 32"),
     (dict(quant_block=24), r"--quant-block 24 must be a power of two >= 16"),
     (dict(quant_block=8), r"--quant-block 8 must be a power of two >= 16"),
-    (dict(quant_method="awq"), r"--quant-method 'awq' is not supported \(supported: rtn\)"),
+    (dict(quant_method="gptq"), r"--quant-method 'gptq' is not supported \(supported: rtn, awq\)"),
     (dict(quant="int8"), r"--quant must be none or int4"),
 ])
 def test_bad_quant_options_are_refused_before_any_output(pairs, tmp_path, options, match):

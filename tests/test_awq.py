@@ -1,0 +1,96 @@
+"""`build --quant int4 --quant-method awq`: the scaling keeps the full-precision function, the search
+protects outlier channels, and the graph computes exactly the model its stored scales define."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+
+import tiny_models
+from dflash_export import awq
+from dflash_export.build import build
+from dflash_export.check import run_check
+from dflash_export.quantize import dequantize, quantize_rtn
+from dflash_export.weights import WeightSource
+from runtime.errors import DFlashError
+
+
+def _random_scales(model, mha: bool) -> dict[str, torch.Tensor]:
+    cfg, g = model.config, torch.Generator().manual_seed(1)
+    d, inner, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * cfg.head_dim
+    out = {}
+    for i in range(cfg.num_hidden_layers):
+        for key, n in (("attn", d), ("mlp", d), ("down", inner)) + ((("o", hd),) if mha else ()):
+            out[f"model.layers.{i}.{key}"] = torch.rand(n, generator=g) * 4 + 0.25
+    return out
+
+
+@pytest.mark.parametrize("family, heads, kv_heads, bias", [("qwen3", 4, 2, False), ("llama", 4, 4, True)])
+def test_awq_scaling_keeps_the_full_precision_function(tmp_path, family, heads, kv_heads, bias):
+    """Folded scales (norms, v rows into o, up rows into down, biases too) leave the logits unchanged."""
+    import transformers
+
+    extra = dict(attention_bias=True, mlp_bias=True) if bias else {}
+    path = tiny_models.make_target(tmp_path / "t", family=family, layers=2, heads=heads, kv_heads=kv_heads, **extra)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    source = WeightSource("t", files=[path / "model.safetensors"])
+    scales = _random_scales(model, heads == kv_heads)
+    scaled = awq.scaled_source(source, scales)
+    changed = [n for n in source.names() if not torch.equal(scaled.read(n).float(), source.read(n).float())]
+    mha = heads == kv_heads
+    assert len(changed) == 2 * (6 + mha + 2 + 2 * bias)  # q k v gate up down (o with MHA), 2 norms, v and up biases
+    other = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    other.load_state_dict({n: scaled.read(n) for n in source.names()}, strict=False)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = model(ids).logits, other(ids).logits
+    assert float((want - got).abs().max()) < 1e-4 * float(want.abs().max())
+
+
+def test_search_scale_protects_outlier_input_channels():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 64, generator=g)
+    x[:, 3] *= 40.0  # one channel carries large activations, as in real LLM layers
+    w = torch.randn(32, 64, generator=g) * 0.05
+    s, alpha = awq.search_scale(x, [w], 16, torch.float32, torch.arange(512))
+
+    def err(scale):
+        wq = dequantize(*quantize_rtn(w * scale, 16, torch.float32), 16) / scale
+        return float(((x @ wq.T - x @ w.T) ** 2).mean())
+
+    assert alpha > 0 and int(s.argmax()) == 3
+    assert err(s) < 0.7 * err(torch.ones(64))  # alpha = 0 is plain RTN
+
+
+def test_awq_build_passes_check_with_its_stored_scales(tmp_path):
+    target = tiny_models.make_target(tmp_path / "t", layers=3)
+    draft = tiny_models.make_draft(tmp_path / "d", target, taps=[0, 2])
+    art = tmp_path / "art"
+    manifest = build(str(target), str(draft), art, max_seq_len=64, quiet=True, quant="int4", quant_block=16,
+                     quant_method="awq")
+    q = manifest["quantization"]
+    assert (q["method"], q["awq_scales"], q["awq_calibration"]["tokens"]) == ("awq", "awq_scales.safetensors", 2048)
+    scales = awq.load_scales(art / q["awq_scales"])
+    assert sorted(scales) == sorted(f"model.layers.{i}.{k}" for i in range(3) for k in ("attn", "mlp", "down"))
+    # the same graph form as RTN: 4 INT4 GEMMs a layer, no extra operator for the scales
+    model = onnx.load(str(art / "target.onnx"), load_external_data=False)
+    assert sum(n.op_type == "DequantizeLinear" for n in model.graph.node) == 3 * 4
+    rep = run_check(art)  # the reference rebuilds the scaled, dequantized weights from the stored scales
+    assert rep.passed and max(r.max_abs for r in rep.results if r.max_abs is not None) < 1e-4
+    # ... and fails with other scales: the check reads them
+    awq.save_scales(art / q["awq_scales"], {k: v * (1 + torch.rand(v.shape)) for k, v in scales.items()})
+    assert not run_check(art).passed
+
+
+def test_awq_is_refused_for_hybrids_and_without_prompts(tmp_path, monkeypatch):
+    from hybrid_fixtures import CONFIG  # noqa: F401 (the hybrid family needs transformers' Qwen3.5)
+    from dflash_export.qwen3_5_target import check_options
+    from dflash_export.quantize import QuantConfig
+
+    with pytest.raises(DFlashError, match=r"--quant-method awq supports dense Llama / Qwen3 targets only"):
+        check_options(None, (), None, QuantConfig(method="awq", block=16), "full")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(awq, "PROMPTS_DIR", tmp_path / "missing")
+    with pytest.raises(DFlashError, match=r"calibrates on .*train\*\.jsonl, which is missing"):
+        awq.calibration_ids(tmp_path, 100)
