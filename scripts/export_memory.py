@@ -76,17 +76,19 @@ def ensure_checkpoint(work: Path, name: str, dims: dict) -> Path:
     return ckpt
 
 
-def measure_shape(work: Path, name: str, dtype: str, check: bool, max_seq_len: int, quant: str = "none") -> list[dict]:
+def measure_shape(work: Path, name: str, dtype: str, check: bool, max_seq_len: int, quant: str = "none",
+                  quant_method: str = "rtn") -> list[dict]:
     """Build (and check) one shape; returns one row per step. The bound stays that of the unquantized
     graph dtype for `quant="int4"` (the weights are quantized one tensor at a time)."""
     dims = shape_dims(name)
     ckpt = ensure_checkpoint(work, name, dims)
     weight_bytes = weight_count(dims) * (2 if dtype == "fp16" else 4)
-    label = f"{dtype}{'-int4' if quant == 'int4' else ''}"
+    label = f"{dtype}{'-int4' if quant == 'int4' else ''}{'-awq' if quant == 'int4' and quant_method == 'awq' else ''}"
     art = work / f"{name}-{label}-artifact"
     py = sys.executable
     steps = [("build", [py, "-m", "dflash_export", "build", "--target", str(ckpt), "--out", str(art),
-                        "--dtype", dtype, "--max-seq-len", str(max_seq_len), "--quant", quant])]
+                        "--dtype", dtype, "--max-seq-len", str(max_seq_len), "--quant", quant]
+              + (["--quant-method", quant_method] if quant == "int4" else []))]
     if check:
         steps.append(("check", [py, "-m", "dflash_export", "check", str(art)]))
     rows = []
@@ -105,12 +107,12 @@ def measure_shape(work: Path, name: str, dtype: str, check: bool, max_seq_len: i
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = f"{'shape':<11}{'dtype':<10}{'step':<7}{'weights':>10}{'peak RSS':>10}{'ratio':>7}{'bound':>9}  {'ok':<4}{'wall s':>8}{'artifact':>10}"
+    head = f"{'shape':<11}{'dtype':<15}{'step':<7}{'weights':>10}{'peak RSS':>10}{'ratio':>7}{'bound':>9}  {'ok':<4}{'wall s':>8}{'artifact':>10}"
     lines = [head]
     for r in rows:
         art = f"{r['artifact_bytes'] / GIB:.2f}G" if r["artifact_bytes"] else "-"
         ok = "yes" if r["within_bound"] and r["status"] == 0 else ("FAIL" if r["status"] == 0 else f"rc{r['status']}")
-        lines.append(f"{r['shape']:<11}{r['dtype']:<10}{r['step']:<7}{r['weight_bytes'] / GIB:>9.2f}G{r['peak_rss_bytes'] / GIB:>9.2f}G"
+        lines.append(f"{r['shape']:<11}{r['dtype']:<15}{r['step']:<7}{r['weight_bytes'] / GIB:>9.2f}G{r['peak_rss_bytes'] / GIB:>9.2f}G"
                      f"{r['ratio']:>7.2f}{r['bound_bytes'] / GIB:>8.2f}G  {ok:<4}{r['seconds']:>8.1f}{art:>10}")
     return "\n".join(lines)
 
@@ -121,6 +123,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/export-memory"), help="checkpoints, artifacts, logs")
     p.add_argument("--dtype", choices=["fp16", "fp32"], default="fp16")
     p.add_argument("--quant", choices=["none", "int4"], default="none", help="build --quant (default none)")
+    p.add_argument("--quant-method", choices=["rtn", "awq"], default="rtn", help="with --quant int4 (default rtn)")
     p.add_argument("--check", action="store_true", help="also run `check` on each artifact")
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.shapes:
-        rows += measure_shape(args.work, name, args.dtype, args.check, args.max_seq_len, args.quant)
+        rows += measure_shape(args.work, name, args.dtype, args.check, args.max_seq_len, args.quant, args.quant_method)
         print(format_rows(rows), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
