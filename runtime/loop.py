@@ -224,8 +224,8 @@ class DecodeLoop:
             committed, acc, proposals = self._step(n_prop)
             chunk = self._commit(committed)
             # a draft call that caught up on many context rows (the prompt, a long plain run) is not
-            # the step cost the policy models: its time is not reported
-            self.policy.observe(n_prop, acc, 0.0 if catch_up else clock() - t_step)
+            # the step cost the policy's curve models: flagged (a probe's full cost still counts)
+            self.policy.observe(n_prop, acc, clock() - t_step, catch_up=catch_up)
             if n_prop > 0:
                 self.acceptance.append(acc + 1)
             if self.opts.record_steps:

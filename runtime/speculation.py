@@ -46,10 +46,11 @@ class Policy(ABC):
         """Proposals to verify this step, 0..`limit` (`limit` = what the block and the remaining
         token budget allow; 0 means only a plain step is possible)."""
 
-    def observe(self, verified: int, accepted: int, seconds: float) -> None:
+    def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False) -> None:
         """The step verified `verified` proposals, accepted `accepted` of them and took `seconds`
-        (draft call, target call and the loop's host work; 0 when the step's time is not
-        representative, e.g. a draft call catching up on a long context)."""
+        (draft call, target call and the loop's host work). `catch_up`: the draft call first read
+        many context rows (the prompt, a run of plain steps), so the step cost more than the
+        verify length alone does."""
 
 
 class FixedLength(Policy):
@@ -136,8 +137,11 @@ class AdaptiveLength(Policy):
     decoding wins, a speculative step is still tried after `probe_gap` plain steps so a draft that
     starts to fit the text is noticed (a probe verifies one proposal, and its time updates
     `spec_scale`); each probe after which plain decoding still wins doubles the gap (up to
-    `max_probe_gap`), so a draft that does not pay here costs about one probe in 64 steps. One instance lives as long as its Session, so
-    what it learned carries over to the next generate call.
+    `max_probe_gap`). A probe after plain steps also pays the draft's catch-up on the context they
+    added (measured: about 0.7 of a plain step extra on SmolLM2 INT4, 2 cores), so the gap is also
+    at least what keeps that extra cost within `probe_budget` of the plain decoding time. One
+    instance lives as long as its Session, so what it learned carries over to the next generate
+    call: a new prompt starts at half the gap it had reached, not at `probe_gap`.
 
     Args:
         costs: step costs measured for this artifact on this device.
@@ -147,7 +151,8 @@ class AdaptiveLength(Policy):
     name = "auto"
 
     def __init__(self, costs, acceptance: AcceptanceEstimate, probe_gap: int = 4, max_probe_gap: int = 64,
-                 scale_smoothing: float = 0.2, probe_smoothing: float = 0.5, margin: float = 1.03):
+                 scale_smoothing: float = 0.2, probe_smoothing: float = 0.5, margin: float = 1.03,
+                 probe_budget: float = 0.02):
         self.costs = costs
         self.margin = margin  # speculate only when it is predicted this much faster: estimates are noisy
         self.acceptance = acceptance
@@ -156,11 +161,22 @@ class AdaptiveLength(Policy):
         self.probe_smoothing = probe_smoothing  # probes are rare: each measured time counts more
         self.plain_scale = self.spec_scale = 1.0
         self._step_s = costs.step_s(np.arange(len(acceptance.trials) + 1))  # the measured curve, once
+        self.probe_budget = probe_budget
+        self.probe_extra_s = None  # running mean of what a probe costs beyond a plain step
+        self.probe_gap = self.first_probe_gap
         self.start()
 
     def start(self) -> None:
         self.acceptance.forget(0.5)
-        self.probe_gap, self.plain_run, self.probing = self.first_probe_gap, 0, False
+        self.probe_gap = max(self.first_probe_gap, self.probe_gap // 2)
+        self.plain_run, self.probing = 0, False
+
+    def _min_probe_gap(self) -> int:
+        """Plain steps between probes that keep their extra cost within `probe_budget`."""
+        plain = self.plain_scale * float(self._step_s[0])
+        if self.probe_extra_s is None or plain <= 0:
+            return 0
+        return int(np.ceil(self.probe_extra_s / (self.probe_budget * plain) - 1e-6))
 
     def step_seconds(self, limit: int) -> np.ndarray:
         """Predicted seconds of a step verifying n = 0..limit proposals."""
@@ -178,14 +194,20 @@ class AdaptiveLength(Policy):
             self.plain_run, self.probing, self.probe_gap = 0, False, self.first_probe_gap
             return best
         self.plain_run += 1
-        if self.plain_run < self.probe_gap:
+        if self.plain_run < min(max(self.probe_gap, self._min_probe_gap()), self.max_probe_gap):
             return 0
         # a probe verifies one proposal, the cheapest speculative step (an accepted one also lifts the
         # deeper positions' prior, see AcceptanceEstimate)
         self.plain_run, self.probing = 0, True
         return 1
 
-    def observe(self, verified: int, accepted: int, seconds: float) -> None:
+    def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False) -> None:
+        if self.probing and seconds > 0:
+            extra = max(seconds - self.plain_scale * float(self._step_s[0]), 0.0)
+            last = extra if self.probe_extra_s is None else self.probe_extra_s
+            self.probe_extra_s = last + self.probe_smoothing * (extra - last)
+        if catch_up:  # not the step cost the curve models
+            seconds = 0.0
         predicted = float(self._step_s[min(verified, len(self._step_s) - 1)])
         if predicted > 0 and seconds > 0:  # a spike moves a scale at most 2x at a time
             scale = self.spec_scale if verified else self.plain_scale

@@ -62,7 +62,8 @@ def test_auto_picks_the_fastest_length_and_plain_when_nothing_wins():
 
 
 def test_plain_steps_probe_with_a_doubling_gap():
-    """A useless draft: plain steps, a probe after 4 of them, the gap doubling per failed probe up to 64."""
+    """A useless draft: plain steps, a probe after 4 of them, the gap doubling per failed probe up to 64,
+    and never shorter than what keeps the probes' extra cost within 2% of the time."""
     pol = _policy(0.2)
     probes = []
     for step in range(400):
@@ -71,7 +72,16 @@ def test_plain_steps_probe_with_a_doubling_gap():
             probes.append(step)
         pol.observe(n, 0, float(CPU_COSTS.step_s(np.array([n]))[0]))
     gaps = np.diff(probes).tolist()
-    assert probes[0] == 3 and gaps[:5] == [8, 16, 32, 64, 64] and set(gaps[3:]) == {64}
+    # a probe costs 42 - 30 = 12 ms more than a plain step: at least 0.012 / (0.02 * 0.030) = 20 steps apart
+    assert pol.probe_extra_s == pytest.approx(0.012)
+    assert probes[0] == 3 and gaps[:5] == [20, 20, 32, 64, 64] and set(gaps[3:]) == {64}
+    pol.start()  # a new prompt: half the gap reached, not the first gap
+    assert pol.probe_gap == 32
+    # a catch-up probe's full time counts as its cost, but not as a verify step's cost
+    pol = _policy(0.2)
+    pol.probing = True
+    pol.observe(1, 0, 0.100, catch_up=True)
+    assert pol.probe_extra_s == pytest.approx(0.070) and pol.spec_scale == 1.0
     # probes that accept but do not make speculation pay keep doubling the gap; once speculation
     # wins, the gap starts again at 4
     pol = _policy(0.2)
