@@ -161,7 +161,13 @@ def run_bench(args) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DFlashError(f"--out {out}: cannot create that directory ({exc.strerror or exc})") from None
-    torch_ctx = _torch_baseline(sess) if args.torch_baseline else None
+    torch_ctx = None
+    if args.torch_baseline and sess.recurrent is not None:
+        # Hugging Face's cache crops attention K/V but cannot roll a Gated DeltaNet state back
+        print("bench: no PyTorch loop baseline for a hybrid (Qwen3.5) target: Hugging Face's cache cannot roll back "
+              "its recurrent state after a rejected proposal (skipped; --no-torch-baseline silences this)")
+    elif args.torch_baseline:
+        torch_ctx = _torch_baseline(sess)
     t0 = time.perf_counter()
     costs = sess.policy(b).costs if "auto" in policies else None  # as generate does on first use
     costs_s = time.perf_counter() - t0

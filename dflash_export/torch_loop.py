@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from runtime.errors import DFlashError
+
 from .modules import DFlashDraft
 
 
@@ -54,6 +56,9 @@ def torch_spec_generate(
     """
     from transformers import DynamicCache
 
+    if "linear_attention" in (getattr(model.config, "layer_types", None) or ()):
+        raise DFlashError("the PyTorch loop cannot verify on a hybrid (Gated DeltaNet) target: Hugging Face's cache "
+                          "does not roll its recurrent state back after a rejected proposal")
     kw = _cache_kwarg(model)
     stops = set(stop_token_ids)
     t0 = time.perf_counter()

@@ -18,6 +18,7 @@ from dflash_export.build import build
 import runtime_fixtures as rf
 from dflash_export.cli import main
 from hybrid_fixtures import CONFIG, VOCAB, oracle_draft
+from runtime.errors import DFlashError
 
 
 @pytest.fixture(scope="module")
@@ -245,10 +246,12 @@ def test_fp16_int4_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_pat
 
 
 @pytest.mark.slow
-def test_train_draft_then_bench_on_a_hybrid(hybrid_pair, tmp_path):
+def test_train_draft_then_bench_on_a_hybrid(hybrid_pair, tmp_path, capsys):
     """train-draft on the tiny hybrid's own responses, build with that draft, bench: the loss falls (the
     draft's layers start from the target's, whose zero-centred norms become 1 + w: copied as stored they
-    zeroed the draft's output and the loss stayed flat), and every bench policy's output equals plain."""
+    zeroed the draft's output and the loss stayed flat), and every bench policy's output equals plain.
+    bench's default PyTorch-loop baseline is skipped with a note (Hugging Face's cache cannot roll a
+    recurrent state back), not a crash."""
     target = tmp_path / "target"
     shutil.copytree(hybrid_pair.target_dir, target)
     rf.add_word_tokenizer(target)  # "t3".."t95": a base model without a chat template
@@ -265,7 +268,17 @@ def test_train_draft_then_bench_on_a_hybrid(hybrid_pair, tmp_path):
     art = tmp_path / "art"
     build(str(target), str(draft), art, max_seq_len=128, quiet=True)
     assert main(["bench", str(art), "--prompts", str(prompts), "--max-new-tokens", "10", "--policies", "auto,1,7",
-                 "--past-lengths", "", "--no-torch-baseline", "--out", str(tmp_path / "bench")]) == 0
+                 "--past-lengths", "", "--out", str(tmp_path / "bench")]) == 0
+    assert "no PyTorch loop baseline for a hybrid (Qwen3.5) target" in capsys.readouterr().out
     report = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert len(report["prompts"]) == 4
     assert all(p["lossless_match"] for row in report["prompts"] for p in row["policies"].values())
+
+
+def test_the_pytorch_loop_refuses_a_hybrid_target(hybrid_pair):
+    """torch_loop verifies by cropping Hugging Face's cache, which cannot roll a Gated DeltaNet state back:
+    one clear error instead of transformers' IndexError or silently wrong output."""
+    from dflash_export.torch_loop import torch_spec_generate
+
+    with pytest.raises(DFlashError, match=r"cannot verify on a hybrid \(Gated DeltaNet\) target"):
+        torch_spec_generate(hybrid_pair.model, None, [5, 17, 33], 4, 4, 0, [])
