@@ -223,6 +223,27 @@ def test_rejected_rows_leave_no_trace(pair):
         assert got.shape == want.shape and _max_err(got, want) <= 2e-5
 
 
+def test_verify_steps_past_200_with_rejections_match_hf(pair):
+    """A 212-token prompt in chunks, then 16-, 3- and 1-row verifies accepting part, all or one of their
+    rows: logits and taps of every row equal HF's (1e-4) on the committed sequence, where each rejected
+    row's token is replaced by another one before the next call (so a state that kept a trace of it
+    would differ)."""
+    hf, module = pair
+    seq = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(4)).tolist()
+    caches, pos, worst = module.empty_caches(), 0, {}
+    steps = [(64, 64), (64, 64), (64, 64), (20, 20), (16, 3), (3, 1), (1, 1), (16, 16), (3, 3), (16, 1), (1, 1)]
+    for rows, accepted in steps:
+        out = _call(module, seq[pos : pos + rows], caches)
+        logits, taps, _ = _hf_reference(hf, seq[: pos + rows])
+        tag = "prefill" if accepted == rows == 64 or rows == 20 else f"verify {rows}"
+        worst[tag] = max(worst.get(tag, 0.0), _max_err(out[0], logits[pos:]), _max_err(out[2], taps[pos:]))
+        caches = q35.next_caches(module, caches, out, accepted)
+        seq[pos + accepted : pos + rows] = [(t + 1) % VOCAB for t in seq[pos + accepted : pos + rows]]
+        pos += accepted
+    assert pos > 200 and set(worst) == {"prefill", "verify 16", "verify 3", "verify 1"}
+    assert max(worst.values()) <= 1e-4, worst
+
+
 # ---- ONNX export ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
