@@ -282,3 +282,25 @@ def test_the_pytorch_loop_refuses_a_hybrid_target(hybrid_pair):
 
     with pytest.raises(DFlashError, match=r"cannot verify on a hybrid \(Gated DeltaNet\) target"):
         torch_spec_generate(hybrid_pair.model, None, [5, 17, 33], 4, 4, 0, [])
+
+
+@pytest.mark.parametrize("name", ["Qwen3.5-4B", "Qwen3.5-9B", "Qwen3.5-27B", "Qwen3.6-27B"])
+def test_qwen3_5_names_resolve_to_the_cached_target_and_released_draft(hybrid_pair, tmp_path, monkeypatch, name):
+    """`--target Qwen3.5-4B` (and the other hybrid names) finds the target and its released draft in the
+    local Hugging Face cache, and the target reads as the hybrid family; a missing draft names its repo."""
+    from dflash_export.checkpoint import load_target_spec
+    from dflash_export.sources import registry, resolve_draft, resolve_target
+
+    entry = registry()[name]
+    hub = tmp_path / "hf_home" / "hub"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    target = hub / ("models--" + entry["target"].replace("/", "--")) / "snapshots" / "abc123"
+    shutil.copytree(hybrid_pair.target_dir, target)
+    path, known = resolve_target(name)
+    assert (path, known) == (target, name) and load_target_spec(path).family == "qwen3_5"
+    with pytest.raises(DFlashError, match=f"released draft {entry['draft']} for {name} is not in the local"):
+        resolve_draft(None, known)
+    draft = hub / ("models--" + entry["draft"].replace("/", "--")) / "snapshots" / "def456"
+    draft.mkdir(parents=True)
+    assert resolve_draft(None, known) == draft
