@@ -101,6 +101,7 @@ class CheckReport:
     tolerance: Tolerance
     results: list[OutputResult]
     seconds: float
+    reference: str = "the PyTorch modules in fp32"
 
     @property
     def passed(self) -> bool:
@@ -109,7 +110,7 @@ class CheckReport:
     def to_dict(self) -> dict:
         return {
             "artifact": self.artifact, "backend": self.backend, "precision": self.precision, "passed": self.passed,
-            "tolerance": self.tolerance.__dict__, "seconds": self.seconds,
+            "tolerance": self.tolerance.__dict__, "seconds": self.seconds, "reference": self.reference,
             "results": [r.__dict__ | {"shape": list(r.shape)} for r in self.results],
         }
 
@@ -398,13 +399,25 @@ def run_check(
                 be.close()
             del be
             gc.collect()
-    return CheckReport(str(artifact_dir), backend, precision, tol, results, round(time.perf_counter() - t0, 1))
+    return CheckReport(str(artifact_dir), backend, precision, tol, results, round(time.perf_counter() - t0, 1),
+                       _reference_words(manifest))
+
+
+def _reference_words(manifest: dict) -> str:
+    """What the report compares with: for an INT4 artifact, the model its INT4 weights define."""
+    quant = manifest.get("quantization")
+    if not quant:
+        return "the PyTorch modules in fp32"
+    method = "AWQ-scaled, " if quant.get("method") == "awq" else ""
+    return (f"the PyTorch modules in fp32 on the dequantized INT4 weights ({method}block {quant['block']}), "
+            "the graph's INT4 kernels computing in fp32 (accuracy level 1; the runtime's default may differ: "
+            "--drift-reference shows what that costs)")
 
 
 def format_report(rep: CheckReport) -> str:
     t = rep.tolerance
     lines = [
-        f"check {rep.artifact}: backend {rep.backend}, precision {rep.precision}; reference: the PyTorch modules in fp32",
+        f"check {rep.artifact}: backend {rep.backend}, precision {rep.precision}; reference: {rep.reference}",
         f"tolerance: per element atol {t.atol:g} x max(1, RMS of the reference output) or rtol {t.rtol:g}; "
         f"cosine >= {t.min_cosine:g}; "
         f"ids equal where the top-2 logit margin > {t.id_margin:g}",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -17,12 +17,12 @@ import numpy as np
 ADDRESS_ALIGNMENT = 256
 
 
-@dataclass(frozen=True)
-class View:
+class View(NamedTuple):
     """A typed window on a backend buffer: `shape` elements starting `offset` elements in.
 
     Because the sequence axis is outermost, a prefix of rows or the rows from row P on are both
-    contiguous, so a View is just (buffer, element offset, shape).
+    contiguous, so a View is just (buffer, element offset, shape). Immutable; a named tuple rather
+    than a frozen dataclass because a decoding step makes ~130 of them (creation 3x cheaper).
     """
 
     buffer: "Buffer"
@@ -32,7 +32,7 @@ class View:
     @property
     def byte_offset(self) -> int:
         """Offset from the buffer start in bytes."""
-        return self.offset * self.buffer.dtype.itemsize
+        return self.offset * self.buffer.itemsize
 
     @property
     def size(self) -> int:
@@ -51,6 +51,7 @@ class Buffer:
 
     def __init__(self, dtype: np.dtype, capacity: int, row_shape: tuple[int, ...] = ()):
         self.dtype = np.dtype(dtype)
+        self.itemsize = self.dtype.itemsize
         self.capacity = int(capacity)
         self.row_shape = tuple(int(n) for n in row_shape)
         self._row_elems = math.prod(self.row_shape)  # computed once: rows() runs ~130 times per decoding step

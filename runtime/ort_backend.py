@@ -211,10 +211,10 @@ class OrtBackend(Backend):
     def run(self, graph: str, inputs: dict[str, View], outputs: dict[str, View]) -> None:
         binding, bound = self._binding(graph, inputs, outputs)
         for names, bind, views in ((bound[0], binding.bind_input, inputs), (bound[1], binding.bind_output, outputs)):
-            for name, v in views.items():
-                where = (v.buffer.ptr + v.byte_offset, v.shape)
+            for name, (buf, offset, shape) in views.items():
+                where = (buf.ptr + offset * buf.itemsize, shape)
                 if names.get(name) != where:  # the past K/V views grow every step; ids, taps... often stay
-                    bind(name, "cpu", 0, v.buffer.dtype, list(v.shape), where[0])
+                    bind(name, "cpu", 0, buf.dtype, list(shape), where[0])
                     names[name] = where
         self.sessions[graph].run_with_iobinding(binding)
 

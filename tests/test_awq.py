@@ -78,6 +78,7 @@ def test_awq_build_passes_check_with_its_stored_scales(tmp_path):
     assert sum(n.op_type == "DequantizeLinear" for n in model.graph.node) == 3 * 4
     rep = run_check(art)  # the reference rebuilds the scaled, dequantized weights from the stored scales
     assert rep.passed and max(r.max_abs for r in rep.results if r.max_abs is not None) < 1e-4
+    assert "dequantized INT4 weights (AWQ-scaled, block 16)" in rep.reference and "accuracy level 1" in rep.reference
     # ... and fails with other scales: the check reads them
     awq.save_scales(art / q["awq_scales"], {k: v * (1 + torch.rand(v.shape)) for k, v in scales.items()})
     assert not run_check(art).passed
