@@ -270,6 +270,26 @@ def test_sliding_onnx_matches_module_and_passes_graph_check(sliding):
         _close(ohid, ref_hid, f"onnx vs reference draft_hidden (Pc {pc}, C {c}, B {b})")
 
 
+def test_sliding_layers_never_read_cached_rows_outside_the_window(sliding):
+    """The cached context K/V a sliding layer reads is bounded by the window: its rows before
+    Pc - min(Pc, W - 1 - C) are NaN here, and the graph's output is still finite and unchanged (one read
+    of a NaN row would spread through the attention MatMuls)."""
+    sess = _session(sliding.onnx_path)
+    pc, b = 20, 4
+    for c in (1, 3, WINDOW + 2):
+        ctx, block = sliding.inputs(pc + c, b, seed=40 + c)
+        _, past = sliding.split_run(ctx[:pc], block, [])
+        want, _ = _onnx(sess, sliding.spec, ctx[pc:], block, past)
+        start = pc - min(pc, max(WINDOW - 1 - c, 0))
+        poisoned = [p.clone() for p in past]
+        for i, kind in enumerate(SLIDING_TYPES):
+            if kind == "sliding_attention":
+                poisoned[2 * i][:start] = float("nan")
+                poisoned[2 * i + 1][:start] = float("nan")
+        got, _ = _onnx(sess, sliding.spec, ctx[pc:], block, poisoned)
+        assert start > 0 and np.isfinite(got).all() and np.array_equal(got, want), f"C {c}"
+
+
 def test_full_draft_graph_has_no_window(tiny):
     """A draft without sliding layers exports the graph it always did: no window mask nodes."""
     import onnx
