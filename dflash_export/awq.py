@@ -76,17 +76,26 @@ def calibration_ids(target_dir: Path, vocab_size: int, seed: int = 0) -> torch.T
     except Exception as exc:  # transformers raises many types here
         raise DFlashError(f"cannot load the tokenizer of {target_dir} to calibrate AWQ: {exc}") from None
     ids: list[int] = []
+    templated = isinstance(tok.chat_template, str)
     for text in texts:
-        if isinstance(tok.chat_template, str):
-            ids += list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False))
-        else:
-            ids += tok.encode(text + "\n")
+        ids += _encode(tok, text, templated)
         if len(ids) >= n:
             break
     if len(ids) < n:
         ids = (ids * (n // max(len(ids), 1) + 1))[:n]
     return torch.tensor(ids[:n], dtype=torch.int64).view(CALIBRATION_SEQUENCES, CALIBRATION_LENGTH)
+
+
+def _encode(tok, text: str, templated: bool) -> list[int]:
+    """`text` as one user turn in the chat template, or as plain text when there is none or the template
+    refuses a lone user turn (jinja raises its own error types)."""
+    if templated:
+        try:
+            return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False))
+        except Exception:
+            pass
+    return list(tok.encode(text + "\n"))
 
 
 def search_scale(x: torch.Tensor, weights: list[torch.Tensor], block: int, dtype: torch.dtype,
