@@ -47,6 +47,37 @@ PROMPTS_DIR = Path(__file__).resolve().parent.parent / "models" / "prompts"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
+def check_calibration_source(target_dir: Path) -> None:
+    """What `calibration_ids` needs, checked before `build` writes anything: the prompt files and, when
+    the target has tokenizer files, a tokenizer that loads.
+
+    Raises:
+        DFlashError: naming the missing prompts or the unloadable tokenizer.
+    """
+    _tokenizer(Path(target_dir))
+
+
+def _tokenizer(target_dir: Path):
+    """The target's tokenizer, or None when it has no tokenizer files (calibrate on random ids).
+
+    Raises:
+        DFlashError: the prompt files are missing, or the tokenizer cannot be loaded.
+    """
+    if not any((target_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    if not sorted(PROMPTS_DIR.glob("train*.jsonl")):
+        raise DFlashError(f"--quant-method awq calibrates on {PROMPTS_DIR}/train*.jsonl, which is missing; "
+                          "run from a checkout of the project or use --quant-method rtn")
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=False)
+    except Exception as exc:  # transformers raises many types here
+        raise DFlashError(f"cannot load the tokenizer of {target_dir} to calibrate AWQ: {exc}") from None
+
+
 def calibration_ids(target_dir: Path, vocab_size: int, seed: int = 0) -> torch.Tensor:
     """int64 `[CALIBRATION_SEQUENCES, CALIBRATION_LENGTH]` token ids to calibrate on: the training prompts
     of `models/prompts` (shuffled with `seed`), each in the target's chat template, run together. A
@@ -58,31 +89,26 @@ def calibration_ids(target_dir: Path, vocab_size: int, seed: int = 0) -> torch.T
             cannot be loaded.
     """
     n = CALIBRATION_SEQUENCES * CALIBRATION_LENGTH
-    if not any((Path(target_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+    tok = _tokenizer(Path(target_dir))
+    if tok is None:
         g = torch.Generator().manual_seed(seed)
         return torch.randint(0, vocab_size, (CALIBRATION_SEQUENCES, CALIBRATION_LENGTH), generator=g)
     files = sorted(PROMPTS_DIR.glob("train*.jsonl"))
-    if not files:
-        raise DFlashError(f"--quant-method awq calibrates on {PROMPTS_DIR}/train*.jsonl, which is missing; "
-                          "run from a checkout of the project or use --quant-method rtn")
     texts = [json.loads(line)["prompt"] for f in files for line in f.read_text().splitlines() if line.strip()]
     texts = [texts[i] for i in torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()]
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    try:
-        tok = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=False)
-    except Exception as exc:  # transformers raises many types here
-        raise DFlashError(f"cannot load the tokenizer of {target_dir} to calibrate AWQ: {exc}") from None
     ids: list[int] = []
     templated = isinstance(tok.chat_template, str)
     for text in texts:
-        ids += _encode(tok, text, templated)
+        # a tokenizer with more ids than the embedding has rows (its added tokens): only the ids the
+        # model can embed are kept
+        ids += [i for i in _encode(tok, text, templated) if i < vocab_size]
         if len(ids) >= n:
             break
+    if not ids:
+        raise DFlashError(f"the tokenizer of {target_dir} gives no ids below the vocabulary size {vocab_size} for "
+                          "the calibration prompts; use --quant-method rtn")
     if len(ids) < n:
-        ids = (ids * (n // max(len(ids), 1) + 1))[:n]
+        ids = (ids * (n // len(ids) + 1))[:n]
     return torch.tensor(ids[:n], dtype=torch.int64).view(CALIBRATION_SEQUENCES, CALIBRATION_LENGTH)
 
 
@@ -196,7 +222,14 @@ def _layer_inputs(layer, hidden: list[torch.Tensor], tables, empty_kv, causal, o
 
 def scaled_source(source, scales: dict[str, torch.Tensor]):
     """`source` with the AWQ scales applied (module docstring): the full-precision function is the same;
-    the transformed tensors read as fp32, the rest as stored."""
+    the transformed tensors read as fp32, the rest as stored.
+
+    Raises:
+        DFlashError: `scales` lack a layer's scale, or one's size or values do not fit the checkpoint
+            (a scales file from another artifact or damaged).
+    """
+    scales = _checked_scales(source, scales)
+
     def transform(name: str, t: torch.Tensor) -> torch.Tensor:
         m = _LAYER.match(name)
         if m is None:
@@ -226,6 +259,28 @@ def scaled_source(source, scales: dict[str, torch.Tensor]):
         return t
 
     return source.mapped(transform, "AWQ-scaled")
+
+
+def _checked_scales(source, scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp32 scales, each one present for every layer of `source` with the size its projections read."""
+    layers = sorted({int(m.group(1)) for n in source.names() if (m := _LAYER.match(n))})
+    bad = "the AWQ scales do not fit this checkpoint ({}); rebuild the artifact"
+    out = {}
+    for i in layers:
+        p = f"model.layers.{i}."
+        want = {"attn": source.shapes[p + "input_layernorm.weight"][0], "mlp": source.shapes[p + "post_attention_layernorm.weight"][0],
+                "down": source.shapes[p + "mlp.down_proj.weight"][1]}
+        if p + "o" in scales:
+            want["o"] = source.shapes[p + "self_attn.o_proj.weight"][1]
+        for key, size in want.items():
+            s = scales.get(p + key)
+            if s is None or tuple(s.shape) != (size,):
+                raise DFlashError(bad.format(f"{p + key}: {'missing' if s is None else tuple(s.shape)}, expected ({size},)"))
+            s = s.to(torch.float32)
+            if not bool(torch.isfinite(s).all() and (s > 0).all()):
+                raise DFlashError(bad.format(f"{p + key} has values that are not finite and positive"))
+            out[p + key] = s
+    return out
 
 
 def save_scales(path: Path, scales: dict[str, torch.Tensor]) -> None:

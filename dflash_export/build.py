@@ -222,7 +222,7 @@ def build(
         raise DFlashError(f"{', '.join(given)} needs --quant int4")
     qconfig = None
     if quant == "int4":
-        qconfig = QuantConfig(method=quant_method or "rtn", block=128 if quant_block is None else quant_block,
+        qconfig = QuantConfig(method="rtn" if quant_method is None else quant_method, block=128 if quant_block is None else quant_block,
                               lm_head=quant_lm_head)
     if qconfig is not None:
         qconfig.validate()

@@ -118,7 +118,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--quant", choices=["none", "int4"], default="none",
                    help="int4: decoder linear layers as INT4 weight-only (W4A16) DequantizeLinear, opset 21")
     b.add_argument("--quant-block", type=int, help="with --quant int4: INT4 values per scale along K (default 128)")
-    b.add_argument("--quant-method", help="with --quant int4: rtn (round to nearest, default) or awq (activation-aware scales calibrated on models/prompts, folded in before rounding)")
+    b.add_argument("--quant-method", choices=["rtn", "awq"], help="with --quant int4: rtn (round to nearest, default) or awq (activation-aware scales calibrated on models/prompts, folded in before rounding)")
     b.add_argument("--proposal-head", choices=["int4", "full"], default="full",
                    help="the proposal vocabulary's LM-head rows: full (default: the graph dtype) or int4 (they only "
                         "rank proposals, which the full head verifies, so output is unchanged)")

@@ -39,10 +39,15 @@ def check_options(tspec: TargetSpec, tap_layers, source: WeightSource, qconfig, 
     divide every quantized layer's K (checked before any output exists).
 
     Raises:
-        DFlashError: a layer whose K the block does not divide, naming --quant-block.
+        DFlashError: a layer whose K the block does not divide, naming --quant-block; for AWQ, missing
+            calibration prompts or a tokenizer that does not load.
     """
     if qconfig is not None:
         quantized_names(source.names(), source.shapes, qconfig, _head_name(tspec))
+    if qconfig is not None and qconfig.method == "awq":
+        from .awq import check_calibration_source
+
+        check_calibration_source(tspec.path)
 
 
 def manifest_fields(tspec: TargetSpec) -> dict:
@@ -120,9 +125,12 @@ def _awq_source(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, out_
         from tqdm import tqdm
 
         bar = tqdm(total=tspec.arch.num_layers, desc="AWQ calibration (layers)", leave=False)
-    scales = awq.calibrate(module, tsource, ids, qconfig.block, torch_dtype, progress=bar and (lambda i, n: bar.update(1)))
-    if bar is not None:
-        bar.close()
+    try:
+        scales = awq.calibrate(module, tsource, ids, qconfig.block, torch_dtype,
+                               progress=bar and (lambda i, n: bar.update(1)))
+    finally:
+        if bar is not None:
+            bar.close()
     awq.save_scales(out_dir / awq.SCALES_FILE, scales)
     extra = {"awq_scales": awq.SCALES_FILE, "awq_calibration": {
         "prompts": "models/prompts/train*.jsonl", "tokens": int(ids.numel()), "grid": awq.GRID,

@@ -95,3 +95,43 @@ def test_awq_is_refused_for_hybrids_and_without_prompts(tmp_path, monkeypatch):
     monkeypatch.setattr(awq, "PROMPTS_DIR", tmp_path / "missing")
     with pytest.raises(DFlashError, match=r"calibrates on .*train\*\.jsonl, which is missing"):
         awq.calibration_ids(tmp_path, 100)
+
+
+def test_calibration_keeps_only_ids_the_embedding_has(tmp_path, monkeypatch):
+    """A tokenizer with more ids than the embedding's rows (added tokens): those ids are dropped, not
+    looked up (an IndexError deep inside torch before)."""
+    class Tok:
+        chat_template = None
+
+        def encode(self, text):
+            return [5, 500, 7]
+
+    monkeypatch.setattr(awq, "_tokenizer", lambda path: Tok())
+    ids = awq.calibration_ids(tmp_path, vocab_size=100)
+    assert ids.shape == (awq.CALIBRATION_SEQUENCES, awq.CALIBRATION_LENGTH) and set(ids.unique().tolist()) == {5, 7}
+
+
+def test_a_scales_file_that_does_not_fit_is_one_clear_error(tmp_path):
+    path = tiny_models.make_target(tmp_path / "t", layers=2)
+    source = WeightSource("t", files=[path / "model.safetensors"])
+    d, inner = 64, 128
+    good = {f"model.layers.{i}.{k}": torch.ones(n) for i in range(2) for k, n in (("attn", d), ("mlp", d), ("down", inner))}
+    awq.scaled_source(source, good)  # fits
+    for broken, what in ((dict(good, **{"model.layers.1.down": torch.ones(10)}), r"model.layers.1.down: \(10,\), expected \(128,\)"),
+                         ({k: v for k, v in good.items() if k != "model.layers.0.attn"}, "model.layers.0.attn: missing"),
+                         (dict(good, **{"model.layers.0.mlp": -torch.ones(d)}), "model.layers.0.mlp has values that are not finite and positive")):
+        with pytest.raises(DFlashError, match=f"the AWQ scales do not fit this checkpoint \\({what}"):
+            awq.scaled_source(source, broken)
+
+
+def test_awq_without_prompts_is_refused_before_any_output(tmp_path, monkeypatch):
+    import runtime_fixtures as rf
+
+    target = tiny_models.make_target(tmp_path / "t", layers=2)
+    rf.add_word_tokenizer(target)
+    draft = tiny_models.make_draft(tmp_path / "d", target, taps=[0, 1])
+    monkeypatch.setattr(awq, "PROMPTS_DIR", tmp_path / "missing")
+    with pytest.raises(DFlashError, match=r"calibrates on .*train\*\.jsonl, which is missing"):
+        build(str(target), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, quant="int4", quant_block=16,
+              quant_method="awq")
+    rf.no_partial_output(tmp_path / "art")
