@@ -186,7 +186,7 @@ def calibrate(module, source, ids: torch.Tensor, block: int, dtype: torch.dtype,
         names = [n for n, _ in layer.named_parameters()]
         for n in names:
             set_parameter(layer, n, source.read_as(f"model.layers.{i}.{n}", torch.float32))
-        inputs = _layer_inputs(layer, hidden, tables, empty_kv, causal, ones)
+        inputs, hidden = _layer_inputs_and_outputs(layer, hidden, tables, empty_kv, causal, ones)
         at, mlp = layer.self_attn, layer.mlp
         p = f"model.layers.{i}."
         scales[p + "attn"], _ = search_scale(inputs["attn"], [at.q_proj.weight, at.k_proj.weight, at.v_proj.weight],
@@ -195,8 +195,6 @@ def calibrate(module, source, ids: torch.Tensor, block: int, dtype: torch.dtype,
             scales[p + "o"], _ = search_scale(inputs["o"], [at.o_proj.weight], block, dtype, sample)
         scales[p + "mlp"], _ = search_scale(inputs["mlp"], [mlp.gate_proj.weight, mlp.up_proj.weight], block, dtype, sample)
         scales[p + "down"], _ = search_scale(inputs["down"], [mlp.down_proj.weight], block, dtype, sample)
-        with torch.no_grad():
-            hidden = [layer(h, *tables, empty_kv, empty_kv, causal, ones)[0] for h in hidden]
         for n, t in layer.named_parameters():
             set_parameter(layer, n, placeholder(t.shape, t.dtype))
         if progress is not None:
@@ -204,20 +202,38 @@ def calibrate(module, source, ids: torch.Tensor, block: int, dtype: torch.dtype,
     return scales
 
 
-def _layer_inputs(layer, hidden: list[torch.Tensor], tables, empty_kv, causal, ones) -> dict[str, torch.Tensor]:
-    """fp32 `[B * S, K]` inputs of the layer's q (attn), o, gate (mlp) and down projections."""
+def _layer_inputs_and_outputs(layer, hidden: list[torch.Tensor], tables, empty_kv, causal, ones) -> tuple:
+    """One pass of the layer over each sequence: (fp32 `[B * S, K]` inputs of its q (attn), o, gate (mlp)
+    and down projections, by those names; its output hidden states, the next layer's input). The
+    scales are searched on the unscaled weights, whose output is the scaled model's too."""
     seen: dict[str, list[torch.Tensor]] = {"attn": [], "o": [], "mlp": [], "down": []}
     hooks = [lin.register_forward_pre_hook(lambda mod, args, key=key: seen[key].append(args[0].reshape(-1, args[0].shape[-1])))
              for key, lin in (("attn", layer.self_attn.q_proj), ("o", layer.self_attn.o_proj),
                               ("mlp", layer.mlp.gate_proj), ("down", layer.mlp.down_proj))]
     try:
         with torch.no_grad():
-            for h in hidden:
-                layer(h, *tables, empty_kv, empty_kv, causal, ones)
+            out = [layer(h, *tables, empty_kv, empty_kv, causal, ones)[0] for h in hidden]
     finally:
         for hook in hooks:
             hook.remove()
-    return {k: torch.cat(v) for k, v in seen.items()}
+    return {k: torch.cat(v) for k, v in seen.items()}, out
+
+
+# How each tensor of layer i takes the scales (the module docstring's folding): (scale its output rows
+# (or a 1-D weight/bias) are divided by, scale its input columns are multiplied by).
+_FOLDS = {
+    "input_layernorm.weight": ("attn", None),
+    "post_attention_layernorm.weight": ("mlp", None),
+    "self_attn.q_proj.weight": (None, "attn"),
+    "self_attn.k_proj.weight": (None, "attn"),
+    "self_attn.v_proj.weight": ("o", "attn"),
+    "self_attn.v_proj.bias": ("o", None),
+    "self_attn.o_proj.weight": (None, "o"),
+    "mlp.gate_proj.weight": (None, "mlp"),
+    "mlp.up_proj.weight": ("down", "mlp"),
+    "mlp.up_proj.bias": ("down", None),
+    "mlp.down_proj.weight": (None, "down"),
+}
 
 
 def scaled_source(source, scales: dict[str, torch.Tensor]):
@@ -232,31 +248,17 @@ def scaled_source(source, scales: dict[str, torch.Tensor]):
 
     def transform(name: str, t: torch.Tensor) -> torch.Tensor:
         m = _LAYER.match(name)
-        if m is None:
+        fold = _FOLDS.get(m.group(2)) if m else None
+        if fold is None:
             return t
-        p, rest = f"model.layers.{m.group(1)}.", m.group(2)
-        t32 = t.to(torch.float32)
-        if rest == "input_layernorm.weight":
-            return t32 / scales[p + "attn"]
-        if rest == "post_attention_layernorm.weight":
-            return t32 / scales[p + "mlp"]
-        if rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
-            return t32 * scales[p + "attn"]
-        if rest.startswith("self_attn.v_proj."):
-            t32 = t32 / scales[p + "o"][:, None] if t.dim() == 2 and p + "o" in scales else t32
-            t32 = t32 / scales[p + "o"] if t.dim() == 1 and p + "o" in scales else t32
-            return t32 * scales[p + "attn"] if t.dim() == 2 else t32
-        if rest == "self_attn.o_proj.weight":
-            return t32 * scales[p + "o"] if p + "o" in scales else t
-        if rest.startswith("mlp.up_proj."):
-            if t.dim() == 1:
-                return t32 / scales[p + "down"]
-            return t32 / scales[p + "down"][:, None] * scales[p + "mlp"]
-        if rest == "mlp.gate_proj.weight":
-            return t32 * scales[p + "mlp"]
-        if rest == "mlp.down_proj.weight":
-            return t32 * scales[p + "down"]
-        return t
+        p = f"model.layers.{m.group(1)}."
+        rows, cols = (scales.get(p + key) if key else None for key in fold)  # no "o" scale under GQA
+        if rows is None and cols is None:
+            return t
+        out = t.to(torch.float32)
+        if rows is not None:
+            out = out / (rows[:, None] if out.dim() == 2 else rows)
+        return out * cols if cols is not None else out
 
     return source.mapped(transform, "AWQ-scaled")
 

@@ -126,7 +126,8 @@ class WeightSource:
     def mapped(self, transform: Callable[[str, torch.Tensor], torch.Tensor], what: str) -> "WeightSource":
         """The same names and shapes, each tensor read as `transform(name, tensor as stored)` (an INT4
         graph's dequantized weights, AWQ's scaled ones); `what` is added to the source's name in errors.
-        Shares this source's index: nothing is read here."""
+        Shares this source's index: nothing is read here. `read_row` still reads rows as stored (only
+        the embedding's, which neither transform changes)."""
         out = WeightSource(f"{self.where} ({what})", tensors=self._tensors)
         out._files, out.shapes, out.dtypes = self._files, self.shapes, self.dtypes
         out.read = lambda name: transform(name, self.read(name))
