@@ -57,13 +57,18 @@ def check_calibration_source(target_dir: Path) -> None:
     _tokenizer(Path(target_dir))
 
 
+def has_tokenizer(target_dir: Path) -> bool:
+    """Whether the target has tokenizer files (else calibration runs on seeded random ids)."""
+    return any((Path(target_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
 def _tokenizer(target_dir: Path):
     """The target's tokenizer, or None when it has no tokenizer files (calibrate on random ids).
 
     Raises:
         DFlashError: the prompt files are missing, or the tokenizer cannot be loaded.
     """
-    if not any((target_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+    if not has_tokenizer(target_dir):
         return None
     if not sorted(PROMPTS_DIR.glob("train*.jsonl")):
         raise DFlashError(f"--quant-method awq calibrates on {PROMPTS_DIR}/train*.jsonl, which is missing; "

@@ -133,7 +133,8 @@ def _awq_source(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, out_
             bar.close()
     awq.save_scales(out_dir / awq.SCALES_FILE, scales)
     extra = {"awq_scales": awq.SCALES_FILE, "awq_calibration": {
-        "prompts": "models/prompts/train*.jsonl", "tokens": int(ids.numel()), "grid": awq.GRID,
+        "prompts": "models/prompts/train*.jsonl" if awq.has_tokenizer(tspec.path) else "seeded random ids (no tokenizer)",
+        "tokens": int(ids.numel()), "grid": awq.GRID,
         "seconds": round(time.perf_counter() - t0, 1)}}
     return awq.scaled_source(tsource, scales), extra
 

@@ -71,6 +71,7 @@ def test_awq_build_passes_check_with_its_stored_scales(tmp_path):
                      quant_method="awq")
     q = manifest["quantization"]
     assert (q["method"], q["awq_scales"], q["awq_calibration"]["tokens"]) == ("awq", "awq_scales.safetensors", 2048)
+    assert q["awq_calibration"]["prompts"] == "seeded random ids (no tokenizer)"  # the tiny target has none
     scales = awq.load_scales(art / q["awq_scales"])
     assert sorted(scales) == sorted(f"model.layers.{i}.{k}" for i in range(3) for k in ("attn", "mlp", "down"))
     # the same graph form as RTN: 4 INT4 GEMMs a layer, no extra operator for the scales
