@@ -42,6 +42,23 @@ def _optimization_level(ort):
 _ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)"}
 
 
+# Largest INT4 block whose level-4 MatMulNBits gives every row of a call the same floats as a padded
+# plain step computes (measured on an AVX-512 VNNI EPYC, onnxruntime 1.32, SmolLM2, calls of 1-16 rows:
+# block 32 exact in every row position; block 64 rounds the last row of a 3-, 5- or 9-row call as a
+# one-row call does, up to 1.1 in K/V, and 4-5 of 15 held-out prompts then left plain decoding, which
+# padding one-row calls cannot fix: `scripts/int4_split_check.py` and /tmp-style row-position probes).
+INT8_EXACT_MAX_BLOCK = 32
+
+
+def default_int4_accuracy_level(manifest: dict) -> int:
+    """MatMulNBits accuracy level for an INT4 artifact when the caller names none: 4 (int8 activations)
+    only where every row computes the same floats in any call (a row-exact fp32 target with INT4 blocks
+    of at most INT8_EXACT_MAX_BLOCK), else 1 (fp32 compute, exactly the dequantized model)."""
+    block = int((manifest.get("quantization") or {}).get("block", 0))
+    exact = manifest["target"].get("row_exact") and manifest.get("dtype") == "fp32"
+    return 4 if exact and 0 < block <= INT8_EXACT_MAX_BLOCK else 1
+
+
 def disabled_optimizers(manifest: dict, ort=None) -> list[str]:
     """onnxruntime graph optimizers to turn off for this artifact on this onnxruntime.
 
@@ -151,7 +168,7 @@ class OrtBackend(Backend):
         self.threads = int(threads or os.cpu_count() or 1)
         self.spin_threads = bool(spin_threads)
         if int4_accuracy_level is None:
-            int4_accuracy_level = 4 if manifest["target"].get("row_exact") and manifest.get("dtype") == "fp32" else 1
+            int4_accuracy_level = default_int4_accuracy_level(manifest)
         if int4_accuracy_level not in (1, 4):
             raise DFlashError(f"int4_accuracy_level must be 1 (fp32 compute) or 4 (int8 activations), not {int4_accuracy_level!r}")
         self.int4_accuracy_level = int4_accuracy_level if manifest.get("quantization") else None

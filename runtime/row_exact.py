@@ -13,7 +13,9 @@ step); with int8 activations (level 4) one ulp can move an activation across an 
 boundary and the difference grows layer by layer (0.4 in logits, measured). So on such backends
 the session probes once: a one-row call and a two-row call of the same row, compared bit for bit;
 where they differ, every one-row target call runs as two rows (`Session.pad_single_rows`, about
-20% of a plain step).
+20% of a plain step). Padding one-row calls is not enough where a kernel also rounds the odd last row
+of a multi-row call as a single row (MatMulNBits at block 64 on that EPYC): such artifacts default to
+level 1 (`ort_backend.default_int4_accuracy_level`).
 """
 
 from __future__ import annotations
