@@ -136,7 +136,7 @@ def run_bench(args) -> int:
     import runtime
     from runtime.call_costs import COSTS_ENV
 
-    from .train import read_prompts
+    from .train_data import read_prompts
 
     if args.fresh_costs:  # a first-time user's run: auto measures the step costs itself
         os.environ[COSTS_ENV] = tempfile.mkdtemp(prefix="dflash-bench-costs-")

@@ -1,5 +1,7 @@
 """Reading and validating Hugging Face target checkpoints, and the file helpers every checkpoint
-reader shares (drafts: `draft_spec.py`; Qwen3.5 hybrids: `hybrid_spec.py`).
+reader shares. `load_target_spec` asks each target family to read the config (the family's
+`read_target` hook, `families.py`: Qwen3 / Llama in `dense_target.py`, Qwen3.5 hybrids in
+`qwen3_5_target.py` over `hybrid_spec.py`); drafts are read by `draft_spec.py`.
 
 Only `config.json` and safetensors files are read: no `auto_map` remote code is ever executed and
 no pickled weights are ever loaded. Every check raises :class:`runtime.errors.DFlashError` with a
@@ -16,6 +18,7 @@ from typing import Any
 
 from runtime.errors import DFlashError
 
+# the dense architectures `dense_target.read_target` takes by name (the refusal of an unknown target lists them)
 SUPPORTED_TARGETS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _ATTENTION_LAYER_TYPES = ("full_attention",)
@@ -250,49 +253,37 @@ class TargetSpec:
 
 
 def load_target_spec(model_dir: Path) -> TargetSpec:
-    """Validate a target directory (Qwen3ForCausalLM or LlamaForCausalLM).
+    """Validate a target directory: the first registered family (`families.FAMILIES`, in order) whose
+    `read_target` hook recognises its config reads it (Qwen3ForCausalLM, LlamaForCausalLM, a dense
+    Qwen3.5/3.6 hybrid).
 
     Raises:
         DFlashError: unsupported architecture, sliding-window layers, missing fields or weights.
     """
+    from .families import family_modules
+
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
     archs = cfg.get("architectures") or []
     if "DFlashDraftModel" in archs:  # its model_type is the target family's, so it would pass below
         raise DFlashError(f"{model_dir} is a DFlash draft, not a target; pass the target model as --target "
                           "(and the draft as --draft where the command takes one)")
-    family = next((SUPPORTED_TARGETS[a] for a in archs if a in SUPPORTED_TARGETS), None)
-    if family is None:
-        family = {"qwen3": "qwen3", "llama": "llama"}.get(cfg.get("model_type", ""))
-    if family is None:
-        from .hybrid_spec import hybrid_kind, parse_hybrid_config
-
-        kind = hybrid_kind(cfg)  # refuses mixture-of-experts variants by name
-        if kind is not None:
-            return _hybrid_target_spec(model_dir, cfg, parse_hybrid_config(cfg, kind, f"target {model_dir}"))
-    if family is None:
-        raise DFlashError(
-            f"target {model_dir} has architectures {archs or cfg.get('model_type')}; supported: "
-            f"{', '.join(SUPPORTED_TARGETS)}"
-        )
-    _refuse_quantized(cfg, model_dir)
-    check_layer_types(cfg, f"target {model_dir}")
-    arch = AttentionSpec.from_config(cfg, f"target {model_dir}")
-    safetensors_files(model_dir)
-    vocab = cfg.get("vocab_size")
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
-        raise DFlashError(f"target {model_dir} config.json has vocab_size {vocab!r}; expected a positive integer")
-    return TargetSpec(
-        path=model_dir,
-        family=family,
-        arch=arch,
-        vocab_size=vocab,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        eos_token_ids=_eos_ids(model_dir, cfg),
+    for family in family_modules():
+        spec = family.read_target(model_dir, cfg)
+        if spec is not None:
+            return spec
+    raise DFlashError(
+        f"target {model_dir} has architectures {archs or cfg.get('model_type')}; supported: "
+        f"{', '.join(SUPPORTED_TARGETS)}"
     )
 
 
-def _refuse_quantized(cfg: dict[str, Any], model_dir: Path) -> None:
+def refuse_quantized(cfg: dict[str, Any], model_dir: Path) -> None:
+    """Refuse a target that is already quantized (its config has a `quantization_config`).
+
+    Raises:
+        DFlashError: naming the quantization method and the fix.
+    """
     if cfg.get("quantization_config"):
         qcfg = cfg["quantization_config"]
         method = qcfg.get("quant_method", "unknown") if isinstance(qcfg, dict) else "unknown"
@@ -301,7 +292,7 @@ def _refuse_quantized(cfg: dict[str, Any], model_dir: Path) -> None:
                           "quantizes it here)")
 
 
-def _eos_ids(model_dir: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
+def read_eos_token_ids(model_dir: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
     """Stop ids declared by config.json and generation_config.json, in that order."""
     eos: list[int] = []
     for source in (cfg, _read_optional_json(model_dir / "generation_config.json")):
@@ -319,12 +310,3 @@ def _read_optional_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError:
         return {}
-
-
-def _hybrid_target_spec(model_dir: Path, cfg: dict[str, Any], hybrid) -> TargetSpec:
-    """The TargetSpec of a validated Qwen3.5/3.6 hybrid (its `arch`: the full-attention layers' sizes)."""
-    _refuse_quantized(cfg, model_dir)
-    safetensors_files(model_dir)
-    return TargetSpec(path=model_dir, family="qwen3_5", arch=hybrid.attention_spec(), vocab_size=hybrid.vocab_size,
-                      tie_word_embeddings=hybrid.tie_word_embeddings, eos_token_ids=_eos_ids(model_dir, cfg),
-                      hybrid=hybrid)

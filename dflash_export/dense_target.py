@@ -1,5 +1,6 @@
-"""The Qwen3 / Llama target family (`families.py` hooks): the dense decoder of `modules.TargetForExport`,
-exported with its weights streamed from the shards, and its fp32 reference for `check`.
+"""The Qwen3 / Llama target family (`families.py` hooks): its config reader (`read_target`), the dense
+decoder of `modules.TargetForExport`, exported with its weights streamed from the shards, and its fp32
+reference for `check`.
 """
 
 from __future__ import annotations
@@ -8,7 +9,17 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import TargetSpec
+from runtime.errors import DFlashError
+
+from .checkpoint import (
+    SUPPORTED_TARGETS,
+    AttentionSpec,
+    TargetSpec,
+    check_layer_types,
+    read_eos_token_ids,
+    refuse_quantized,
+    safetensors_files,
+)
 from .draft_spec import DraftSpec
 from .families import ExportedTarget
 from .modules import TargetForExport, cast_for_export
@@ -16,6 +27,45 @@ from .quantize import QuantConfig, proposal_head_block, quantized_names, rewrite
 from .weights import WeightSource, bind_weights, check_weight_names, empty_module, load_module_weights
 
 EXPORT_TITLE = "weights are read as they are written"  # build's progress line for the target step
+# the RMSNorm weights are the scales themselves, as the draft's norms take them (train-draft's init)
+NORM_WEIGHT_OFFSET = 0.0
+
+
+def read_target(model_dir: Path, cfg: dict) -> TargetSpec | None:
+    """Family hook: the TargetSpec of a Qwen3ForCausalLM / LlamaForCausalLM checkpoint (by architecture,
+    else by model_type), None for a config of another family.
+
+    Raises:
+        DFlashError: a quantized checkpoint, sliding-window layers, missing or malformed fields, no
+            safetensors weights.
+    """
+    archs = cfg.get("architectures") or []
+    family = next((SUPPORTED_TARGETS[a] for a in archs if a in SUPPORTED_TARGETS), None)
+    if family is None:
+        family = {"qwen3": "qwen3", "llama": "llama"}.get(cfg.get("model_type", ""))
+    if family is None:
+        return None
+    refuse_quantized(cfg, model_dir)
+    check_layer_types(cfg, f"target {model_dir}")
+    arch = AttentionSpec.from_config(cfg, f"target {model_dir}")
+    safetensors_files(model_dir)
+    vocab = cfg.get("vocab_size")
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise DFlashError(f"target {model_dir} config.json has vocab_size {vocab!r}; expected a positive integer")
+    return TargetSpec(
+        path=model_dir,
+        family=family,
+        arch=arch,
+        vocab_size=vocab,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        eos_token_ids=read_eos_token_ids(model_dir, cfg),
+    )
+
+
+def causal_lm_state_dict(state: dict) -> dict:
+    """Family hook: the checkpoint's tensors under the `*ForCausalLM` names train-draft reads
+    (`model.layers.N.*`, `model.embed_tokens.weight`, ...): a dense checkpoint's own names."""
+    return state
 
 
 def check_weights(tspec: TargetSpec, tap_layers, source: WeightSource) -> None:

@@ -79,7 +79,7 @@ def agreement_and_kl(ref_logits: np.ndarray, logits: np.ndarray) -> tuple[float,
 def prompt_ids(session, prompts_file: Path, per_category: int, seed: int = 0) -> list[list[int]]:
     """Token ids of the held-out prompts (`per_category` of each category; chat template when the model
     has one). An artifact without a tokenizer gets as many seeded random prompts of 12 ids."""
-    from .train import read_prompts
+    from .train_data import read_prompts
 
     rows, seen = [], {}
     for row in read_prompts(prompts_file):

@@ -1,9 +1,13 @@
-"""Target families behind one small registry: what `build` and `check` ask of a family, in one place.
+"""Target families behind one small registry: what `load_target_spec`, `build`, `check` and
+`train-draft` ask of a family, in one place.
 
 A family is one module (`dense_target`: Qwen3 and Llama; `qwen3_5_target`: the Qwen3.5/3.6 Gated
 DeltaNet hybrid) sharing the common layers of `modules.py`, naming its export step in `EXPORT_TITLE`
-(build's progress line) and providing five hooks:
+(build's progress line) and providing these hooks:
 
+- `read_target(model_dir, cfg)`: the :class:`checkpoint.TargetSpec` of a checkpoint whose config.json
+  (`cfg`) is the family's, None for another family's (raises DFlashError for the family's checkpoints
+  it cannot take); `checkpoint.load_target_spec` asks the families in FAMILIES order;
 - `check_weights(tspec, tap_layers, source)`: every parameter the export module needs has a checkpoint
   tensor of its shape, before any output exists (raises DFlashError naming what is wrong);
 - `check_options(tspec, tap_layers, source, qconfig, proposal_head)`: refuses `build` options the family
@@ -12,21 +16,25 @@ DeltaNet hybrid) sharing the common layers of `modules.py`, naming its export st
   target graph at `path` and returns an :class:`ExportedTarget`;
 - `reference_target(tspec, dspec, source, manifest, vocab)`: the fp32 PyTorch module `check` compares
   the graph with (INT4 artifacts: over the dequantized weights the graph computes with);
-- `manifest_fields(tspec)`: the family's extra fields of `manifest["target"]` (what the runtime reads).
+- `manifest_fields(tspec)`: the family's extra fields of `manifest["target"]` (what the runtime reads);
+- `causal_lm_state_dict(state)`: a loaded checkpoint's tensors under the `*ForCausalLM` names
+  `train-draft` reads (`model.layers.N.*`, `model.embed_tokens.weight`, `lm_head.weight`);
+- `NORM_WEIGHT_OFFSET`: what to add to a stored RMSNorm weight to get the scale a draft norm uses
+  (0.0; 1.0 where the family stores them zero-centred), for `train-draft --init target`.
 
-The family name comes from `checkpoint.load_target_spec` (`TargetSpec.family`, also the manifest's
-`family`). A new family is its export module, its config reader in `load_target_spec` (see
-`hybrid_spec.py`) and one line in FAMILIES.
+The family name comes from the `read_target` that recognised the checkpoint (`TargetSpec.family`, also
+the manifest's `family`). A new family is its module and one line in FAMILIES.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-# family name (TargetSpec.family) -> the module implementing its hooks
+# family name (TargetSpec.family) -> the module implementing its hooks (load_target_spec asks them in this order)
 FAMILIES = {"qwen3": "dense_target", "llama": "dense_target", "qwen3_5": "qwen3_5_target"}
 
 
@@ -53,3 +61,9 @@ def target_family(name: str) -> ModuleType:
         KeyError: `name` is no registered family (load_target_spec only returns registered ones).
     """
     return importlib.import_module(f".{FAMILIES[name]}", __package__)
+
+
+def family_modules() -> Iterator[ModuleType]:
+    """Every registered family's module, once each, in FAMILIES order (each imported only when reached)."""
+    for name in dict.fromkeys(FAMILIES.values()):
+        yield importlib.import_module(f".{name}", __package__)

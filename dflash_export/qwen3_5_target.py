@@ -12,6 +12,9 @@ the runtime feeds longer prompts in chunks (`max_call_rows` in the manifest).
 its initializer is written. The few the graph derives new constants from are loaded first: the norms
 (`1 + weight`), A_log and dt_bias (small, `weights.STREAM_MIN_ELEMENTS`) and the conv kernels, whose
 columns the optimizer folds (`_derived_in_graph`). No layer replication yet: every layer is traced.
+
+As the Qwen3.5 family (`families.py` hooks) it also recognises and reads the hybrid checkpoints
+(`read_target`, over `hybrid_spec.py`) and tells `train-draft` their weight names and zero-centred norms.
 """
 
 from __future__ import annotations
@@ -22,13 +25,43 @@ import torch
 
 from runtime.errors import DFlashError
 
-from .checkpoint import TargetSpec
+from .checkpoint import TargetSpec, read_eos_token_ids, refuse_quantized, safetensors_files
 from .families import ExportedTarget
 from .gated_delta import MAX_ROWS
+from .hybrid_spec import hybrid_kind, parse_hybrid_config
 from .modules import TargetForExport
-from .qwen3_5 import Qwen35TargetForExport, cache_names, text_weight_name
+from .qwen3_5 import Qwen35TargetForExport, cache_names, text_state_dict, text_weight_name
 
 EXPORT_TITLE = "weights are read as they are written"  # build's progress line for the target step
+# the RMSNorm weights are stored zero-centred (the norm scales by 1 + w, `qwen3_5.ZeroCentredRMSNorm`),
+# so a draft norm initialised from one (train-draft) takes 1 + w
+NORM_WEIGHT_OFFSET = 1.0
+
+
+def read_target(model_dir: Path, cfg: dict) -> TargetSpec | None:
+    """Family hook: the TargetSpec of a dense Qwen3.5/3.6 hybrid checkpoint (`Qwen3_5ForCausalLM` or
+    `Qwen3_5ForConditionalGeneration`; its `arch`: the full-attention layers' sizes), None for a config
+    of another family.
+
+    Raises:
+        DFlashError: a mixture-of-experts variant (refused by name), a quantized checkpoint, a missing or
+            malformed field, no safetensors weights.
+    """
+    kind = hybrid_kind(cfg)  # refuses mixture-of-experts variants by name
+    if kind is None:
+        return None
+    hybrid = parse_hybrid_config(cfg, kind, f"target {model_dir}")
+    refuse_quantized(cfg, model_dir)
+    safetensors_files(model_dir)
+    return TargetSpec(path=model_dir, family="qwen3_5", arch=hybrid.attention_spec(), vocab_size=hybrid.vocab_size,
+                      tie_word_embeddings=hybrid.tie_word_embeddings, eos_token_ids=read_eos_token_ids(model_dir, cfg),
+                      hybrid=hybrid)
+
+
+def causal_lm_state_dict(state: dict) -> dict:
+    """Family hook: the checkpoint's tensors under the `*ForCausalLM` names train-draft reads: a
+    Qwen3_5ForConditionalGeneration's text weights renamed (`qwen3_5.text_state_dict`)."""
+    return text_state_dict(state)
 
 
 class HybridDFlashTarget(Qwen35TargetForExport):

@@ -25,7 +25,7 @@ from dflash_export import policy_replay as pr  # noqa: E402
 def record(args) -> tuple[list, pr.StepCostModel, int, float]:
     import runtime
     from dflash_export.bench import DEFAULT_EVAL
-    from dflash_export.train import read_prompts
+    from dflash_export.train_data import read_prompts
     from runtime.speculation import TRAINED_DRAFT_PRIOR, UNTRAINED_DRAFT_PRIOR
 
     sess = runtime.load(args.artifact)

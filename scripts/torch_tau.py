@@ -25,13 +25,13 @@ def _load_draft(path: Path, tspec, args):
 
     from dflash_export.draft_spec import load_draft_spec, parse_draft_config
     from dflash_export.modules import DFlashDraft, load_weights
-    from dflash_export.train import _draft_config
+    from dflash_export.train_setup import draft_config
 
     if path.is_dir():
         spec, state = load_draft_spec(path, tspec)
     else:
         taps = tuple(args.taps)
-        spec = parse_draft_config(_draft_config(tspec, args.layers, taps, args.block_size, args.mask_token_id), tspec, str(path), None)
+        spec = parse_draft_config(draft_config(tspec, args.layers, taps, args.block_size, args.mask_token_id), tspec, str(path), None)
         state = {k[len("model."):]: v for k, v in load_file(str(path)).items() if k.startswith("model.")}
     draft = DFlashDraft(spec).eval()
     load_weights(draft, {k: v.float() for k, v in state.items()}, str(path))
@@ -45,7 +45,7 @@ def main() -> int:
     from dflash_export.checkpoint import load_target_spec
     from dflash_export.sources import resolve_target
     from dflash_export.torch_loop import torch_spec_generate
-    from dflash_export.train import read_prompts
+    from dflash_export.train_data import read_prompts
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("drafts", nargs="+", type=Path)

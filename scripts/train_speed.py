@@ -25,7 +25,7 @@ def main() -> int:
     from dflash_export.checkpoint import AttentionSpec
     from dflash_export.draft_spec import DraftSpec
     from dflash_export.modules import DFlashDraft
-    from dflash_export.train import _amp_dtype, block_loss
+    from dflash_export.train_loss import autocast_dtype, block_loss
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3, help="timed steps per setting (after one warm-up step)")
@@ -55,7 +55,7 @@ def main() -> int:
     feats = [torch.randn(args.seq_len, 2 * d) for _ in seqs]
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-5)
     cpu = torch.device("cpu")
-    bf16 = _amp_dtype("auto", cpu)
+    bf16 = autocast_dtype("auto", cpu)
 
     def rate(reduced: bool, amp) -> float:
         rng = random.Random(0)

@@ -35,7 +35,7 @@ def tiny_draft(tmp_path_factory):
 
 
 def test_blocks_forward_equals_inference_draft(tiny_draft):
-    from dflash_export.train import blocks_forward
+    from dflash_export.train_loss import blocks_forward
 
     draft, tspec = tiny_draft
     torch.manual_seed(0)
@@ -54,7 +54,7 @@ def test_blocks_forward_equals_inference_draft(tiny_draft):
 
 def test_block_loss_weights_follow_recipe(tiny_draft):
     """With a uniform-CE stand-in the weighted loss equals the weighted mean of exp(-(k-1)/gamma)."""
-    from dflash_export.train import block_loss
+    from dflash_export.train_loss import block_loss
 
     draft, tspec = tiny_draft
     a = draft.spec.arch
@@ -73,7 +73,7 @@ def test_block_loss_weights_follow_recipe(tiny_draft):
 def test_loss_vocabulary_softmax_equals_restricted_cross_entropy(tiny_draft, monkeypatch):
     """The reduced softmax equals full-head CE with the logits of unseen ids at -inf, and a label
     outside the loss vocabulary is refused rather than silently mapped."""
-    from dflash_export.train import block_loss, loss_vocabulary
+    from dflash_export.train_loss import block_loss, loss_vocabulary
     from runtime.errors import DFlashError
 
     draft, tspec = tiny_draft
@@ -167,7 +167,7 @@ def test_train_draft_cuda_without_gpu_refused(tmp_path, capsys):
     ([{"id": "a#s1", "prompt": "Hi"}], ":1: prompt id 'a#s1' ends like a sampled response's id"),
 ])
 def test_read_prompts_refuses_bad_ids(tmp_path, lines, match):
-    from dflash_export.train import read_prompts
+    from dflash_export.train_data import read_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -182,7 +182,7 @@ def test_damaged_data_cache_is_named(tmp_path):
     it), before the target is loaded (the target path here does not even exist)."""
     from safetensors.torch import save_file
 
-    from dflash_export.train import generate_dataset
+    from dflash_export.train_data import generate_dataset
 
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -206,7 +206,7 @@ def test_damaged_data_cache_is_named(tmp_path):
 
 def test_shipped_training_prompts_are_disjoint_from_eval():
     """The default training prompt files never contain a held-out evaluation prompt, and ids are unique."""
-    from dflash_export.train import DEFAULT_PROMPTS, PROMPTS_DIR, read_prompts
+    from dflash_export.train_data import DEFAULT_PROMPTS, PROMPTS_DIR, read_prompts
 
     evals = {r["prompt"].strip().lower() for r in read_prompts(PROMPTS_DIR / "eval.jsonl")}
     rows = [r for f in DEFAULT_PROMPTS for r in read_prompts(f)]
@@ -228,7 +228,7 @@ def test_duplicate_prompt_ids_across_files_refused(tmp_path, capsys):
 
 
 def test_merge_datasets_shifts_offsets():
-    from dflash_export.train import merge_datasets
+    from dflash_export.train_data import merge_datasets
 
     a = {"sequences": [{"id": "a"}, {"id": "b"}], "taps": torch.arange(10.).reshape(5, 2), "offsets": [0, 2, 5], "gen_dtype": "fp32"}
     b = {"sequences": [{"id": "c"}], "taps": torch.arange(6.).reshape(3, 2) + 100, "offsets": [0, 3], "gen_dtype": "bfloat16"}
@@ -263,8 +263,8 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     assert cfg["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": [1, 27]}
     record = json.loads((out / "training_record.json").read_text())
     assert record["steps"] == 4 and record["num_sequences"] == 2 and math.isfinite(record["final_loss"])
-    from dflash_export.train import _amp_dtype  # --gen-dtype auto: bf16 exactly where the CPU has native bf16
-    assert record["gen_dtype"] == ("bfloat16" if _amp_dtype("auto", torch.device("cpu")) else "fp32")
+    from dflash_export.train_loss import autocast_dtype  # --gen-dtype auto: bf16 exactly where the CPU has native bf16
+    assert record["gen_dtype"] == ("bfloat16" if autocast_dtype("auto", torch.device("cpu")) else "fp32")
     from safetensors import safe_open  # the data carry their dtype, so a reused cache is reported right
     with safe_open(str(tmp_path / "data" / "taps.safetensors"), "pt") as f:
         assert f.metadata()["gen_dtype"] == record["gen_dtype"]
@@ -356,7 +356,7 @@ def test_interrupted_generation_resumes_where_it_stopped(tmp_path, monkeypatch):
     import transformers
 
     from dflash_export.sources import embedded_target_dir
-    from dflash_export.train import generate_dataset
+    from dflash_export.train_data import generate_dataset
 
     prompts = [{"id": f"p{i}", "category": "chat", "prompt": p} for i, p in enumerate(["Say hi.", "Name a color.", "Count to 3."])]
     args = (embedded_target_dir(), prompts, (1, 27))
