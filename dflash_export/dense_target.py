@@ -152,7 +152,7 @@ def export_for_build(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource,
     if qconfig is not None and qconfig.method == "awq":
         tsource, quant_extra = _awq_source(tspec, dspec, tsource, path.parent, torch_dtype, qconfig, quiet)
     tmod, treaders = target_export_module(tspec, dspec, tsource, torch_dtype)
-    head_config = _proposal_head_config(proposal_head, "draft_head" in treaders, qconfig, tspec.arch.hidden_size)
+    head_config = proposal_head_config(proposal_head, "draft_head" in treaders, qconfig, tspec.arch.hidden_size)
     rewrite = streaming_rewrite(treaders, tsource, torch_dtype, qconfig, qnames, head_config)
     export_target(tmod, path, treaders, progress=not quiet, rewrite=rewrite)
     return ExportedTarget(tsource.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(),
@@ -189,8 +189,8 @@ def _awq_source(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, out_
     return awq.scaled_source(tsource, scales), extra
 
 
-def _proposal_head_config(choice: str, has_rows: bool, qconfig, hidden: int):
-    """The INT4 config of the proposal head rows, or None when they stay in the graph dtype (choice
+def proposal_head_config(choice: str, has_rows: bool, qconfig, hidden: int):
+    """(Shared by the families.) The INT4 config of the proposal head rows, or None when they stay in the graph dtype (choice
     "full", no proposal vocabulary, or --quant-lm-head, which quantizes them with the head)."""
     if choice != "int4" or not has_rows:
         return None
@@ -223,21 +223,29 @@ def reference_target(tspec: TargetSpec, dspec: DraftSpec, source: WeightSource, 
     """The fp32 reference target `check` compares the graph with (family hook): weights kept as stored
     (bf16 for most checkpoints) and upcast as they are used; an INT4 artifact's quantized weights as
     the graph computes with them (its dequantized weights)."""
-    from .quantize import dequantized_source, head_rows_dequantizer
+    from .quantize import dequantized_source
     from .reference_models import upcast_weights_on_use
 
     graph_dtype = {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]]
     if manifest.get("quantization"):  # the model the INT4 graph computes: its dequantized weights
         source = dequantized_source(source, manifest["quantization"], graph_dtype)
     tmod = empty_module(lambda: ReferenceTarget(tspec, dspec.target_layer_ids, torch.float32, vocab)).eval()
-    tmod.head_rows_transform = head_rows_dequantizer(manifest.get("quantization"), graph_dtype)
-    proposal = manifest.get("proposal_head")  # INT4 proposal rows: rank proposals as the graph does
-    tmod.proposal_rows_transform = (head_rows_dequantizer({"lm_head": True, "block": proposal["block"]}, graph_dtype)
-                                    if proposal else tmod.head_rows_transform)
+    set_head_transforms(tmod, manifest, graph_dtype)
     load_module_weights(tmod, source, f"target {tspec.path}")
     tmod.model.embed_tokens.register_forward_hook(lambda module, args, out: out.to(torch.float32))
     upcast_weights_on_use(tmod, skip=("model.embed_tokens.weight", tmod.head_weight_name()))  # upcast by rows
     return tmod
+
+
+def set_head_transforms(tmod, manifest: dict, graph_dtype) -> None:
+    """Make a reference module's LM head rows (and proposal rows) those an INT4 head computes with, as
+    the artifact's manifest records them (`quantization.lm_head`, `proposal_head`); unchanged otherwise."""
+    from .quantize import head_rows_dequantizer
+
+    tmod.head_rows_transform = head_rows_dequantizer(manifest.get("quantization"), graph_dtype)
+    proposal = manifest.get("proposal_head")  # INT4 proposal rows: rank proposals as the graph does
+    tmod.proposal_rows_transform = (head_rows_dequantizer({"lm_head": True, "block": proposal["block"]}, graph_dtype)
+                                    if proposal else tmod.head_rows_transform)
 
 
 class ReferenceTarget(TargetForExport):

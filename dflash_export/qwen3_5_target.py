@@ -148,17 +148,14 @@ def export_hybrid_target(module: HybridDFlashTarget, path: Path) -> None:
 
 
 def check_options(tspec: TargetSpec, tap_layers, source, qconfig, proposal_head: str) -> None:
-    """Family hook: refuse what hybrids lack (an INT4 LM head, INT4 proposal rows) and, with `qconfig`,
-    an INT4 block that does not divide a quantized layer's K, before any output exists.
+    """Family hook: refuse what hybrids lack (AWQ) and, with `qconfig`, an INT4 block that does not
+    divide a quantized layer's K (the LM head's too with --quant-lm-head), before any output exists.
 
     Raises:
         DFlashError: naming the option.
     """
     from .weights import empty_module
 
-    if (qconfig is not None and qconfig.lm_head) or proposal_head != "full":
-        raise DFlashError("Qwen3.5 hybrid targets keep their LM head in the graph dtype for now: drop "
-                          "--quant-lm-head / --proposal-head int4")
     if qconfig is not None and qconfig.method == "awq":
         raise DFlashError("--quant-method awq supports dense Llama / Qwen3 targets only; use --quant-method rtn "
                           "for Qwen3.5 hybrids")
@@ -167,12 +164,12 @@ def check_options(tspec: TargetSpec, tap_layers, source, qconfig, proposal_head:
 
 
 def _quantized_names(module: HybridDFlashTarget, qconfig) -> list[str]:
-    """The module's weights `--quant int4` stores as INT4 (`quantize.quantized_names`; raises on a block
-    that does not divide a layer's K)."""
+    """The module's weights `--quant int4` stores as INT4 (`quantize.quantized_names`: the LM head too
+    with `qconfig.lm_head`; raises on a block that does not divide a layer's K)."""
     from .quantize import quantized_names
 
     shapes = {k: tuple(p.shape) for k, p in module.named_parameters()}
-    return quantized_names(list(shapes), shapes, qconfig)
+    return quantized_names(list(shapes), shapes, qconfig, module.head_weight_name())
 
 
 def _derived_in_graph(name: str) -> bool:
@@ -186,15 +183,17 @@ def export_for_build(tspec: TargetSpec, dspec, source, path: Path, dtype: torch.
     """`build`'s target step for a hybrid (family hook; fp32 or fp16, INT4 with `qconfig`): the graph at
     `path`, each weight read from its shard (a ConditionalGeneration's under its text name) when its
     initializer is written, INT4-quantized on the way, as for Qwen3 targets."""
-    from .dense_target import streaming_rewrite, target_export_module
+    from .dense_target import proposal_head_config, streaming_rewrite, target_export_module
     from .export import _export
 
     text = source.renamed(text_weight_name)
     module, readers = target_export_module(tspec, dspec, text, dtype, HybridDFlashTarget, _derived_in_graph)
     names = _quantized_names(module, qconfig) if qconfig is not None else []
-    rewrite = streaming_rewrite(readers, text, dtype, qconfig, names, None)
+    head_config = proposal_head_config(proposal_head, "draft_head" in readers, qconfig, tspec.hybrid.hidden_size)
+    rewrite = streaming_rewrite(readers, text, dtype, qconfig, names, head_config)
     _export(module, *export_inputs(module), Path(path), readers=readers, progress=not quiet, rewrite=rewrite)
-    return ExportedTarget(text.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(), names)
+    return ExportedTarget(text.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(), names,
+                          head_config)
 
 
 def reference_target(tspec: TargetSpec, dspec, source, manifest: dict, vocab) -> HybridDFlashTarget:
@@ -202,21 +201,21 @@ def reference_target(tspec: TargetSpec, dspec, source, manifest: dict, vocab) ->
     fp32 over the weights as stored (bf16 for most checkpoints: each is upcast when used, the LM head
     a block of rows at a time as for Qwen3, so the model is held once), an INT4 artifact's quantized
     weights as the graph computes with them."""
-    from .dense_target import ReferenceTarget
+    from .dense_target import ReferenceTarget, set_head_transforms
     from .quantize import dequantized_source
     from .reference_models import upcast_weights_on_use
     from .weights import empty_module, load_module_weights
 
     class HybridReference(HybridDFlashTarget):  # ReferenceTarget's row-blocked fp32 head on the hybrid stack
         rows_per_block = ReferenceTarget.rows_per_block
-        head_rows_transform = proposal_rows_transform = None  # a hybrid's LM head is never INT4
         head_rows_fp32, logits_of, propose = ReferenceTarget.head_rows_fp32, ReferenceTarget.logits_of, ReferenceTarget.propose
 
     text = source.renamed(text_weight_name)
+    graph_dtype = {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]]
     if manifest.get("quantization"):  # the model the INT4 graph computes: its dequantized weights
-        graph_dtype = {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]]
         text = dequantized_source(text, manifest["quantization"], graph_dtype)
     tmod = empty_module(lambda: HybridReference(tspec, tuple(dspec.target_layer_ids), torch.float32, vocab)).eval()
+    set_head_transforms(tmod, manifest, graph_dtype)  # an INT4 LM head / proposal rows as the graph has them
     load_module_weights(tmod, text, f"target {tspec.path}")
     tmod.model.embed_tokens.register_forward_hook(lambda module, args, out: out.to(torch.float32))
     return upcast_weights_on_use(tmod, skip=("model.embed_tokens.weight", tmod.head_weight_name()))

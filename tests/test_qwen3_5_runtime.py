@@ -245,6 +245,29 @@ def test_fp16_int4_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_pat
     assert spec.output_ids == plain and max(s["accepted"] for s in spec.steps if s["proposed"]) >= 2
 
 
+def test_int4_lm_head_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_path):
+    """--quant-lm-head on a hybrid: the LM head is INT4 too (in the manifest's record), `check` compares
+    against a reference whose head rows are dequantized as the graph's (it fails if they are not: the
+    worst logits error of the fp32 head against an INT4 graph is far above the tolerance), and
+    speculative == plain on the artifact with blocks accepted."""
+    from dflash_export.check import run_check
+
+    _, art = hybrid
+    out = tmp_path / "int4_head"
+    m = build(str(art.parent / "target"), None, out, max_seq_len=128, quant="int4", quant_block=16, quant_lm_head=True,
+              proposal_head="int4", quiet=True)
+    q = m["quantization"]
+    assert q["lm_head"] is True and q["head"] in q["tensors"]
+    assert run_check(out).passed
+    sess = runtime.load(out)
+    prompt = [5, 17, 33, 8, 61, 2, 99, 14]
+    kw = dict(max_new_tokens=30, stop_token_ids=[], reuse_prefix=False)
+    plain = sess.generate(prompt, block_size=1, **kw).output_ids
+    oracle_draft(sess, prompt + plain, wrong=0.2)
+    spec = sess.generate(prompt, verify_len="all", record_steps=True, **kw)
+    assert spec.output_ids == plain and max(s["accepted"] for s in spec.steps if s["proposed"]) >= 2
+
+
 @pytest.mark.slow
 def test_train_draft_then_bench_on_a_hybrid(hybrid_pair, tmp_path, capsys):
     """train-draft on the tiny hybrid's own responses, build with that draft, bench: the loss falls (the
