@@ -44,15 +44,21 @@ def cmd_build(args) -> int:
         from .engine import build_engines
 
         manifest = build_engines(Path(args.out), precision=args.precision)
-    d = manifest["draft"]
-    q = manifest.get("quantization")
-    print(f"wrote {Path(args.out).resolve()} ({manifest['family']}, {manifest['dtype']}"
-          f"{', int4 block ' + str(q['block']) if q else ''}, max_seq_len {manifest['max_seq_len']}, "
-          f"block {d['block_size']}, taps {d['target_layer_ids']}, export {manifest['export_seconds']}s)")
-    if not d["trained"]:
+    print(build_summary(manifest, Path(args.out)))
+    if not manifest["draft"]["trained"]:
         print("note: the draft is UNTRAINED (deterministic random init): output is exact but few proposals are "
               "accepted; pass --draft DIR for a trained draft", file=sys.stderr)
     return 0
+
+
+def build_summary(manifest: dict, out: Path) -> str:
+    """build's last line: where the artifact is and what it holds (family, dtype, INT4 method, block and
+    head, KV capacity, draft block, taps, export time)."""
+    d, q = manifest["draft"], manifest.get("quantization")
+    quant = f", int4 {q['method']} block {q['block']}{' + LM head' if q.get('lm_head') else ''}" if q else ""
+    return (f"wrote {out.resolve()} ({manifest['family']}, {manifest['dtype']}{quant}, max_seq_len "
+            f"{manifest['max_seq_len']}, block {d['block_size']}, taps {d['target_layer_ids']}, "
+            f"export {manifest['export_seconds']}s)")
 
 
 def _verify_len(text: str):

@@ -123,3 +123,17 @@ def test_build_missing_target_exits_2(tmp_path):
     assert_user_error(proc.returncode, proc.stderr, "does not exist", progress=False)
     assert proc.stdout == ""
     rf.no_partial_output(out)
+
+
+def test_build_summary_names_the_int4_method_and_head(tmp_path):
+    """build's last line says how an INT4 artifact was quantized (a walkthrough found it did not)."""
+    from dflash_export.cli import build_summary
+
+    m = {"family": "llama", "dtype": "fp32", "max_seq_len": 2048, "export_seconds": 20.5,
+         "draft": {"block_size": 16, "target_layer_ids": [1, 27]}}
+    assert build_summary(m, tmp_path) == (f"wrote {tmp_path.resolve()} (llama, fp32, max_seq_len 2048, block 16, "
+                                          "taps [1, 27], export 20.5s)")
+    m["quantization"] = {"method": "awq", "block": 32, "lm_head": True}
+    assert ", int4 awq block 32 + LM head, max_seq_len 2048" in build_summary(m, tmp_path)
+    m["quantization"] = {"method": "rtn", "block": 64, "lm_head": False}
+    assert ", int4 rtn block 64, max_seq_len" in build_summary(m, tmp_path)
