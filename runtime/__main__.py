@@ -1,4 +1,6 @@
-"""`python -m runtime serve DIR ...` (OpenAI-compatible server) and `python -m runtime chat DIR ...`.
+"""`python -m runtime serve DIR ...` (OpenAI-compatible server), `python -m runtime chat DIR ...` and
+`python -m runtime generate DIR --prompt ...` (one reply; the same command as `python -m dflash_export
+generate`, without torch).
 
 User errors (a bad artifact directory, a missing server library, an address in use) print one
 `error:` line to stderr and exit with status 2.
@@ -13,6 +15,7 @@ import os
 import sys
 
 from .errors import DFlashError
+from .generate_cli import add_generate_arguments
 from .manifest import load_manifest
 
 API_KEY_ENV = "DFLASH_EXPORT_API_KEY"  # the key without putting it on the command line (visible in ps)
@@ -22,9 +25,9 @@ SERVER_LIBRARIES = ("starlette", "uvicorn", "anyio", "h11", "click")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: `serve` and `chat` subcommands."""
-    p = argparse.ArgumentParser(prog="python -m runtime", description="Serve or chat with a dflash_export artifact.")
-    sub = p.add_subparsers(dest="command", metavar="{serve,chat}")
+    """The command line: `serve`, `chat` and `generate` subcommands."""
+    p = argparse.ArgumentParser(prog="python -m runtime", description="Serve, chat with or generate from a dflash_export artifact.")
+    sub = p.add_subparsers(dest="command", metavar="{serve,chat,generate}")
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra: pip install '.[serve]' from the project)")
     s.add_argument("dir", help="artifact directory (from `python -m dflash_export build`)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
@@ -48,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--verify-len", default=None, help='"auto" (default), "all" or an integer: proposals verified per step')
     c.set_defaults(func=cmd_chat)
+    add_generate_arguments(sub.add_parser("generate", help="generate one reply (speculative decoding) and print it"))
     return p
 
 

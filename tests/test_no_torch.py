@@ -54,6 +54,13 @@ blocks = runtime.load(sys.argv[2]).generate([5, 7, m], max_new_tokens=14, stop_t
 out["blocks"] = [blocks.output_ids, blocks.acceptance_lengths]
 res = sess.generate("t5 t6 t7", max_new_tokens=6, stop_token_ids=[])
 out["text"] = [res.output_ids, res.text]
+# the one-shot command line, torch-free: `python -m runtime generate`
+import contextlib, io
+from runtime.__main__ import main as runtime_main
+printed = io.StringIO()
+with contextlib.redirect_stdout(printed):
+    status = runtime_main(["generate", sys.argv[1], "--prompt-ids", "5,6,7", "--max-new-tokens", "6", "--json"])
+out["cli"] = [status, json.loads(printed.getvalue())["output_ids"]]
 out["loaded"] = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
 out["attempts"] = attempts
 print(json.dumps(out))
@@ -93,6 +100,7 @@ def test_runtime_generates_without_torch_or_transformers(qwen, tmp_path, tmp_pat
     assert max(child["blocks"][1]) == ctxfree.block_size  # whole blocks accepted
     res = sess.generate("t5 t6 t7", max_new_tokens=6, stop_token_ids=[])
     assert child["text"] == [res.output_ids, res.text]
+    assert child["cli"] == [0, sess.generate([5, 6, 7], max_new_tokens=6).output_ids]
 
 
 def _module_level_imports(tree: ast.Module) -> list[str]:
