@@ -2,6 +2,7 @@
 
     python scripts/export_memory.py --shapes qwen3-4b qwen3-8b [--work /tmp/export-memory] [--check]
     python scripts/export_memory.py --shapes ci --check          # the small shape the test suite uses
+    python scripts/export_memory.py --shapes qwen3.5-4b --check  # a Qwen3.5 Gated DeltaNet hybrid
 
 For each shape it writes a bf16 checkpoint with `make_random_checkpoint.py` (once; kept in --work),
 runs `python -m dflash_export build --dtype fp16` (and `check`) as child processes, and prints each
@@ -31,6 +32,42 @@ EXTRA_SHAPES = {
 }
 
 
+# Qwen3.5 hybrids (Qwen3_5ForCausalLM, every 4th layer full attention), sized as scripts/memory_table.py
+# assumes them: layers, hidden, heads, head_dim and vocab published; intermediate, tying and the Gated
+# DeltaNet head layout (transformers' Qwen3_5TextConfig defaults) assumed.
+HYBRID_SHAPES = {
+    "qwen3.5-4b": dict(hidden_size=2560, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                       intermediate_size=9216, vocab_size=248320, tie_word_embeddings=True),
+    "qwen3.5-9b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                       intermediate_size=12288, vocab_size=248320, tie_word_embeddings=False),
+}
+_GDN_LAYOUT = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                   linear_value_head_dim=128, linear_conv_kernel_dim=4)
+
+
+def hybrid_checkpoint(name: str) -> tuple[dict, dict]:
+    """(tensor shapes, config.json) of a Qwen3.5 hybrid shape: transformers' own module, built on the
+    meta device (no memory), names the tensors, so the checkpoint is what `build` reads from a real one."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3_5TextConfig(**HYBRID_SHAPES[name], **_GDN_LAYOUT)
+    with torch.device("meta"):
+        model = transformers.Qwen3_5ForCausalLM(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()
+              if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    config = {**cfg.to_dict(), "architectures": ["Qwen3_5ForCausalLM"], "torch_dtype": "bfloat16"}
+    return shapes, config
+
+
+def checkpoint_spec(name: str) -> tuple[dict, dict]:
+    """(tensor shapes, config.json) of a named shape."""
+    if name in HYBRID_SHAPES:
+        return hybrid_checkpoint(name)
+    dims = shape_dims(name)
+    return tensor_shapes(**dims), qwen3_config(**dims, dtype="bf16")
+
+
 def shape_dims(name: str) -> dict:
     """Sizes of a named shape, with its vocabulary."""
     if name in EXTRA_SHAPES:
@@ -38,10 +75,10 @@ def shape_dims(name: str) -> dict:
     return {**SHAPES[name], "vocab": QWEN3_VOCAB}
 
 
-def weight_count(dims: dict) -> int:
-    """Parameters of the target of that shape."""
+def weight_count(shapes: dict) -> int:
+    """Parameters of a checkpoint of these tensor shapes."""
     total = 0
-    for shape in tensor_shapes(**dims).values():
+    for shape in shapes.values():
         n = 1
         for s in shape:
             n *= s
@@ -68,11 +105,10 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def ensure_checkpoint(work: Path, name: str, dims: dict) -> Path:
+def ensure_checkpoint(work: Path, name: str, shapes: dict, config: dict) -> Path:
     ckpt = work / f"{name}-bf16"
     if not (ckpt / "config.json").is_file():
-        cfg = qwen3_config(**dims, dtype="bf16")
-        write_checkpoint(ckpt, tensor_shapes(**dims), "bf16", 0, 4.0, cfg)
+        write_checkpoint(ckpt, shapes, "bf16", 0, 4.0, config)
     return ckpt
 
 
@@ -80,9 +116,9 @@ def measure_shape(work: Path, name: str, dtype: str, check: bool, max_seq_len: i
                   quant_method: str = "rtn") -> list[dict]:
     """Build (and check) one shape; returns one row per step. The bound stays that of the unquantized
     graph dtype for `quant="int4"` (the weights are quantized one tensor at a time)."""
-    dims = shape_dims(name)
-    ckpt = ensure_checkpoint(work, name, dims)
-    weight_bytes = weight_count(dims) * (2 if dtype == "fp16" else 4)
+    shapes, config = checkpoint_spec(name)
+    ckpt = ensure_checkpoint(work, name, shapes, config)
+    weight_bytes = weight_count(shapes) * (2 if dtype == "fp16" else 4)
     label = f"{dtype}{'-int4' if quant == 'int4' else ''}{'-awq' if quant == 'int4' and quant_method == 'awq' else ''}"
     art = work / f"{name}-{label}-artifact"
     py = sys.executable
@@ -119,7 +155,7 @@ def format_rows(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="+", default=["qwen3-4b", "qwen3-8b"], choices=[*SHAPES, *EXTRA_SHAPES])
+    p.add_argument("--shapes", nargs="+", default=["qwen3-4b", "qwen3-8b"], choices=[*SHAPES, *EXTRA_SHAPES, *HYBRID_SHAPES])
     p.add_argument("--work", type=Path, default=Path("/tmp/export-memory"), help="checkpoints, artifacts, logs")
     p.add_argument("--dtype", choices=["fp16", "fp32"], default="fp16")
     p.add_argument("--quant", choices=["none", "int4"], default="none", help="build --quant (default none)")
