@@ -136,19 +136,14 @@ def run_bench(args) -> int:
     import runtime
     from runtime.call_costs import COSTS_ENV
 
-    from .train_data import read_prompts
+    from .train_data import first_per_category, read_prompts
 
     if args.fresh_costs:  # a first-time user's run: auto measures the step costs itself
         os.environ[COSTS_ENV] = tempfile.mkdtemp(prefix="dflash-bench-costs-")
     sess = runtime.load(args.artifact, backend=args.backend, int4_accuracy_level=args.int4_accuracy_level)
     b, policies = _check_args(args, sess)
     past_lengths = parse_past_lengths(args.past_lengths)
-    prompts = read_prompts(Path(args.prompts))
-    if args.limit:
-        by_cat = defaultdict(list)
-        for p in prompts:
-            by_cat[p["category"]].append(p)
-        prompts = [p for rows in by_cat.values() for p in rows[: args.limit]]
+    prompts = first_per_category(read_prompts(Path(args.prompts)), args.limit)
     chat = bool(sess.tokenizer is not None and sess.tokenizer.chat_template)  # instruct models: one user turn
     encoded = [sess.encode(p["prompt"], chat=chat) for p in prompts]
     too_long = [f"{p['id']} ({len(ids)})" for p, ids in zip(prompts, encoded) if len(ids) + args.max_new_tokens > sess.max_seq_len]

@@ -26,6 +26,17 @@ PROMPTS_DIR = Path(__file__).resolve().parent.parent / "models" / "prompts"
 DEFAULT_PROMPTS = tuple(sorted(PROMPTS_DIR.glob("train*.jsonl")))
 
 
+def first_per_category(prompts: list[dict], limit: int | None) -> list[dict]:
+    """The first `limit` prompts of each category, categories in order of first appearance (all when
+    `limit` is None or 0): the held-out subsets bench and the speculation scripts run."""
+    if not limit:
+        return list(prompts)
+    by_category: dict[str, list[dict]] = {}
+    for p in prompts:
+        by_category.setdefault(p["category"], []).append(p)
+    return [p for rows in by_category.values() for p in rows[:limit]]
+
+
 def read_prompts(path: Path) -> list[dict]:
     """Read a JSONL prompt file: one {"id", "category", "prompt"} object a line.
 

@@ -36,13 +36,10 @@ def main() -> int:
     os.environ[COSTS_ENV] = tempfile.mkdtemp(prefix="dflash-costs-")  # a device seen for the first time
     import runtime
     from dflash_export.bench import DEFAULT_EVAL
-    from dflash_export.train_data import read_prompts
+    from dflash_export.train_data import first_per_category, read_prompts
 
     sess = runtime.load(args.artifact)
-    by_cat = defaultdict(list)
-    for p in read_prompts(DEFAULT_EVAL):
-        by_cat[p["category"]].append(p)
-    prompts = [p for rows in by_cat.values() for p in rows[: args.limit]]
+    prompts = first_per_category(read_prompts(DEFAULT_EVAL), args.limit)
     ratios, plain_s, auto_s, mismatches, pair = defaultdict(list), 0.0, 0.0, 0, 0
     for rep in range(args.repeats):
         for p in prompts:

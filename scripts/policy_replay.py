@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,15 +24,11 @@ from dflash_export import policy_replay as pr  # noqa: E402
 def record(args) -> tuple[list, pr.StepCostModel, int, float]:
     import runtime
     from dflash_export.bench import DEFAULT_EVAL
-    from dflash_export.train_data import read_prompts
+    from dflash_export.train_data import first_per_category, read_prompts
     from runtime.speculation import TRAINED_DRAFT_PRIOR, UNTRAINED_DRAFT_PRIOR
 
     sess = runtime.load(args.artifact)
-    prompts = read_prompts(Path(args.prompts or DEFAULT_EVAL))
-    by_cat = defaultdict(list)
-    for p in prompts:
-        by_cat[p["category"]].append(p)
-    prompts = [p for rows in by_cat.values() for p in rows[: args.limit]]
+    prompts = first_per_category(read_prompts(Path(args.prompts or DEFAULT_EVAL)), args.limit)
     traces, plain_ms = [], []
     for p in prompts:
         ids = sess.encode(p["prompt"], chat=bool(sess.tokenizer and sess.tokenizer.chat_template))
