@@ -313,19 +313,20 @@ class ReplicationWarning(UserWarning):
 
 
 def export_target(module, path: Path, readers: dict | None = None, progress: bool = False, rewrite=None,
-                  replicate: str = "auto") -> None:
-    """Export a :class:`TargetForExport` to `path` with dynamic T (>= 1), N (>= 0), P (>= 0) and U
-    (sampled rows: 1 + N or 0).
+                  replicate: str = "auto", layout=None) -> None:
+    """Export a target export module to `path`: a :class:`TargetForExport` with dynamic T (>= 1), N
+    (>= 0), P (>= 0) and U (sampled rows: 1 + N or 0), or another family's module with its `layout`.
 
     Args:
         readers: initializer name -> reader of the streamed weights (`weights.bind_weights`).
         progress: print a bar while weights are written and one line of phase times (stderr).
         rewrite: `rewrite(model, packed)` edits the optimized graph before it is saved (`_finish`).
-        replicate: "auto" traces a `layer_replication.TEMPLATE_LAYERS`-layer template and copies one of
-            its layers to every layer (the same graph; tracing time independent of the depth), or, when
-            the template's structure is not the expected one, warns (`ReplicationWarning`) and traces
-            every layer; "always" raises `layer_replication.ReplicationError` instead of falling back;
-            "never" traces every layer.
+        replicate: "auto" traces a template with every layer kind twice (`layer_replication`) and
+            copies its layers to every layer (the same graph; tracing time independent of the depth),
+            or, when the template's structure is not the expected one, warns (`ReplicationWarning`) and
+            traces every layer; "always" raises `layer_replication.ReplicationError` instead of falling
+            back; "never" traces every layer.
+        layout: the module's `layer_replication.Layout` (default: `dense_layout(module)`, Llama / Qwen3).
 
     Raises:
         ValueError: an unknown `replicate`.
@@ -335,11 +336,11 @@ def export_target(module, path: Path, readers: dict | None = None, progress: boo
     if replicate not in ("auto", "always", "never"):
         raise ValueError(f"replicate must be auto, always or never (got {replicate!r})")
     readers = readers or {}
-    n = module.spec.arch.num_layers
+    layout = layout or lr.dense_layout(module)
     model = None
-    if replicate != "never" and lr.replicable(module):
+    if replicate != "never" and lr.replicable(module, layout):
         try:
-            model, how = _replicated_target(module, readers)
+            model, how = _replicated_target(module, readers, layout)
         except lr.ReplicationError as exc:
             if replicate == "always":
                 raise
@@ -347,8 +348,8 @@ def export_target(module, path: Path, readers: dict | None = None, progress: boo
                           ReplicationWarning, stacklevel=2)
     if model is None:
         t0 = time.perf_counter()
-        model = _trace(module, *_target_inputs(module), readers)
-        how = f"traced and optimized {n} layers in {time.perf_counter() - t0:.1f}s"
+        model = _trace(module, *layout.export_inputs(module), readers)
+        how = f"traced and optimized {len(layout.kinds)} layers in {time.perf_counter() - t0:.1f}s"
     t0 = time.perf_counter()
     _finish(model, path, readers, progress, rewrite)
     if progress:
@@ -356,18 +357,18 @@ def export_target(module, path: Path, readers: dict | None = None, progress: boo
               file=sys.stderr, flush=True)
 
 
-def _replicated_target(module, readers: dict) -> tuple:
+def _replicated_target(module, readers: dict, layout) -> tuple:
     """The optimized target graph made from a traced template (`layer_replication`), and a line saying
     how long tracing and replicating took."""
     from . import layer_replication as lr
 
     t0 = time.perf_counter()
-    template, template_readers = lr.template_target(module, readers)
-    model = _trace(template, *_target_inputs(template), template_readers)
+    template, template_readers = lr.template_target(module, readers, layout)
+    model = _trace(template, *layout.export_inputs(template), template_readers)
     t1 = time.perf_counter()
-    lr.replicate_layers(model, module, readers)
-    return model, (f"traced and optimized a {lr.TEMPLATE_LAYERS}-layer template in {t1 - t0:.1f}s, copied a layer "
-                   f"to {module.spec.arch.num_layers} layers in {time.perf_counter() - t1:.1f}s")
+    lr.replicate_layers(model, module, readers, layout, template)
+    return model, (f"traced and optimized a {len(layout.template_kinds)}-layer template in {t1 - t0:.1f}s, copied "
+                   f"its layers to {len(layout.kinds)} layers in {time.perf_counter() - t1:.1f}s")
 
 
 def export_draft(module, path: Path, readers: dict | None = None, progress: bool = False) -> None:

@@ -11,7 +11,9 @@ the runtime feeds longer prompts in chunks (`max_call_rows` in the manifest).
 `build` streams the weights as for Qwen3 targets (`export_for_build`): each is read from its shard when
 its initializer is written. The few the graph derives new constants from are loaded first: the norms
 (`1 + weight`), A_log and dt_bias (small, `weights.STREAM_MIN_ELEMENTS`) and the conv kernels, whose
-columns the optimizer folds (`_derived_in_graph`). No layer replication yet: every layer is traced.
+columns the optimizer folds (`_derived_in_graph`). Layer replication traces a 4-layer template ([GDN,
+attention, GDN, attention]) and copies its layers (`replication_layout`; the folded constants are
+computed again per layer by `folded_constants`).
 
 As the Qwen3.5 family (`families.py` hooks) it also recognises and reads the hybrid checkpoints
 (`read_target`, over `hybrid_spec.py`) and tells `train-draft` their weight names and zero-centred norms.
@@ -19,8 +21,10 @@ As the Qwen3.5 family (`families.py` hooks) it also recognises and reads the hyb
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from runtime.errors import DFlashError
@@ -28,9 +32,9 @@ from runtime.errors import DFlashError
 from .checkpoint import TargetSpec, read_eos_token_ids, refuse_quantized, safetensors_files
 from .families import ExportedTarget
 from .gated_delta import MAX_ROWS
-from .hybrid_spec import hybrid_kind, parse_hybrid_config
+from .hybrid_spec import HybridSpec, hybrid_kind, parse_hybrid_config
 from .modules import TargetForExport
-from .qwen3_5 import Qwen35TargetForExport, cache_names, text_state_dict, text_weight_name
+from .qwen3_5 import Qwen35TargetForExport, ZeroCentredRMSNorm, cache_names, text_state_dict, text_weight_name
 
 EXPORT_TITLE = "weights are read as they are written"  # build's progress line for the target step
 # the RMSNorm weights are stored zero-centred (the norm scales by 1 + w, `qwen3_5.ZeroCentredRMSNorm`),
@@ -79,9 +83,9 @@ class HybridDFlashTarget(Qwen35TargetForExport):
     head_weight_name = TargetForExport.head_weight_name
     freeze_draft_head = TargetForExport.freeze_draft_head
 
-    def __init__(self, spec: TargetSpec, tap_layers: tuple[int, ...], dtype: torch.dtype = torch.float32,
+    def __init__(self, spec: TargetSpec | HybridSpec, tap_layers: tuple[int, ...], dtype: torch.dtype = torch.float32,
                  draft_vocab=None):
-        super().__init__(spec.hybrid, tap_layers)
+        super().__init__(spec if isinstance(spec, HybridSpec) else spec.hybrid, tap_layers)
         vocab = None if draft_vocab is None else torch.tensor(list(draft_vocab), dtype=torch.int64)
         self.register_buffer("draft_vocab", vocab, persistent=False)
         self.register_buffer("draft_head", None, persistent=False)
@@ -124,6 +128,41 @@ def export_inputs(module: HybridDFlashTarget) -> tuple:
     return args, io_names(module), ({0: T}, {0: N}, None, {0: U}, tuple(dyn))
 
 
+def replication_layout(module: HybridDFlashTarget):
+    """The hybrid's `layer_replication.Layout`: GDN and full-attention layers with their caches
+    (`qwen3_5.cache_names`), traced by `export_inputs`, with the constants the optimizer folds from a
+    layer's weights (`folded_constants`)."""
+    from .layer_replication import Layout
+
+    spec = module.spec
+
+    def make_template(kinds, taps):
+        return HybridDFlashTarget(replace(spec, layer_types=tuple(kinds)), taps, module.compute_dtype)
+
+    return Layout(kinds=tuple(spec.layer_types), cache_names=cache_names, make_template=make_template,
+                  export_inputs=export_inputs, folded=folded_constants, whole=_derived_in_graph)
+
+
+def folded_constants(layer) -> list[tuple[str, np.ndarray]]:
+    """The constants the graph optimizer folds from a hybrid decoder layer's weights, as it computes them
+    (numpy, in the parameters' dtypes): `1 + w` of each zero-centred norm (fp32), the conv kernel's K
+    columns, and `exp(A_log)` and `-exp(A_log)` (fp32). `layer_replication` recognises them by value in
+    the template and computes them again for each layer."""
+    out = []
+    for name, sub in layer.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(sub, ZeroCentredRMSNorm):
+            w = sub.weight.detach().to(torch.float32).numpy()
+            out.append((f"{prefix}weight", np.float32(1.0) + w))
+    gdn = getattr(layer, "linear_attn", None)
+    if gdn is not None:
+        conv = gdn.conv1d.weight.detach().numpy()
+        out += [("linear_attn.conv1d.weight", np.ascontiguousarray(conv[:, 0, j])) for j in range(conv.shape[2])]
+        decay = np.exp(gdn.A_log.detach().to(torch.float32).numpy())
+        out += [("linear_attn.A_log", decay), ("linear_attn.A_log", -decay)]
+    return out
+
+
 def check_weights(tspec: TargetSpec, tap_layers, source) -> None:
     """Every parameter of the hybrid export module has a checkpoint tensor of its shape, before anything
     is exported (`weights.check_weight_names` on the text weights).
@@ -138,13 +177,13 @@ def check_weights(tspec: TargetSpec, tap_layers, source) -> None:
                        source.where, tied=empty.lm_head is None)
 
 
-def export_hybrid_target(module: HybridDFlashTarget, path: Path) -> None:
-    """Trace and write the hybrid DFlash target graph of a module holding its weights (`export._export`:
-    dynamo, opset 20, optimized, shared-input GEMMs packed). `build` streams the weights instead
-    (`export_for_build`)."""
-    from .export import _export
+def export_hybrid_target(module: HybridDFlashTarget, path: Path, replicate: str = "auto") -> None:
+    """Trace and write the hybrid DFlash target graph of a module holding its weights (`export.export_target`:
+    dynamo, opset 20, optimized, shared-input GEMMs packed; `replicate` as there). `build` streams the
+    weights instead (`export_for_build`)."""
+    from .export import export_target
 
-    _export(module, *export_inputs(module), Path(path))
+    export_target(module, Path(path), replicate=replicate, layout=replication_layout(module))
 
 
 def check_options(tspec: TargetSpec, tap_layers, source, qconfig, proposal_head: str) -> None:
@@ -184,14 +223,14 @@ def export_for_build(tspec: TargetSpec, dspec, source, path: Path, dtype: torch.
     `path`, each weight read from its shard (a ConditionalGeneration's under its text name) when its
     initializer is written, INT4-quantized on the way, as for Qwen3 targets."""
     from .dense_target import proposal_head_config, streaming_rewrite, target_export_module
-    from .export import _export
+    from .export import export_target
 
     text = source.renamed(text_weight_name)
     module, readers = target_export_module(tspec, dspec, text, dtype, HybridDFlashTarget, _derived_in_graph)
     names = _quantized_names(module, qconfig) if qconfig is not None else []
     head_config = proposal_head_config(proposal_head, "draft_head" in readers, qconfig, tspec.hybrid.hidden_size)
     rewrite = streaming_rewrite(readers, text, dtype, qconfig, names, head_config)
-    _export(module, *export_inputs(module), Path(path), readers=readers, progress=not quiet, rewrite=rewrite)
+    export_target(module, Path(path), readers, progress=not quiet, rewrite=rewrite, layout=replication_layout(module))
     return ExportedTarget(text.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(), names,
                           head_config)
 

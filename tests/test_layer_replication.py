@@ -5,105 +5,21 @@ template of another structure is refused (full tracing then, with a warning)."""
 
 from __future__ import annotations
 
-import collections
-import hashlib
 import json
-import re
 import types
 import warnings
 
-import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import numpy_helper
 
 import tiny_models
+from graph_compare import assert_same_graph, run_both
 from dflash_export import export as export_mod
-from dflash_export import layer_replication
+from dflash_export import layer_replication, replication_graph
 from dflash_export import weights as weights_mod
 from dflash_export.build import build
 from dflash_export.export import ReplicationWarning, export_target
-
-AUTO_NAME = re.compile(r"^val_\d+$")  # the exporter's numbered constants: their numbers follow the node count
-PAST = re.compile(r"^past_(key|value)_\d+$")
-
-
-def _digest(*parts) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p if isinstance(p, bytes) else repr(p).encode())
-    return h.hexdigest()
-
-
-def dag(path):
-    """(graph output hashes, multiset of node hashes, {initializer name: bytes} minus numbered constants).
-
-    A value's hash covers how it is computed from the graph inputs and initializers (operators,
-    attributes, input order, initializer bytes and names except numbered constants), not its name."""
-    model = onnx.load(str(path), load_external_data=True)
-    g = model.graph
-    h = {i.name: _digest("input", i.name) for i in g.input}
-    weights = {}
-    for t in g.initializer:
-        arr = numpy_helper.to_array(t)
-        h[t.name] = _digest("init", "" if AUTO_NAME.match(t.name) else t.name, t.data_type, tuple(t.dims), arr.tobytes())
-        if not AUTO_NAME.match(t.name):
-            weights[t.name] = (t.data_type, arr.tobytes())
-    h[""] = "none"
-    nodes = []
-    for node in g.node:  # graphs are stored in topological order
-        attrs = sorted((a.name, a.SerializeToString()) for a in node.attribute)
-        # every past input is [past_len, Hkv, D]: the exporter reads P from any of them (replication: past_key_0)
-        inputs = ["past_key_0" if node.op_type == "Shape" and PAST.match(i) else i for i in node.input]
-        key = _digest(node.domain, node.op_type, attrs, [h[i] for i in inputs])
-        nodes.append(key)
-        for k, out in enumerate(node.output):
-            h[out] = _digest(key, k)
-    return [h[o.name] for o in g.output], collections.Counter(nodes), weights
-
-
-def assert_same_graph(full, replicated):
-    a, b = onnx.load(str(full), load_external_data=False), onnx.load(str(replicated), load_external_data=False)
-    assert [i.name for i in a.graph.input] == [i.name for i in b.graph.input]
-    assert [o.name for o in a.graph.output] == [o.name for o in b.graph.output]
-    assert [str(i.type) for i in a.graph.input] == [str(i.type) for i in b.graph.input]
-    assert [str(o.type) for o in a.graph.output] == [str(o.type) for o in b.graph.output]
-    assert a.opset_import == b.opset_import
-    named = [[i.name for i in m.graph.initializer if not AUTO_NAME.match(i.name)] for m in (a, b)]
-    assert named[0] == named[1]  # the same weights, in the same order
-    outs_a, nodes_a, weights_a = dag(full)
-    outs_b, nodes_b, weights_b = dag(replicated)
-    assert weights_a.keys() == weights_b.keys()
-    for name in weights_a:
-        assert weights_a[name] == weights_b[name], name
-    assert nodes_a == nodes_b
-    assert outs_a == outs_b
-    assert [n.input[0] for n in b.graph.node if n.op_type == "Shape" and PAST.match(n.input[0])] == ["past_key_0"]
-
-
-def run_both(full, replicated, arch, dtype, steps=3, seed=0):
-    """onnxruntime outputs of both graphs on the same random feeds (a prefill past 0, then pasts of
-    random K/V with proposals); they must agree exactly."""
-    import onnxruntime as ort
-
-    rng = np.random.default_rng(seed)
-    sessions = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (full, replicated)]
-    names = [o.name for o in sessions[0].get_outputs()]
-    for step in range(steps):
-        past, n = (0, 0) if step == 0 else (int(rng.integers(1, 9)), int(rng.integers(1, 5)))
-        feed = {"input_ids": rng.integers(0, tiny_models.VOCAB, size=int(rng.integers(1, 6))).astype(np.int64),
-                "draft_hidden": rng.standard_normal((n, arch.hidden_size)).astype(dtype),
-                "temperature": np.array([0.0 if step % 2 == 0 else 0.8], np.float32),
-                "uniform": rng.random(n + 1).astype(np.float32)}
-        for i in range(arch.num_layers):
-            for kind in ("key", "value"):
-                feed[f"past_{kind}_{i}"] = rng.standard_normal((past, arch.num_kv_heads, arch.head_dim)).astype(dtype)
-        got = [s.run(None, feed) for s in sessions]
-        for name, x, y in zip(names, *got):
-            assert x.dtype == y.dtype and x.shape == y.shape, name
-            assert np.array_equal(x, y), f"step {step}: {name} differs by {np.abs(x.astype(np.float64) - y).max()}"
-
 
 @pytest.fixture(scope="module")
 def five_layers(tmp_path_factory):
@@ -127,7 +43,7 @@ def test_replicated_target_is_the_full_trace(five_layers):
     export_target(module, root / "full.onnx", replicate="never")
     export_target(module, root / "replicated.onnx", replicate="always")
     assert_same_graph(root / "full.onnx", root / "replicated.onnx")
-    run_both(root / "full.onnx", root / "replicated.onnx", spec.arch, np.float32)
+    run_both(root / "full.onnx", root / "replicated.onnx", tiny_models.VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +52,8 @@ def template_graph(five_layers):
     import onnx_ir as ir
 
     _, _, module = five_layers
-    template, readers = layer_replication.template_target(module, {})
-    return ir.serde.serialize_model(export_mod._trace(template, *export_mod._target_inputs(template), readers))
+    template, readers = layer_replication.template_target(module, {}, layer_replication.dense_layout(module))
+    return ir.serde.serialize_model(export_mod._trace(template, *export_mod._target_inputs(template), readers)), template
 
 
 @pytest.mark.parametrize("edit, error", [("attribute", "differs from layer 1"), ("operator", "differs from layer 1"),
@@ -147,8 +63,10 @@ def test_a_template_of_another_structure_is_refused(five_layers, template_graph,
     import onnx_ir as ir
 
     _, _, module = five_layers
-    model = ir.serde.deserialize_model(template_graph)
-    first, last = layer_replication._partition(model.graph)[0]
+    layout = layer_replication.dense_layout(module)
+    model = ir.serde.deserialize_model(template_graph[0])
+    plan = replication_graph.Plan(layout.kinds, layout.template_kinds, layout.cache_names, [[], []])
+    first, last = replication_graph.partition(model.graph, plan)[0]
     if edit == "attribute":  # the first layer computes something else: it is not a copy of the last
         score_max = next(n for n in first.nodes if n.op_type == "ReduceMax")  # the attention's score max
         score_max.attributes["keepdims"] = ir.AttrInt64("keepdims", 0)
@@ -164,7 +82,7 @@ def test_a_template_of_another_structure_is_refused(five_layers, template_graph,
         k = [v.name if v is not None else None for v in mul.inputs].index("model.layers.1.input_layernorm.weight")
         mul.replace_input_with(k, model.graph.initializers["model.layers.0.input_layernorm.weight"])
     with pytest.raises(layer_replication.ReplicationError, match=error):
-        layer_replication.replicate_layers(model, module, {})
+        layer_replication.replicate_layers(model, module, {}, layout, template_graph[1])
 
 
 def test_auto_falls_back_to_tracing_every_layer_with_a_warning(five_layers, monkeypatch, tmp_path):
@@ -177,12 +95,12 @@ def test_auto_falls_back_to_tracing_every_layer_with_a_warning(five_layers, monk
         traced.append(m.spec.arch.num_layers)
         return types.SimpleNamespace(graph=None)
 
-    def refuse(graph):
+    def refuse(graph, plan):
         raise layer_replication.ReplicationError("test")
 
     monkeypatch.setattr(export_mod, "_trace", trace)
     monkeypatch.setattr(export_mod, "_finish", lambda *args: None)
-    monkeypatch.setattr(layer_replication, "_partition", refuse)
+    monkeypatch.setattr(replication_graph, "partition", refuse)
     with pytest.raises(layer_replication.ReplicationError):
         export_target(module, tmp_path / "target.onnx", replicate="always")
     with pytest.warns(ReplicationWarning, match="tracing every layer"):
@@ -212,7 +130,7 @@ def test_build_int4_fp16_streamed_replicated_is_the_full_trace(llama_pair, tmp_p
     monkeypatch.setattr(export_mod, "EXTERNAL_DATA_THRESHOLD", 0)
     opts = dict(max_seq_len=64, dtype="fp16", quiet=True, quant="int4", quant_block=32, proposal_head="int4")
     with monkeypatch.context() as m:
-        m.setattr(layer_replication, "replicable", lambda module: False)
+        m.setattr(layer_replication, "replicable", lambda module, layout: False)
         build(str(target), str(draft), tmp_path / "full", **opts)
 
     reads = tiny_models.record_weight_reads(monkeypatch)
@@ -220,7 +138,8 @@ def test_build_int4_fp16_streamed_replicated_is_the_full_trace(llama_pair, tmp_p
     used = []
     original_replicable = layer_replication.replicable
     monkeypatch.setattr(layer_replication, "replicable",
-                        lambda module: used.append(isinstance(module, TargetForExport)) or original_replicable(module))
+                        lambda module, layout: used.append(isinstance(module, TargetForExport))
+                        or original_replicable(module, layout))
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReplicationWarning)
         build(str(target), str(draft), tmp_path / "replicated", **opts)
@@ -232,6 +151,4 @@ def test_build_int4_fp16_streamed_replicated_is_the_full_trace(llama_pair, tmp_p
     assert_same_graph(full, replicated)
     # per layer: packed q/k/v, packed gate/up, o_proj, down_proj; plus the proposal head rows
     assert sum(n.op_type == "DequantizeLinear" for n in onnx.load(str(replicated)).graph.node) == 6 * 4 + 1
-    from dflash_export.checkpoint import load_target_spec
-
-    run_both(full, replicated, load_target_spec(target).arch, np.float16)
+    run_both(full, replicated, tiny_models.VOCAB)

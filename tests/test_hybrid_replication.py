@@ -1,0 +1,78 @@
+"""Layer replication of a Qwen3.5 hybrid target (issue 15): `build` traces a 4-layer template ([GDN,
+attention, GDN, attention]) and copies its layers; the graph is the one tracing every layer gives (the
+same operators wired the same way, the same initializer bytes, the same onnxruntime outputs), with the
+constants the optimizer folds from each layer's weights (the norms' 1 + w, the conv kernel's columns,
+-exp(A_log)) computed for every layer, and streamed weights read only while the file is written."""
+
+from __future__ import annotations
+
+import warnings
+
+import onnx
+import pytest
+
+import tiny_models
+from dflash_export import export as export_mod
+from dflash_export import layer_replication
+from dflash_export import weights as weights_mod
+from dflash_export.build import build
+from dflash_export.export import ReplicationWarning
+from graph_compare import assert_same_graph, run_both
+from hybrid_fixtures import CONFIG, VOCAB
+
+# the first attention layer is not the template's (layer 1): lengths read from its caches are remapped
+LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention"] * 2
+MATRICES = {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+            "down_proj"}
+
+
+@pytest.fixture(scope="module")
+def six_layer_hybrid(tmp_path_factory):
+    """A random 6-layer Qwen3_5ForCausalLM checkpoint with distinct norms, conv kernels and decays per layer."""
+    import torch
+    import transformers
+
+    torch.manual_seed(1)
+    cfg = transformers.Qwen3_5TextConfig(**{**CONFIG, "num_hidden_layers": 6, "layer_types": LAYER_TYPES})
+    model = transformers.Qwen3_5ForCausalLM(cfg).eval()
+    with torch.no_grad():  # zero-centred norms start at zero: give every layer its own
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.2)
+    root = tmp_path_factory.mktemp("hybrid_replication")
+    model.save_pretrained(root / "target", safe_serialization=True)
+    return root / "target"
+
+
+def test_replicated_hybrid_build_is_the_full_trace(six_layer_hybrid, tmp_path, monkeypatch):
+    """fp16 graph, INT4 layers, every matrix streamed: replicated == traced layer by layer."""
+    monkeypatch.setattr(weights_mod, "STREAM_MIN_ELEMENTS", 1000)
+    monkeypatch.setattr(export_mod, "EXTERNAL_DATA_THRESHOLD", 0)
+    opts = dict(max_seq_len=64, dtype="fp16", quiet=True, quant="int4", quant_block=32)
+    with monkeypatch.context() as m:
+        m.setattr(layer_replication, "replicable", lambda module, layout: False)
+        build(str(six_layer_hybrid), None, tmp_path / "full", **opts)
+
+    reads = tiny_models.record_weight_reads(monkeypatch)
+    templates = []
+    original = layer_replication.template_target
+
+    def recording_template(module, readers, layout):
+        templates.append(layout.template_kinds)
+        return original(module, readers, layout)
+
+    monkeypatch.setattr(layer_replication, "template_target", recording_template)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicationWarning)
+        build(str(six_layer_hybrid), None, tmp_path / "replicated", **opts)
+    assert templates == [("linear_attention", "full_attention") * 2]
+    assert ("model.layers.4.linear_attn.out_proj.weight", True) in reads
+    early = {name.split(".")[-2] for name, inside in reads if not inside and name.startswith("model.layers.")}
+    assert {"conv1d", "linear_attn"} <= early  # the conv kernels and A_log / dt_bias: the optimizer folds them
+    assert not early & MATRICES, early & MATRICES  # matrices: only while the file is written
+    full, replicated = tmp_path / "full" / "target.onnx", tmp_path / "replicated" / "target.onnx"
+    assert_same_graph(full, replicated)
+    graph = onnx.load(str(replicated), load_external_data=False).graph
+    folded = [t.name for t in graph.initializer if t.name.startswith("model.layers.5/")]
+    assert folded, "the copies compute their own folded constants"
+    run_both(full, replicated, VOCAB)
