@@ -223,11 +223,41 @@ def test_rejected_rows_leave_no_trace(pair):
         assert got.shape == want.shape and _max_err(got, want) <= 2e-5
 
 
+def _hf_states(hf, ids) -> list:
+    """HF's cache after `ids`, per layer: (conv state `[K-1, C]` (HF keeps K inputs, the module K-1),
+    recurrent state `[Hv, dk, dv]`) for a GDN layer, (keys, values) `[S, Hkv, D]` for an attention layer."""
+    with torch.no_grad():
+        cache = hf(torch.tensor([list(ids)]), use_cache=True).past_key_values
+    out = []
+    for layer in cache.layers:
+        if hasattr(layer, "recurrent_states"):
+            out.append((layer.conv_states[0][0, :, 1:].T, layer.recurrent_states[0][0]))
+        else:
+            out.append((layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)))
+    return out
+
+
+def _state_errors(module, out, hf_before, hf_after, pos: int, rows: int) -> float:
+    """Worst difference between a call's cache outputs and HF's: a GDN layer's returned states are those
+    after the committed tokens before the call (`hf_before`), an attention layer's K/V rows are the new
+    rows' (`hf_after`, rows pos .. pos + rows - 1)."""
+    worst = 0.0
+    for i, kind in enumerate(module.spec.layer_types):
+        o = 3 + module.cache_offsets[i]
+        if kind == "linear_attention":
+            if hf_before is not None:
+                worst = max(worst, _max_err(out[o], hf_before[i][0]), _max_err(out[o + 1], hf_before[i][1]))
+        else:
+            k, v = hf_after[i]
+            worst = max(worst, _max_err(out[o], k[pos : pos + rows]), _max_err(out[o + 1], v[pos : pos + rows]))
+    return worst
+
+
 def test_verify_steps_past_200_with_rejections_match_hf(pair):
     """A 212-token prompt in chunks, then 16-, 3- and 1-row verifies accepting part, all or one of their
-    rows: logits and taps of every row equal HF's (1e-4) on the committed sequence, where each rejected
-    row's token is replaced by another one before the next call (so a state that kept a trace of it
-    would differ)."""
+    rows: logits and taps of every row, the attention layers' new K/V rows and the GDN conv and recurrent
+    states equal HF's (1e-4) on the committed sequence, where each rejected row's token is replaced by
+    another one before the next call (so a state that kept a trace of it would differ)."""
     hf, module = pair
     seq = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(4)).tolist()
     caches, pos, worst = module.empty_caches(), 0, {}
@@ -237,10 +267,13 @@ def test_verify_steps_past_200_with_rejections_match_hf(pair):
         logits, taps, _ = _hf_reference(hf, seq[: pos + rows])
         tag = "prefill" if accepted == rows == 64 or rows == 20 else f"verify {rows}"
         worst[tag] = max(worst.get(tag, 0.0), _max_err(out[0], logits[pos:]), _max_err(out[2], taps[pos:]))
+        hf_before = _hf_states(hf, seq[:pos]) if pos else None
+        worst["states"] = max(worst.get("states", 0.0),
+                              _state_errors(module, out, hf_before, _hf_states(hf, seq[: pos + rows]), pos, rows))
         caches = q35.next_caches(module, caches, out, accepted)
         seq[pos + accepted : pos + rows] = [(t + 1) % VOCAB for t in seq[pos + accepted : pos + rows]]
         pos += accepted
-    assert pos > 200 and set(worst) == {"prefill", "verify 16", "verify 3", "verify 1"}
+    assert pos > 200 and set(worst) == {"prefill", "verify 16", "verify 3", "verify 1", "states"}
     assert max(worst.values()) <= 1e-4, worst
 
 
