@@ -1,0 +1,89 @@
+"""Where the target's next tokens rank among the draft's logits, per block position (PyTorch, no export).
+
+For each held-out prompt the target decodes greedily; then, at every position t of the reply, the draft
+drafts a block anchored at token t from the target's taps of the tokens up to t (what the runtime gives
+it), and the rank of the target's token t + k among the draft's logits for block position k is recorded.
+Prints, per position k, the share of positions where the target's token is the draft's top-1, within its
+top 2, 3, 4 and 8, and the share of blocks whose first j proposals are all top-1 (what a chain verify
+accepts). Top-k coverage at position 1 is what verifying k alternatives for the first proposal (tree
+verification) would accept.
+
+    python scripts/draft_ranks.py [--draft models/smollm2-135m-dflash] [--per-category 3] [--max-new-tokens 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def block_ranks(model, draft, spec, ids: list[int], reply: list[int]) -> list[list[int]]:
+    """Per anchor position in `reply`: the ranks of the target's next tokens at block positions 1.."""
+    import torch
+
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    seq = ids + reply
+    with torch.no_grad():
+        hidden = model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[i + 1][0] for i in spec.target_layer_ids], dim=-1)
+        a, b = spec.arch, spec.block_size
+        out = []
+        for t in range(len(ids) - 1, len(seq) - 1):
+            past = [torch.zeros(0, a.num_kv_heads, a.head_dim) for _ in range(2 * a.num_layers)]
+            block = torch.tensor([seq[t]] + [spec.mask_token_id] * (b - 1))
+            logits = head(draft(features[: t + 1], embed(block), *past)[0][: b - 1])
+            truth = seq[t + 1 : t + b]
+            out.append([int((logits[k] > logits[k, y]).sum()) for k, y in enumerate(truth)])
+    return out
+
+
+def main() -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_export.checkpoint import load_target_spec
+    from dflash_export.sources import resolve_target
+    from dflash_export.train_data import first_per_category, read_prompts
+    from torch_tau import _load_draft
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--draft", type=Path, default=ROOT / "models" / "smollm2-135m-dflash")
+    ap.add_argument("--prompts", type=Path, default=ROOT / "models" / "prompts" / "eval.jsonl")
+    ap.add_argument("--per-category", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    args = ap.parse_args()
+    target_dir, _ = resolve_target(None)
+    tspec = load_target_spec(target_dir)
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32, use_safetensors=True).eval()
+    draft, spec = _load_draft(args.draft, tspec, None)
+    ranks = []
+    for row in first_per_category(read_prompts(args.prompts), args.per_category):
+        ids = list(tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"])
+        with torch.no_grad():
+            reply = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)[0]
+        ranks += block_ranks(model, draft, spec, ids, reply[len(ids):].tolist())
+    print(f"{len(ranks)} block anchors")
+    by_position = defaultdict(list)
+    for r in ranks:
+        for k, rank in enumerate(r):
+            by_position[k + 1].append(rank)
+    for k in (1, 2, 3, 4):
+        r = np.array(by_position[k])
+        print(f"position {k}: " + ", ".join(f"top-{n} {np.mean(r < n):.3f}" for n in (1, 2, 3, 4, 8)))
+    chains = np.array([next((k for k, rank in enumerate(r) if rank), len(r)) for r in ranks])
+    print("first j proposals all top-1: " + ", ".join(f"j={j} {np.mean(chains >= j):.3f}" for j in (1, 2, 3, 4)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
