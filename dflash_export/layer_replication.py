@@ -59,6 +59,7 @@ class Layout:
         make_template: (layer kinds, tap layers) -> an empty export module (`weights.empty_module`) of
             the same class and sizes with those layers.
         export_inputs: module -> (dummy args, (input names, output names), dynamic shapes) to trace it.
+        io_names: module -> (input names, output names) of its graph, in order.
         folded: a layer module -> [(parameter name in the layer, value as numpy)]: every constant the
             graph optimizer may fold from its weights, as that fold computes it.
         whole: parameter name in a layer -> whether the optimizer reads its values (its template
@@ -69,6 +70,7 @@ class Layout:
     cache_names: Callable[[str, int], tuple[list[str], list[str]]]
     make_template: Callable[[tuple[str, ...], tuple[int, ...]], torch.nn.Module]
     export_inputs: Callable[[torch.nn.Module], tuple]
+    io_names: Callable[[torch.nn.Module], tuple[list[str], list[str]]]
     folded: Callable[[torch.nn.Module], list[tuple[str, np.ndarray]]] = lambda layer: []
     whole: Callable[[str], bool] = lambda name: False
 
@@ -79,7 +81,7 @@ class Layout:
 
 def dense_layout(module) -> Layout:
     """The layout of a Llama / Qwen3 `TargetForExport`: identical decoder layers with past K/V caches."""
-    from .export import _target_inputs
+    from .export import _target_inputs, target_io_names
     from .modules import TargetForExport
 
     spec = module.spec
@@ -90,7 +92,8 @@ def dense_layout(module) -> Layout:
 
     return Layout(kinds=("decoder",) * spec.arch.num_layers,
                   cache_names=lambda kind, i: ([f"past_key_{i}", f"past_value_{i}"], [f"key_{i}", f"value_{i}"]),
-                  make_template=make_template, export_inputs=_target_inputs)
+                  make_template=make_template, export_inputs=_target_inputs,
+                  io_names=lambda m: target_io_names(m.spec.arch.num_layers))
 
 
 def replicable(module, layout: Layout) -> bool:
@@ -198,15 +201,14 @@ def replicate_layers(model, module, readers: dict, layout: Layout, template) -> 
                                     layout.cache_names(kind, i)[1]))
         res = copies[-1][1]
     rg.rewire(layers, owner, taps, [c[1] for c in copies], module.tap_layers)
-    ins, outs = layout.export_inputs(module)[1]
+    ins, outs = layout.io_names(module)
     heads_in, heads_out = len(ins) - sum(map(len, caches)), len(outs) - sum(len(c[2]) for c in copies)
     graph.outputs[:] = [*graph.outputs[:heads_out], *[v for c in copies for v in c[2]]]
     graph.inputs[:] = [*graph.inputs[:heads_in], *[v for c in caches for v in c]]
     graph.remove([node for layer in layers for node in layer.nodes], safe=True)
     graph.insert_before(after, [node for c in copies for node in c[0]])
     _read_lengths_from_first_caches(graph, layout, layers, plan, {id(node) for c in copies for node in c[0]})
-    rg.order_initializers(graph, [{**w, **{f"folded {k}": v for k, v in f.items()}} for w, f in zip(weights, folded)],
-                          template_folded)
+    rg.order_initializers(graph, [[*w.values(), *f.values()] for w, f in zip(weights, folded)], template_folded)
     # the optimizer's last passes on a full trace, now on the real weights: equal small weights (a random
     # checkpoint's norms) are stored once, and nodes that became identical are merged, as before
     DeduplicateInitializersPass()(model)
@@ -251,7 +253,7 @@ def _real_weights(graph, module, readers: dict, layout: Layout, sigs: dict, laye
     for i, (layer, kind) in enumerate(zip(module.model.layers, layout.kinds)):
         proto, sig = layers[protos[kind]], sigs[kind]
         used = {c[1] for classes in sig for c in classes if c[0] == "weight"}
-        wanted = {c[1]: pos for pos, classes in enumerate(sig) for c in classes if c[0] == "folded"}
+        wanted = dict.fromkeys(c[1] for classes in sig for c in classes if c[0] == "folded")  # in reading order
         candidates = layout.folded(layer) if wanted else []
         sources = {candidates[k][0] for k in wanted}
         params = dict(layer.named_parameters())

@@ -140,7 +140,7 @@ def replication_layout(module: HybridDFlashTarget):
         return HybridDFlashTarget(replace(spec, layer_types=tuple(kinds)), taps, module.compute_dtype)
 
     return Layout(kinds=tuple(spec.layer_types), cache_names=cache_names, make_template=make_template,
-                  export_inputs=export_inputs, folded=folded_constants, whole=_derived_in_graph)
+                  export_inputs=export_inputs, io_names=io_names, folded=folded_constants, whole=_derived_in_graph)
 
 
 def folded_constants(layer) -> list[tuple[str, np.ndarray]]:

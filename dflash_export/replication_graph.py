@@ -361,8 +361,8 @@ def rewire(layers: list[Layer], owner: dict, taps, hidden: list, tap_layers: tup
             taps.replace_input_with(k, hidden[t])
 
 
-def order_initializers(graph, weights: list[dict], dropped: set) -> None:
-    """Replace the template's layer weights by the real ones (each layer's `weights` values, in order),
+def order_initializers(graph, weights: list[list], dropped: set) -> None:
+    """Replace the template's layer weights by the real ones (each layer's initializer values, in order),
     where a full trace lists them (after the embedding, before the final norm: the order initializer
     deduplication keeps the first of), and drop the initializers whose ids are in `dropped`."""
     order, placed = [], False
@@ -371,7 +371,7 @@ def order_initializers(graph, weights: list[dict], dropped: set) -> None:
             if id(v) not in dropped:
                 order.append(v)
         elif not placed:
-            order += [w for layer in weights for w in layer.values()]
+            order += [w for layer in weights for w in layer]
             placed = True
     for name in list(graph.initializers):
         del graph.initializers[name]
