@@ -47,14 +47,18 @@ class Drift:
 
 def teacher_forced_logits(session, ids: list[int], start: int) -> np.ndarray:
     """fp32 `[len(ids) - start, V]`: the target's logits predicting ids[start:], one token per call
-    after a prefill of ids[:start] (the session's public step API; its cached context is forgotten)."""
+    after a prefill of ids[:start] (in calls of at most `session.target_call_rows` rows, a hybrid's
+    limit; the session's public step API; its cached context is forgotten)."""
     be = session.backend
     logits = session.logits_buffer()
     session.set_sampling(0.0, on_host=True)  # greedy calls that write their logits rows
     session.reset()
-    be.write(session.input_ids.rows(0, start), np.asarray(ids[:start], np.int64))
-    session.run_target(start, 0, 0)
-    session.commit_target_rows(start)
+    chunk = session.target_call_rows or start
+    for pos in range(0, start, chunk):
+        n = min(chunk, start - pos)
+        be.write(session.input_ids.rows(0, n), np.asarray(ids[pos:pos + n], np.int64))
+        session.run_target(n, 0, pos)
+        session.commit_target_rows(n)
     rows = [be.read(logits.rows(0, 1))[0]]
     for pos in range(start, len(ids) - 1):
         be.write(session.input_ids.rows(0, 1), np.asarray([ids[pos]], np.int64))

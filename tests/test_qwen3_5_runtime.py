@@ -243,6 +243,13 @@ def test_fp16_int4_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_pat
     oracle_draft(sess, prompt + plain, wrong=0.2)
     spec = sess.generate(prompt, verify_len="all", record_steps=True, **kw)
     assert spec.output_ids == plain and max(s["accepted"] for s in spec.steps if s["proposed"]) >= 2
+    # `check --drift-reference`'s teacher forcing prefills a 100-token prompt in calls of at most 64 rows
+    from dflash_export.drift import measure_drift
+
+    long_prompt = np.random.default_rng(5).integers(0, VOCAB, 100).tolist()
+    same, int4 = measure_drift(runtime.load(art), {"same": runtime.load(art), "int4": sess}, [long_prompt], 6)
+    assert (same.positions, same.top1_agreement, same.mean_kl) == (6, 1.0, 0.0)
+    assert int4.positions == 6 and int4.mean_kl > 0
 
 
 def test_int4_lm_head_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_path):
