@@ -72,6 +72,19 @@ def causal_bias(rows: int, group: int) -> torch.Tensor:
     return bias.repeat(group, 1)
 
 
+def tree_bias(rows: int, proposal_bias: torch.Tensor, group: int) -> torch.Tensor:
+    """fp32 `[group * (rows + N), rows + N]` additive mask of a verify tree: the first `rows` new tokens
+    (committed ones) attend causally among themselves and to no proposal; the N proposals see every
+    committed row and, among themselves, what `proposal_bias` (fp32 `[N, N]`: 0 where proposal i sees
+    proposal j, the fp32 minimum where not; a chain's is `causal_bias(N, 1)`) allows. Repeated for the
+    `group` query heads that share a kv head, as `causal_bias`."""
+    n = proposal_bias.shape[0]
+    lowest = torch.finfo(torch.float32).min
+    top = torch.cat([causal_bias(rows, 1), torch.full((rows, n), lowest, dtype=torch.float32)], dim=1)
+    bottom = torch.cat([torch.zeros((n, rows), dtype=torch.float32), proposal_bias.to(torch.float32)], dim=1)
+    return torch.cat([top, bottom], dim=0).repeat(group, 1)
+
+
 def window_bias(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int, group: int) -> torch.Tensor:
     """fp32 `[group * T, K]` additive mask of a sliding window: 0 where |query_pos - key_pos| < window
     (flash-attention's `window_size=(window - 1, window - 1)`, non-causal), the fp32 minimum elsewhere;

@@ -22,6 +22,7 @@ import numpy as np
 
 from runtime.call_costs import measurement_points
 from runtime.errors import DFlashError
+from runtime.tree import parse_tree
 
 DEFAULT_EVAL = Path(__file__).resolve().parent.parent / "models" / "prompts" / "eval.jsonl"
 DEFAULT_PAST_LENGTHS = (128, 512, 1024, 2000)
@@ -69,7 +70,8 @@ def curve_inversions(verify_ms: dict, tolerance: float = 0.10, floor_ms: float =
 
 
 def parse_policies(text: str, block_size: int) -> list[str]:
-    """`--policies` ("auto,1,3,15") -> policy labels; fixed lengths must be 1..block_size-1.
+    """`--policies` ("auto,1,3,15,1+3") -> policy labels; fixed lengths must be 1..block_size-1, a fixed
+    verify tree "L+A" (`runtime.tree`) L in that range and A in 1..3.
 
     Raises:
         DFlashError: an empty list, a repeated entry or an entry that is neither auto nor a valid length.
@@ -80,9 +82,16 @@ def parse_policies(text: str, block_size: int) -> list[str]:
     if len(set(labels)) != len(labels):
         raise DFlashError(f"--policies {text!r} repeats an entry")
     for label in labels:
-        if label != "auto" and not (label.isdigit() and 1 <= int(label) <= block_size - 1):
-            raise DFlashError(f"--policies entry {label!r} must be auto or a verify length from 1 to block size - 1 = "
-                              f"{block_size - 1}")
+        if "+" in label:  # a fixed verify tree
+            try:
+                ok = parse_tree(label).length <= block_size - 1
+            except ValueError:
+                ok = False
+        else:
+            ok = label == "auto" or (label.isdigit() and 1 <= int(label) <= block_size - 1)
+        if not ok:
+            raise DFlashError(f"--policies entry {label!r} must be auto, a verify length from 1 to block size - 1 = "
+                              f"{block_size - 1}, or a verify tree L+A (A from 1 to 3, e.g. 1+3)")
     return labels
 
 
@@ -108,8 +117,8 @@ def _check_args(args, sess) -> tuple[int, list[str]]:
         raise DFlashError(f"--block-size must be between 1 and {sess.max_block} (got {b})")
     if b == 1:
         return b, []
-    if args.policies is None:  # auto beside the lengths auto measures: 1, 3, 7, ..., b - 1
-        return b, ["auto"] + [str(n) for n in measurement_points(b)[1:]]
+    if args.policies is None:  # auto beside the lengths auto measures: 1, 3, 7, ..., b - 1, and a tree
+        return b, ["auto"] + [str(n) for n in measurement_points(b)[1:]] + (["1+3"] if sess.verifies_trees else [])
     return b, parse_policies(args.policies, b)
 
 
@@ -195,7 +204,8 @@ def _bench_prompt(sess, p: dict, ids: list[int], args, b: int, policies: list[st
     row = {"id": p["id"], "category": p["category"], "prompt_tokens": len(ids), "plain": _timing(plain), "policies": {}}
     for label in policies:
         res = sess.generate(ids, max_new_tokens=args.max_new_tokens, block_size=b, record_steps=True,
-                            verify_len=None if label == "auto" else int(label), reuse_prefix=False)
+                            verify_len=None if label == "auto" else label if "+" in label else int(label),
+                            reuse_prefix=False)
         row["policies"][label] = {
             **_timing(res),
             "lossless_match": res.output_ids == plain.output_ids,
@@ -400,7 +410,8 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=int, default=None, help="speculative block size (default: the draft's)")
     p.add_argument("--policies", default=None,
                    help="speculative policies run after plain on each prompt, comma-separated: auto and/or fixed "
-                        "verify lengths (default: auto,1,3,7,...,block size - 1)")
+                        "verify lengths, and verify trees L+A (e.g. 1+3; default: auto,1,3,7,...,block size - 1, and 1+3 where "
+                        "the target verifies trees)")
     p.add_argument("--fresh-costs", action="store_true",
                    help="measure auto's step costs anew in this run (a first-time user's run) instead of the user cache")
     p.add_argument("--past-lengths", default=",".join(map(str, DEFAULT_PAST_LENGTHS)),

@@ -57,6 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.backend import View
 from runtime.errors import DFlashError
 
 from .check_cases import Case, load_reference, reference_cases, run_module, save_reference
@@ -192,8 +193,8 @@ def _runner_classes():
                     buf = be.alloc(arr.dtype, p + n, arr.shape[1:])
                     ins[name], views[new] = buf.rows(0, p), buf.rows(p, n)
                 else:
-                    buf = be.alloc(arr.dtype, max(1, arr.shape[0]), arr.shape[1:])
-                    ins[name] = buf.rows(0, arr.shape[0])
+                    # flat, at least one element: an empty input may have no row at all (a tree_bias [0, 0])
+                    ins[name] = View(be.alloc(arr.dtype, max(1, arr.size)), 0, arr.shape)
                 if arr.size:
                     be.write(ins[name], arr)
             for name, shape in outs.items():

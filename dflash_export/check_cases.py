@@ -18,6 +18,7 @@ import numpy as np
 
 from runtime.errors import DFlashError
 from runtime.manifest import greedy_form_exported, layer_types
+from runtime.tree import chain_inputs
 
 from .reference_models import reference_modules
 
@@ -95,13 +96,13 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
 
     prefill = run("target", "prefill", feed(
         "target", input_ids=ids, draft_hidden=np.zeros((0, hidden)), temperature=np.zeros(1), uniform=np.zeros(1),
-        **target_caches(t, None, 0)), tmod)
+        **chain_inputs(0), **target_caches(t, None, 0)), tmod)
     block = np.concatenate([prefill.ref["next_embeddings"][:1], np.broadcast_to(mask_row, (B - 1, hidden))])
     dprefill = run("draft", "draft_prefill", feed(
         "draft", context_hidden=prefill.ref["taps"], block_embeddings=block, **kv(None, 0, dl, dkv, dhd)), dmod)
     verify = run("target", "verify", feed(
         "target", input_ids=prefill.ref["next_ids"][:1], draft_hidden=dprefill.ref["draft_hidden"], temperature=np.zeros(1),
-        uniform=np.zeros(greedy_rows), **target_caches(t, prefill.ref, T)), tmod)
+        uniform=np.zeros(greedy_rows), **chain_inputs(B - 1), **target_caches(t, prefill.ref, T)), tmod)
     with torch.no_grad():
         prop_logits = tmod.logits_of(torch.from_numpy(verify.feed["draft_hidden"].astype(np.float32)))
         if tmod.draft_vocab is not None:  # proposals are an argmax over the draft vocabulary's rows only

@@ -268,10 +268,9 @@ class ReferenceTarget(TargetForExport):
     def logits_of(self, h):
         return torch.cat([torch.matmul(h.to(torch.float32), blk.T) for blk in self.head_rows_fp32()], dim=-1)
 
-    def propose(self, draft_hidden):
+    def proposal_scores(self, h):
         if self.draft_vocab is None:
-            return torch.argmax(self.logits_of(draft_hidden), dim=-1)
-        h = draft_hidden.to(torch.float32)
-        sub = torch.cat([torch.matmul(h, blk.T) for blk in self.head_rows_fp32(self.draft_vocab, self.proposal_rows_transform)],
-                        dim=-1)
-        return torch.index_select(self.draft_vocab, 0, torch.argmax(sub, dim=-1))
+            return self.logits_of(h)
+        h = h.to(torch.float32)
+        return torch.cat([torch.matmul(h, blk.T) for blk in self.head_rows_fp32(self.draft_vocab, self.proposal_rows_transform)],
+                         dim=-1)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from runtime.errors import DFlashError
+from runtime.tree import tree_bias_of
 
 from .graph_passes import pack_shared_input_gemms
 from .quantize import QUANT_OPSET, check_int4_form
@@ -33,7 +34,7 @@ def target_io_names(num_layers: int) -> tuple[list[str], list[str]]:
     kv_in = [f"past_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
     kv_out = [f"{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
     return (
-        ["input_ids", "draft_hidden", "temperature", "uniform", *kv_in],
+        ["input_ids", "draft_hidden", "temperature", "uniform", "tree_depth", "tree_rank", "tree_bias", *kv_in],
         ["next_ids", "proposal_ids", "next_embeddings", "logits", "taps", *kv_out],
     )
 
@@ -298,13 +299,16 @@ def _target_inputs(module) -> tuple:
         torch.randn(n, a.hidden_size, dtype=dt),
         torch.zeros(1, dtype=torch.float32),
         torch.rand(n + 1, dtype=torch.float32),
+        torch.tensor([0, 1, 0, 0], dtype=torch.int64),  # a tree: a chain of 2 and two alternatives
+        torch.tensor([0, 0, 1, 2], dtype=torch.int64),
+        torch.tensor(tree_bias_of([-1, 0, -1, -1])),
         *[torch.randn(p, a.num_kv_heads, a.head_dim, dtype=dt) for _ in range(2 * a.num_layers)],
     )
     T = torch.export.Dim("new_tokens", min=1, max=1 << 20)
     N = torch.export.Dim("proposals", min=0, max=1 << 10)
     P = torch.export.Dim("past_len", min=0, max=1 << 20)
     U = torch.export.Dim("sampled_rows", min=0, max=1 << 10)  # 1 + N when sampling, 0 when greedy
-    dyn = ({0: T}, {0: N}, None, {0: U}, tuple({0: P} for _ in range(2 * a.num_layers)))
+    dyn = ({0: T}, {0: N}, None, {0: U}, {0: N}, {0: N}, {0: N, 1: N}, tuple({0: P} for _ in range(2 * a.num_layers)))
     return args, target_io_names(a.num_layers), dyn
 
 

@@ -17,9 +17,21 @@ import torch
 from torch import nn
 
 from .attention_tables import (apply_rope, causal_bias, key_ones_for, rope_cos_sin, rope_inv_freq,  # noqa: F401
-                               rope_matrix, window_bias)
+                               rope_matrix, tree_bias, window_bias)
 from .checkpoint import AttentionSpec, TargetSpec
 from .draft_spec import DraftSpec
+from runtime.tree import TREE_RANKS  # a verify tree's nodes are among the draft's top TREE_RANKS candidates
+
+
+def _ranked_rows(scores: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """int64 `[N]`: the index of row i's `rank[i]`-th highest score (`scores [N, V]`, rank int64 `[N]` in
+    [0, TREE_RANKS)). One TopK with a constant K (TensorRT takes K as a build-time constant); ties go to
+    the lower index (ONNX TopK), as argmax's do, so rank 0 is the argmax. TopK runs on one extra zero
+    row: onnxruntime 1.23.2's TopK dies (SIGFPE) on an empty input, which every prefill and plain step
+    gives it."""
+    padded = torch.cat([scores, torch.zeros_like(scores[:1])], dim=0)
+    top = torch.topk(padded, min(TREE_RANKS, scores.shape[-1]), dim=-1).indices[: scores.shape[0]]
+    return torch.gather(top, 1, rank[:, None]).reshape(-1)
 
 
 def _argmax_rows(scores: torch.Tensor) -> torch.Tensor:
@@ -211,12 +223,21 @@ class TargetForExport(nn.Module):
         uniform: fp32 `[U]` in [0, 1), U = 1 + N to sample (one uniform per logits row, inverse CDF)
             or U = 0 for greedy decoding: then no softmax/cumsum over the vocabulary runs at all
             (7% of a 16-row verify on SmolLM2). With temperature 0 the uniforms are ignored.
+        tree_depth: int64 `[N]`: proposal i's block position minus 1 (`draft_hidden` row it reads;
+            position P + T + tree_depth[i]). A chain's is 0..N-1.
+        tree_rank: int64 `[N]` in [0, TREE_RANKS): proposal i is the draft's rank-th candidate there
+            (0: its argmax).
+        tree_bias: fp32 `[N, N]`: which proposals proposal i attends to (0: its ancestors and itself,
+            the fp32 minimum elsewhere; `attention_tables.tree_bias`). A chain's is causal. With these
+            three inputs one call verifies a tree of proposals (several candidates for one position),
+            as SpecInfer (Miao et al., ASPLOS 2024) and Medusa (Cai et al., ICML 2024) do.
         past_key_i / past_value_i: `[P, Hkv, D]` for each layer i; positions start at P.
 
     Outputs:
         next_ids: int64 `[1 + N]`: the target's token after each of the last 1 + N positions
             (posterior; sampled at `temperature`).
-        proposal_ids: int64 `[N]`: argmax of lm_head(draft_hidden), taken over `draft_vocab` when the
+        proposal_ids: int64 `[N]`: the rank-`tree_rank[i]` candidate of lm_head(draft_hidden[tree_depth[i]])
+            (the argmax at rank 0), taken over `draft_vocab` when the
             draft has one (a reduced proposal vocabulary as in FR-Spec, Zhao et al., 2025: fewer head
             rows per proposal; verification still uses the full head, so output is unchanged).
         next_embeddings: `[1 + N, d]`: embed_tokens(next_ids), the draft's next block anchor.
@@ -253,14 +274,23 @@ class TargetForExport(nn.Module):
         with W as operand A, ran at 40% of the memory bandwidth: 12 ms of a 47 ms SmolLM2 step)."""
         return nn.functional.linear(h, self.head_weight()).to(torch.float32)
 
-    def propose(self, draft_hidden: torch.Tensor) -> torch.Tensor:
-        """int64 `[N]` proposal ids: argmax of the head over the proposal vocabulary."""
+    def propose(self, draft_hidden: torch.Tensor, depth: torch.Tensor | None = None,
+                rank: torch.Tensor | None = None) -> torch.Tensor:
+        """int64 `[N]` proposal ids: argmax of the head over the proposal vocabulary, or with a verify
+        tree's `depth` / `rank` (see the class docstring), row depth[i]'s rank[i]-th candidate."""
         h = draft_hidden.to(self.compute_dtype)
+        if depth is not None:
+            h = torch.index_select(h, 0, depth)
+        scores = self.proposal_scores(h)
+        picked = _argmax_rows(scores) if rank is None else _ranked_rows(scores, rank)
+        return picked if self.draft_vocab is None else torch.index_select(self.draft_vocab, 0, picked)
+
+    def proposal_scores(self, h: torch.Tensor) -> torch.Tensor:
+        """`h [N, d]` -> the head's scores `[N, V']` over the proposal vocabulary (all V ids without one)."""
         if self.draft_vocab is None:
-            return _argmax_rows(self.logits_of(h))
+            return self.logits_of(h)
         rows = self.draft_head if self.draft_head is not None else torch.index_select(self.head_weight(), 0, self.draft_vocab)
-        sub = nn.functional.linear(h, rows)
-        return torch.index_select(self.draft_vocab, 0, _argmax_rows(sub))
+        return nn.functional.linear(h, rows)
 
     def head_weight_name(self) -> str:
         """The parameter name of the LM head matrix (the embedding's when tied)."""
@@ -290,25 +320,42 @@ class TargetForExport(nn.Module):
         vocab = self.draft_vocab
         return lambda: torch.index_select(head_reader(), 0, vocab)
 
-    def forward(self, input_ids, draft_hidden, temperature, uniform, *past):
+    def forward(self, input_ids, draft_hidden, temperature, uniform, tree_depth, tree_rank, tree_bias, *past):
+        proposal_ids = self.propose(draft_hidden, tree_depth, tree_rank)
+        ids = torch.cat([input_ids, proposal_ids], dim=0)
+        h, tap_features, new_caches = self.body(ids, past, tree_depth, tree_bias)
+        return self.head(h, input_ids.shape[0], proposal_ids, temperature, uniform, tap_features, new_caches)
+
+    def chain_forward(self, input_ids, draft_hidden, temperature, uniform, *past):
+        """`forward` without the verify-tree inputs: proposal i is row i's argmax, the rows are causal
+        (the interface of a family whose layers cannot verify a tree, e.g. recurrent ones)."""
         proposal_ids = self.propose(draft_hidden)
         ids = torch.cat([input_ids, proposal_ids], dim=0)
         h, tap_features, new_caches = self.body(ids, past)
         return self.head(h, input_ids.shape[0], proposal_ids, temperature, uniform, tap_features, new_caches)
 
-    def body(self, ids: torch.Tensor, past: tuple) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    def body(self, ids: torch.Tensor, past: tuple, tree_depth: torch.Tensor | None = None,
+             proposal_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """The decoder stack on `ids [S]` after `past`: (final-norm hidden `[S, d]`, tap features
-        `[S, k * d]`, the new cache rows in output order). A target family overrides this only."""
+        `[S, k * d]`, the new cache rows in output order). With `tree_depth` / `proposal_bias`, the last
+        N rows are a verify tree's proposals (see the class docstring); else all S rows are causal. A
+        target family overrides this only."""
         a = self.spec.arch
         h = self.model.embed_tokens(ids)
         s = ids.shape[0]
         p = past[0].shape[0]
-        positions = torch.arange(s, dtype=torch.int64) + p
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
         attn0 = self.model.layers[0].self_attn
+        group = attn0.num_heads // attn0.num_kv_heads
+        if tree_depth is None:
+            positions = torch.arange(s, dtype=torch.int64) + p
+            causal = causal_bias(s, group)
+        else:  # committed rows at P.., proposals at P + T + depth
+            t = s - tree_depth.shape[0]
+            positions = torch.cat([torch.arange(t, dtype=torch.int64) + p, tree_depth + (p + t)])
+            causal = tree_bias(t, proposal_bias, group)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
         rot = rope_matrix(cos, sin)  # (matrix, None): `apply_rope`'s one-MatMul form
         rot_q = rot * attn0.scale  # every layer has the same head_dim
-        causal = causal_bias(s, attn0.num_heads // attn0.num_kv_heads)
         key_ones = key_ones_for(p, s)
         taps, new_kv = {}, []
         for i, layer in enumerate(self.model.layers):

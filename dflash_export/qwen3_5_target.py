@@ -76,9 +76,10 @@ class HybridDFlashTarget(Qwen35TargetForExport):
     hybrid stack provides, so both target families run exactly the same head.
     """
 
-    forward = TargetForExport.forward
+    forward = TargetForExport.chain_forward  # a recurrent state cannot verify a tree: chains only
     head = TargetForExport.head
     propose = TargetForExport.propose
+    proposal_scores = TargetForExport.proposal_scores
     logits_of = TargetForExport.logits_of
     head_weight_name = TargetForExport.head_weight_name
     freeze_draft_head = TargetForExport.freeze_draft_head
@@ -247,7 +248,8 @@ def reference_target(tspec: TargetSpec, dspec, source, manifest: dict, vocab) ->
 
     class HybridReference(HybridDFlashTarget):  # ReferenceTarget's row-blocked fp32 head on the hybrid stack
         rows_per_block = ReferenceTarget.rows_per_block
-        head_rows_fp32, logits_of, propose = ReferenceTarget.head_rows_fp32, ReferenceTarget.logits_of, ReferenceTarget.propose
+        head_rows_fp32, logits_of = ReferenceTarget.head_rows_fp32, ReferenceTarget.logits_of
+        proposal_scores = ReferenceTarget.proposal_scores
 
     text = source.renamed(text_weight_name)
     graph_dtype = {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]]

@@ -14,18 +14,19 @@ from typing import Sequence
 
 import numpy as np
 
-from .backend import Backend
+from .backend import Backend, View
 from .errors import DFlashError
 from .row_exact import needs_row_padding
 from . import call_costs
 from .loop import CachedContext, DecodeLoop
-from .manifest import DTYPES, greedy_form_exported, layer_types, load_manifest
+from .manifest import DTYPES, greedy_form_exported, layer_types, load_manifest, tree_inputs_exported
 from .options import GENERATION_OPTION_NAMES, GenerationOptions, as_int
 from .results import GenerationResult, StreamChunk
 from .stream import GenerationStream
-from .speculation import (TRAINED_DRAFT_PRIOR, UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength,
-                          FixedLength, Policy)
+from .speculation import (TRAINED_ALTERNATIVE_PRIOR, TRAINED_DRAFT_PRIOR, UNTRAINED_ALTERNATIVE_PRIOR,
+                          UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength, FixedLength, FixedTree, Policy)
 from .tokenizer import check_messages
+from .tree import TREE_RANKS, VerifyTree, parse_tree
 
 __all__ = ["Session", "GenerationStream", "GenerationResult", "StreamChunk", "MAX_BLOCK_SIZE"]
 
@@ -126,15 +127,25 @@ class Session:
         self.logits = be.alloc(np.float32, mb, (int(t["vocab_size"]),)) if self.keep_logits else None
         self.block = be.alloc(self.dtype, mb, (hidden,))
         self.draft_hidden = be.alloc(self.dtype, mb, (hidden,))
+        # a verify tree's depth, rank and [N, N] bias (`runtime.tree`), written when the shape changes
+        self.verifies_trees = tree_inputs_exported(m) and self.recurrent is None
+        if tree_inputs_exported(m):
+            self.tree_depth, self.tree_rank = be.alloc(np.int64, mb), be.alloc(np.int64, mb)
+            self.tree_bias = be.alloc(np.float32, mb * mb)
+            self._tree_written = None
         mask_row = _load_mask_embedding(self.artifact_dir / m["mask_embedding"], hidden).astype(self.dtype)
         be.write(self.block.rows(0, mb), np.broadcast_to(mask_row, (mb, hidden)))
 
     # ---- graph calls (the public step API: bench, tests and call_costs use these) --------------
-    def run_target(self, n_ids: int, n_proposals: int, past: int, taps_row: int = 0) -> None:
+    def run_target(self, n_ids: int, n_proposals: int, past: int, taps_row: int = 0,
+                   tree: VerifyTree | None = None) -> None:
         """One target call on the session's buffers.
 
         Reads `n_ids` ids from `input_ids` rows [0, n_ids) and `n_proposals` draft rows from
-        `draft_hidden`, with the target cache's rows [0, past) as its past; writes the new K/V at row
+        `draft_hidden` (a chain of top-1 proposals; with `tree`, its `tree.size` nodes, reading
+        `draft_hidden` row `tree.depth[i]`, `runtime.tree`; then `n_proposals` must be `tree.size` and
+        the artifact must verify trees, :attr:`verifies_trees`), with the target cache's rows [0, past)
+        as its past; writes the new K/V at row
         `past`, 1 + n_proposals posterior ids (their embeddings to `next_embeddings`) and then the
         proposals' target-head argmax to `token_ids` (read both with :meth:`read_ids`), and the tap features of every row to `taps` from row
         `taps_row`. Rows of the cache past `past + n_ids + n_proposals` are untouched, except that a
@@ -147,6 +158,9 @@ class Session:
             raise DFlashError("this Session is closed; load the artifact again")
         if n_ids + n_proposals == 1 and self.pad_single_rows and past + 2 <= self.max_seq_len:
             n_proposals = 1  # a second row whose outputs nobody reads (`runtime.row_exact`)
+        if tree is not None and (tree.size != n_proposals or not self.verifies_trees):
+            raise DFlashError(f"a verify tree of {tree.size} nodes cannot run as {n_proposals} proposals"
+                              if self.verifies_trees else "this artifact's target graph verifies chains only")
         rows = n_ids + n_proposals
         inputs = {
             "input_ids": self.input_ids.rows(0, n_ids),
@@ -163,10 +177,32 @@ class Session:
         }
         if self.logits is not None and (self.keep_logits or self._host_sampling):
             outputs["logits"] = self.logits.rows(0, n_proposals + 1)
+        if hasattr(self, "tree_depth"):
+            self._bind_tree(inputs, tree or (VerifyTree(n_proposals) if n_proposals else None))
         _bind_kv(self.t_kv, past, rows, inputs, outputs)
         if self.recurrent is not None:
             self.recurrent.bind(inputs, outputs, rows)
         self.backend.run("target", inputs, outputs)
+
+    def _bind_tree(self, inputs: dict, tree: VerifyTree | None) -> None:
+        """Bind the tree inputs of `tree` (None: no proposals), writing them only when the shape changed."""
+        n = tree.size if tree is not None else 0
+        if tree is not None and tree != self._tree_written:
+            self.backend.write(self.tree_depth.rows(0, n), tree.depth)
+            self.backend.write(self.tree_rank.rows(0, n), tree.rank)
+            self.backend.write(View(self.tree_bias, 0, (n, n)), tree.bias)
+            self._tree_written = tree
+        inputs["tree_depth"], inputs["tree_rank"] = self.tree_depth.rows(0, n), self.tree_rank.rows(0, n)
+        inputs["tree_bias"] = View(self.tree_bias, 0, (n, n))
+
+    def move_target_row(self, src: int, dst: int, taps_src: int, taps_dst: int) -> None:
+        """Copy every attention layer's K/V cache row `src` to row `dst`, and taps row `taps_src` to
+        `taps_dst`: an accepted verify-tree node moves to the row of its depth (`runtime.tree`)."""
+        copy = self.backend.copy
+        for _, k, v in self.t_kv:
+            copy(k.rows(dst, 1), k.rows(src, 1))
+            copy(v.rows(dst, 1), v.rows(src, 1))
+        copy(self.taps.rows(taps_dst, 1), self.taps.rows(taps_src, 1))
 
     def commit_target_rows(self, rows: int) -> None:
         """The first `rows` rows of the last target call are committed (all of a prefill chunk, 1 +
@@ -235,8 +271,18 @@ class Session:
                     if how != "cached":  # a measurement (even a failed one) wrote over the caches
                         self.forget_context()
             if block_size not in self.auto:
-                self.auto[block_size] = AdaptiveLength(self.call_costs, AcceptanceEstimate(self.acceptance_prior, block_size - 1))
+                trained = bool(self.manifest["draft"].get("trained"))
+                estimate = AcceptanceEstimate(self.acceptance_prior, block_size - 1, alternative_prior=(
+                    TRAINED_ALTERNATIVE_PRIOR if trained else UNTRAINED_ALTERNATIVE_PRIOR))
+                self.auto[block_size] = AdaptiveLength(self.call_costs, estimate,
+                                                       alternatives=TREE_RANKS - 1 if self.verifies_trees else 0)
             return self.auto[block_size]
+        if isinstance(verify_len, str) and "+" in verify_len:
+            if not self.verifies_trees:
+                raise DFlashError(f'verify_len "{verify_len}" needs a target graph that verifies trees; this one '
+                                  "verifies chains only (a hybrid target, or built before verify trees: rebuild it)")
+            tree = parse_tree(verify_len)
+            return FixedTree(VerifyTree(min(tree.length, block_size - 1), tree.alternatives))
         return FixedLength(min(int(verify_len), block_size - 1))
 
     def close(self) -> None:
@@ -390,7 +436,10 @@ class Session:
                 plain step without a draft call) when speculation would not pay (`runtime.speculation`;
                 the first call on a device measures the costs in well under a second and caches them).
                 "all" verifies every proposal (block_size - 1); an integer 1..block_size-1 exactly that
-                many. The draft always fills the whole block it was trained on.
+                many; "L+A" a verify tree every step: L top-1 proposals plus the draft's next A
+                candidates (1..3) for the first position (`runtime.tree`; auto also considers these
+                trees where the target graph takes them). The draft always fills the whole block it
+                was trained on.
             **more: messages, enable_thinking, top_p, top_k, stop (strings), reuse_prefix: see
                 :meth:`stream` and :class:`runtime.options.GenerationOptions`.
 

@@ -30,13 +30,13 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 
 def verify_len_argument(text: str):
-    """--verify-len: "auto", "all" or an integer (its range is checked by generate)."""
-    if text in ("auto", "all"):
+    """--verify-len: "auto", "all", an integer or a verify tree "L+A" (ranges are checked by generate)."""
+    if text in ("auto", "all") or "+" in text:
         return text
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be auto, all or an integer (got {text!r})") from None
+        raise argparse.ArgumentTypeError(f'must be auto, all, an integer or a verify tree "L+A" (got {text!r})') from None
 
 
 def add_generate_arguments(g: argparse.ArgumentParser) -> None:
@@ -50,7 +50,8 @@ def add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=None, help="default: the draft's; 1 = plain decoding")
     g.add_argument("--verify-len", type=verify_len_argument, default="auto",
                    help="proposals verified per step: auto (default: chosen per step from this device's measured "
-                        "costs and the running acceptance, 0 when speculation would not pay), all, or 1..block_size-1")
+                        "costs and the running acceptance, 0 when speculation would not pay), all, 1..block_size-1, or a "
+                        "verify tree L+A (L top-1 proposals plus A more candidates for the first position, e.g. 1+3)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples the target's distribution")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling in (0, 1] (default 1: off)")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")

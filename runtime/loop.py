@@ -29,6 +29,7 @@ from .options import GenerationOptions
 from .results import GenerationResult, StreamChunk, accepted_prefix, cut_at_stop
 from .sampling import HostSampler
 from .speculation import Policy
+from .tree import VerifyTree
 from .text_stream import IncrementalText, StopStrings
 
 
@@ -127,11 +128,15 @@ class DecodeLoop:
             self.anchor_valid, first = token == first, token
         return first, reused
 
-    def _write_uniforms(self, n_prop: int) -> None:
+    def _write_uniforms(self, n_prop: int, tree: VerifyTree | None = None) -> None:
         s = self.s
         if self.opts.temperature > 0 and self.sampler is None:
             k = len(self.out)
-            s.backend.write(s.uniform.rows(0, n_prop + 1), self.uniforms[k:k + n_prop + 1])
+            if tree is None:
+                s.backend.write(s.uniform.rows(0, n_prop + 1), self.uniforms[k:k + n_prop + 1])
+            else:  # row 1 + i samples the position after node i: the uniform of its depth + 1
+                rows = self.uniforms[k + np.concatenate([[0], tree.depth + 1])]
+                s.backend.write(s.uniform.rows(0, n_prop + 1), rows)
         elif n_prop == 0:
             s.backend.write(s.uniform.rows(0, 1), np.zeros(1, np.float32))
 
@@ -150,8 +155,9 @@ class DecodeLoop:
                 break
         # the taps rows [0, read) were consumed: the next target call writes from row 0 (pending = 0)
 
-    def _step(self, n_prop: int) -> tuple[list[int], int, list[int]]:
-        """One draft (if n_prop > 0) + target call. Returns (committed ids, accepted, proposals)."""
+    def _step(self, n_prop: int, tree: VerifyTree | None = None) -> tuple[list[int], int, list[int]]:
+        """One draft (if n_prop > 0) + target call verifying a chain of `n_prop` proposals, or `tree`
+        (then n_prop = tree.size). Returns (committed ids, accepted, proposals)."""
         s, be, ctx = self.s, self.s.backend, self.s.context
         if n_prop > 0:  # the draft reads all context since its last call, then fills the block
             be.copy(s.block.rows(0, 1), s.next_embeddings.rows(self.anchor_row, 1))
@@ -159,13 +165,15 @@ class DecodeLoop:
             self._draft_catch_up()
             self.draft_s += time.perf_counter() - t0
         be.write(s.input_ids.rows(0, 1), np.array([self.out[-1]], np.int64))
-        self._write_uniforms(n_prop)
+        self._write_uniforms(n_prop, tree)
         k = len(self.out)
         uniforms = self.uniforms[k:k + n_prop + 1]
         t0 = time.perf_counter()
-        s.run_target(1, n_prop, len(ctx.ids), taps_row=ctx.pending)
+        s.run_target(1, n_prop, len(ctx.ids), taps_row=ctx.pending, tree=tree)
         self.verify_s += time.perf_counter() - t0
         posterior, proposals = s.read_ids(n_prop)
+        if tree is not None:
+            return self._accept_tree(tree, posterior, proposals)
         if self.sampler is None:
             acc = accepted_prefix(proposals, posterior)
             bonus = int(posterior[acc])
@@ -176,6 +184,32 @@ class DecodeLoop:
         ctx.ids += [self.out[-1]] + [int(t) for t in proposals[:acc]]
         self.anchor_row = acc
         return [int(t) for t in proposals[:acc]] + [bonus], acc, proposals
+
+    def _accept_tree(self, tree: VerifyTree, posterior, proposals) -> tuple[list[int], int, list[int]]:
+        """Commit a tree call's accepted path: its nodes' K/V and taps rows move to the rows of their
+        depth (a top-1 chain is already there) and the bonus row becomes the next anchor."""
+        s, ctx = self.s, self.s.context
+        path, bonus = tree.accept(proposals, posterior)
+        past, taps_row = len(ctx.ids), ctx.pending
+        for depth, node in enumerate(path):
+            if node != depth:
+                s.move_target_row(past + 1 + node, past + 1 + depth, taps_row + 1 + node, taps_row + 1 + depth)
+        accepted = [int(proposals[i]) for i in path]
+        s.commit_target_rows(1 + len(path))
+        ctx.ids += [self.out[-1]] + accepted
+        self.anchor_row = 1 + path[-1] if path else 0
+        self.first_rank = int(tree.rank[path[0]]) if path else None
+        return accepted + [bonus], len(path), [int(t) for t in proposals]
+
+    def _shape(self, choice: int | VerifyTree) -> tuple[int, VerifyTree | None]:
+        """(proposals, tree or None) for a policy's choice: a tree runs as its top-1 chain where the
+        artifact verifies chains only, or where the host samples (top_k / top_p: its acceptance rule
+        is the chain's)."""
+        if not isinstance(choice, VerifyTree):
+            return choice, None
+        if self.sampler is not None or not self.s.verifies_trees or choice.alternatives == 0:
+            return choice.length, None
+        return choice.size, choice
 
     # ---- text -------------------------------------------------------------------------------
     def _commit(self, ids: list[int]) -> StreamChunk:
@@ -219,13 +253,15 @@ class DecodeLoop:
         max_new = self.opts.max_new_tokens
         while self.finish_reason != "stop" and len(self.out) < max_new:
             limit = min(self.b - 1, max_new - len(self.out) - 1)  # never verify more than can be committed
-            n_prop = self.policy.proposals(limit) if self.anchor_valid else 0
+            n_prop, tree = self._shape(self.policy.proposals(limit) if self.anchor_valid else 0)
             t_step, catch_up = clock(), n_prop > 0 and self.s.context.pending > self.b
-            committed, acc, proposals = self._step(n_prop)
+            self.first_rank = None
+            committed, acc, proposals = self._step(n_prop, tree)
             chunk = self._commit(committed)
             # a draft call that caught up on many context rows (the prompt, a long plain run) is not
             # the step cost the policy's curve models: flagged (a probe's full cost still counts)
-            self.policy.observe(n_prop, acc, clock() - t_step, catch_up=catch_up)
+            self.policy.observe(n_prop, acc, clock() - t_step, catch_up=catch_up,
+                                first_rank=self.first_rank if tree is not None else None)
             if n_prop > 0:
                 self.acceptance.append(acc + 1)
             if self.opts.record_steps:

@@ -99,6 +99,13 @@ def greedy_form_exported(manifest: dict[str, Any]) -> bool:
     return any(i["name"] == "uniform" and i["shape"][:1] == ["sampled_rows"] for i in inputs)
 
 
+def tree_inputs_exported(manifest: dict[str, Any]) -> bool:
+    """Whether the target graph takes a verify tree (`tree_depth`, `tree_rank`, `tree_bias`:
+    `runtime.tree`); graphs exported before that, and hybrid targets, verify chains only."""
+    inputs = manifest.get("io", {}).get("target", {}).get("inputs", [])
+    return any(i["name"] == "tree_depth" for i in inputs)
+
+
 def layer_types(section: dict[str, Any]) -> list[str]:
     """A graph section's (`manifest["target"]` or `["draft"]`) type per layer: "full_attention",
     "linear_attention" (a hybrid's Gated DeltaNet: a recurrent state, no KV cache) or

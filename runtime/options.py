@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import DFlashError
+from .tree import parse_tree
 
 # Longest stop string accepted (characters): they are matched on the decoded text, and a streamed
 # reply holds back that many characters until it knows they do not start a stop string.
@@ -40,7 +41,7 @@ class GenerationOptions:
         stop: stop strings; the reply ends before the first one (which is not returned).
         stop_token_ids: ids that end the reply once committed (None: the manifest's; () for none).
         block_size: tokens per draft block (None: the draft's; 1: plain decoding).
-        verify_len: "auto" / None, "all" or an integer (see `Session.generate`).
+        verify_len: "auto" / None, "all", an integer or a verify tree "L+A" (see `Session.generate`).
         record_steps: keep each step's proposals and acceptance in `result.steps`.
         reuse_prefix: reuse the KV cache rows of the longest common token prefix with the session's
             previous request (prefill only the new tokens); output is the same either way.
@@ -85,9 +86,14 @@ class GenerationOptions:
         if self.block_size is not None:
             set_("block_size", as_int(self.block_size, "block_size"))
         v = self.verify_len
-        if v is not None and v not in ("auto", "all"):
+        if isinstance(v, str) and "+" in v:  # a fixed verify tree, "L+A" (`runtime.tree`)
+            try:
+                parse_tree(v)
+            except ValueError as e:
+                raise DFlashError(f"verify_len: {e}") from None
+        elif v is not None and v not in ("auto", "all"):
             if isinstance(v, (str, bool)):
-                raise DFlashError(f'verify_len must be "auto", "all" or an integer (got {v!r})')
+                raise DFlashError(f'verify_len must be "auto", "all", an integer or a verify tree "L+A" (got {v!r})')
             set_("verify_len", as_int(v, "verify_len"))
         for flag in ("record_steps", "reuse_prefix"):
             if not isinstance(getattr(self, flag), bool):

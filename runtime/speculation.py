@@ -4,6 +4,7 @@ The decoding loop asks its policy once per step (`proposals`) and reports what h
 (`observe`); it does not care which policy runs (the shape of llama.cpp's common/speculative.cpp).
 
 - :class:`FixedLength`: always `n` proposals (`verify_len=n`; `n = 0` is plain decoding).
+- :class:`FixedTree`: always one verify tree (`verify_len="L+A"`, `runtime.tree`).
 - :class:`AdaptiveLength` (the default): per step, the length with the most expected committed tokens
   per second, from the measured cost of a target call by proposal count (:mod:`runtime.call_costs`)
   and a running estimate of acceptance by block position; 0 (a plain step without a draft call) when
@@ -25,12 +26,20 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from .tree import VerifyTree
+
 # Prior acceptance of the first proposal. Trained: the shipped SmolLM2 draft's first-position
 # acceptance, greedy, held-out models/prompts/eval.jsonl (`python -m dflash_export bench ARTIFACT
 # --limit 2 --policies 15`: positional_acceptance[0] in bench.json). Untrained (random) drafts: start
 # plain and let the probes find out.
 TRAINED_DRAFT_PRIOR = 0.45
 UNTRAINED_DRAFT_PRIOR = 0.02
+# Prior of the draft's rank-r candidate for block position 1 being the target's token when ranks < r
+# were not (r = 1, 2, 3: the verify tree's alternatives, `runtime.tree`). Trained: the shipped SmolLM2
+# draft on held-out prompts (`python scripts/draft_ranks.py --per-category 3`: top-1..4 coverage 0.407,
+# 0.532, 0.594, 0.643, so 0.125 / 0.593, 0.062 / 0.468, 0.049 / 0.406).
+TRAINED_ALTERNATIVE_PRIOR = (0.21, 0.13, 0.12)
+UNTRAINED_ALTERNATIVE_PRIOR = (0.01, 0.01, 0.01)
 
 
 class Policy(ABC):
@@ -46,11 +55,13 @@ class Policy(ABC):
         """Proposals to verify this step, 0..`limit` (`limit` = what the block and the remaining
         token budget allow; 0 means only a plain step is possible)."""
 
-    def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False) -> None:
+    def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False,
+                first_rank: int | None = None) -> None:
         """The step verified `verified` proposals, accepted `accepted` of them and took `seconds`
         (draft call, target call and the loop's host work). `catch_up`: the draft call first read
         many context rows (the prompt, a run of plain steps), so the step cost more than the
-        verify length alone does."""
+        verify length alone does. `first_rank`: on a verify-tree step, the draft's rank of the
+        accepted first proposal (None: none accepted, or a chain step)."""
 
 
 class FixedLength(Policy):
@@ -63,6 +74,18 @@ class FixedLength(Policy):
 
     def proposals(self, limit: int) -> int:
         return min(self.n, limit)
+
+
+class FixedTree(Policy):
+    """Always verify `tree` (`verify_len="L+A"`), or a chain of what the limit allows when it is shorter."""
+
+    name = "fixed-tree"
+
+    def __init__(self, tree: VerifyTree):
+        self.tree = tree
+
+    def proposals(self, limit: int) -> int | VerifyTree:
+        return self.tree if limit >= self.tree.length else max(limit, 0)
 
 
 class AcceptanceEstimate:
@@ -85,13 +108,18 @@ class AcceptanceEstimate:
         carry: a position's prior as a fraction of the estimate before it.
     """
 
-    def __init__(self, prior: float, positions: int, prior_weight: float = 2.0, decay: float = 0.95, carry: float = 0.85):
+    def __init__(self, prior: float, positions: int, prior_weight: float = 2.0, decay: float = 0.95, carry: float = 0.85,
+                 alternative_prior: tuple[float, ...] = UNTRAINED_ALTERNATIVE_PRIOR):
         self.prior = min(max(float(prior), 0.0), 1.0)
         self.carry = float(carry)
         self.weight = float(prior_weight)
         self.decay = float(decay)
         self.trials = np.zeros(positions)
         self.hits = np.zeros(positions)
+        # the verify tree's alternatives for position 1: P(rank r is the target's token | ranks < r are not)
+        self.alternative_prior = np.clip(np.asarray(alternative_prior, np.float64), 0.0, 1.0)
+        self.alt_trials = np.zeros(len(self.alternative_prior))
+        self.alt_hits = np.zeros(len(self.alternative_prior))
 
     def rates(self, n: int | None = None) -> np.ndarray:
         """p_j for positions 0..n-1 (default: all)."""
@@ -111,17 +139,40 @@ class AcceptanceEstimate:
             out.append(out[-1] + alive)
         return np.asarray(out)
 
-    def observe(self, verified: int, accepted: int) -> None:
-        """Count one speculative step (`verified` >= 1 proposals, `accepted` of them)."""
+    def alternative_tokens(self, n: int) -> np.ndarray:
+        """E[accepted alternative] given that the top-1 first proposal failed, when also verifying the
+        rank 1..a candidates for position 1, for a = 0..n (`[n + 1]`, 0 at a = 0)."""
+        q = (self.alt_hits[:n] + self.weight * self.alternative_prior[:n]) / (self.alt_trials[:n] + self.weight)
+        out, missed = [0.0], 1.0
+        for rate in q.tolist():
+            out.append(out[-1] + missed * rate)
+            missed *= 1.0 - rate
+        return np.asarray(out)
+
+    def observe(self, verified: int, accepted: int, alternatives: int = 0, first_rank: int | None = None) -> None:
+        """Count one speculative step: a chain of `verified` >= 1 top-1 proposals of which `accepted`
+        were, plus, on a verify-tree step, `alternatives` more candidates for position 1, of which the
+        rank-`first_rank` one was accepted (None: none was)."""
         self.trials *= self.decay
         self.hits *= self.decay
-        self.trials[: min(accepted + 1, verified)] += 1.0
-        self.hits[:accepted] += 1.0
+        self.alt_trials *= self.decay
+        self.alt_hits *= self.decay
+        top1 = first_rank in (None, 0)
+        chain_accepted = accepted if top1 else 0
+        self.trials[: min(chain_accepted + 1, verified)] += 1.0
+        self.hits[:chain_accepted] += 1.0
+        if alternatives and not chain_accepted:  # the alternatives were tried in rank order
+            tried = alternatives if first_rank is None else first_rank
+            self.alt_trials[:tried] += 1.0
+            if first_rank is not None:
+                self.alt_hits[first_rank - 1] += 1.0
 
     def forget(self, keep: float) -> None:
         """Scale the evidence by `keep` (a new prompt: the prior and the last text both count)."""
         self.trials *= keep
         self.hits *= keep
+        self.alt_trials *= keep
+        self.alt_hits *= keep
 
 
 class AdaptiveLength(Policy):
@@ -152,8 +203,10 @@ class AdaptiveLength(Policy):
 
     def __init__(self, costs, acceptance: AcceptanceEstimate, probe_gap: int = 4, max_probe_gap: int = 64,
                  scale_smoothing: float = 0.2, probe_smoothing: float = 0.5, margin: float = 1.03,
-                 probe_budget: float = 0.02):
+                 probe_budget: float = 0.02, alternatives: int = 0):
         self.costs = costs
+        self.alternatives = min(int(alternatives), len(acceptance.alternative_prior))
+        self.last_tree: VerifyTree | None = None
         self.margin = margin  # speculate only when it is predicted this much faster: estimates are noisy
         self.acceptance = acceptance
         self.first_probe_gap, self.max_probe_gap = probe_gap, max_probe_gap
@@ -184,15 +237,32 @@ class AdaptiveLength(Policy):
         t[0] = self.plain_scale * self._step_s[0]
         return t
 
-    def proposals(self, limit: int) -> int:
+    def _best_shape(self, limit: int) -> tuple[int, int]:
+        """(chain length, alternatives) with the most expected tokens per second; (0, 0): plain."""
+        nodes = min(limit + self.alternatives, len(self._step_s) - 1)
+        seconds = self.step_seconds(nodes)
+        chain = self.acceptance.expected_tokens(limit)
+        rate = chain / seconds[: limit + 1]
+        rate[0] *= self.margin
+        best, shape = float(rate.max()), (int(np.argmax(rate)), 0)
+        if self.alternatives:
+            miss_first = 1.0 - float(self.acceptance.rates(1)[0])
+            alt = self.acceptance.alternative_tokens(self.alternatives)
+            for length in range(1, limit + 1):
+                for a in range(1, min(self.alternatives, nodes - length) + 1):
+                    r = (chain[length] + miss_first * alt[a]) / seconds[length + a]
+                    if r > best:
+                        best, shape = r, (length, a)
+        return shape
+
+    def proposals(self, limit: int) -> int | VerifyTree:
         if limit <= 0:
             return 0
-        rate = self.acceptance.expected_tokens(limit) / self.step_seconds(limit)
-        rate[0] *= self.margin
-        best = int(np.argmax(rate))
+        best, alternatives = self._best_shape(limit)
+        self.last_tree = VerifyTree(best, alternatives) if alternatives else None
         if best > 0:
             self.plain_run, self.probing, self.probe_gap = 0, False, self.first_probe_gap
-            return best
+            return self.last_tree or best
         self.plain_run += 1
         if self.plain_run < min(max(self.probe_gap, self._min_probe_gap()), self.max_probe_gap):
             return 0
@@ -201,7 +271,8 @@ class AdaptiveLength(Policy):
         self.plain_run, self.probing = 0, True
         return 1
 
-    def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False) -> None:
+    def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False,
+                first_rank: int | None = None) -> None:
         if self.probing and seconds > 0:
             extra = max(seconds - self.plain_scale * float(self._step_s[0]), 0.0)
             last = extra if self.probe_extra_s is None else self.probe_extra_s
@@ -219,7 +290,11 @@ class AdaptiveLength(Policy):
                 self.plain_scale = scale
         if verified == 0:
             return
-        self.acceptance.observe(verified, accepted)
+        tree = self.last_tree if self.last_tree is not None and verified == self.last_tree.size else None
+        if tree is None:  # a chain (also a tree the loop ran as its chain)
+            self.acceptance.observe(verified, accepted)
+        else:
+            self.acceptance.observe(tree.length, accepted, tree.alternatives, first_rank)
         if self.probing:  # the gap shrinks back only once speculation wins again (see proposals)
             self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
             self.probing = False

@@ -187,7 +187,7 @@ class CudaMemoryBackend(Backend):
 
     def alloc(self, dtype, rows: int, row_shape=()) -> DeviceBuffer:
         buf = DeviceBuffer(self.cuda, dtype, rows * int(np.prod(row_shape, dtype=np.int64) if row_shape else 1), row_shape)
-        zeros = np.zeros(min(buf.nbytes, 64 << 20), np.uint8)
+        zeros = np.zeros(max(1, min(buf.nbytes, 64 << 20)), np.uint8)  # >= 1 byte: range() needs a step
         for start in range(0, buf.nbytes, zeros.nbytes):  # zero it (once per session)
             n = min(zeros.nbytes, buf.nbytes - start)
             self._memcpy(buf.ptr + start, zeros.ctypes.data, n, H2D)

@@ -8,12 +8,13 @@ top 2, 3, 4 and 8, and the share of blocks whose first j proposals are all top-1
 accepts). Top-k coverage at position 1 is what verifying k alternatives for the first proposal (tree
 verification) would accept.
 
-    python scripts/draft_ranks.py [--draft models/smollm2-135m-dflash] [--per-category 3] [--max-new-tokens 96]
+    python scripts/draft_ranks.py [--draft models/smollm2-135m-dflash] [--per-category 3] [--max-new-tokens 96] [--save ranks.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -25,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def block_ranks(model, draft, spec, ids: list[int], reply: list[int]) -> list[list[int]]:
+def block_ranks(model, draft, spec, ids: list[int], reply: list[int], block: int | None = None) -> list[list[int]]:
     """Per anchor position in `reply`: the ranks of the target's next tokens at block positions 1.."""
     import torch
 
@@ -34,7 +35,7 @@ def block_ranks(model, draft, spec, ids: list[int], reply: list[int]) -> list[li
     with torch.no_grad():
         hidden = model(torch.tensor([seq]), output_hidden_states=True).hidden_states
         features = torch.cat([hidden[i + 1][0] for i in spec.target_layer_ids], dim=-1)
-        a, b = spec.arch, spec.block_size
+        a, b = spec.arch, block or spec.block_size
         out = []
         for t in range(len(ids) - 1, len(seq) - 1):
             past = [torch.zeros(0, a.num_kv_heads, a.head_dim) for _ in range(2 * a.num_layers)]
@@ -59,6 +60,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=Path, default=ROOT / "models" / "prompts" / "eval.jsonl")
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--block", type=int, help="draft blocks of this many tokens (default: the draft's block size)")
+    ap.add_argument("--save", type=Path, help="write the per-anchor ranks (a JSON list of lists) here")
     args = ap.parse_args()
     target_dir, _ = resolve_target(None)
     tspec = load_target_spec(target_dir)
@@ -71,8 +74,10 @@ def main() -> int:
                                            tokenize=True, return_dict=True)["input_ids"])
         with torch.no_grad():
             reply = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)[0]
-        ranks += block_ranks(model, draft, spec, ids, reply[len(ids):].tolist())
+        ranks += block_ranks(model, draft, spec, ids, reply[len(ids):].tolist(), args.block)
     print(f"{len(ranks)} block anchors")
+    if args.save:
+        args.save.write_text(json.dumps(ranks))
     by_position = defaultdict(list)
     for r in ranks:
         for k, rank in enumerate(r):

@@ -66,6 +66,10 @@ class TargetCalls:
     def __call__(self, ids: list[int], draft_hidden: np.ndarray, past) -> dict[str, np.ndarray]:
         feed = {"input_ids": np.array(ids, np.int64), "draft_hidden": draft_hidden.astype(self.dtype),
                 "temperature": np.zeros(1, np.float32), "uniform": np.zeros(0, np.float32)}
+        from runtime.tree import chain_inputs
+
+        names = {i.name for i in self.sess.get_inputs()}
+        feed.update({k: v for k, v in chain_inputs(len(draft_hidden)).items() if k in names})  # a chain
         for i, (k, v) in enumerate(past):
             feed[f"past_key_{i}"], feed[f"past_value_{i}"] = k, v
         return dict(zip(self.outputs, self.sess.run(None, feed)))

@@ -11,6 +11,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from runtime.tree import TREE_INPUTS, VerifyTree, chain_inputs, tree_inputs
+
 # the exporter's numbered constants (their numbers follow the node count), and replication's copies of the
 # constants the optimizer folded from a layer's weights (`model.layers.i/select_11`)
 AUTO_NAME = re.compile(r"^(model\.layers\.\d+/)?[A-Za-z_]+_\d+$")
@@ -100,6 +102,9 @@ def run_both(full, replicated, vocab: int, steps: int = 3, seed: int = 0) -> Non
                 feed[i.name] = np.array([0.0 if step % 2 == 0 else 0.8], np.float32)
             elif i.name == "uniform":
                 feed[i.name] = rng.random(shape).astype(np.float32)
+            elif i.name in TREE_INPUTS:  # a chain of 1 plus n - 1 alternatives: a real tree
+                tree = chain_inputs(0) if n == 0 else tree_inputs(VerifyTree(1, n - 1))
+                feed[i.name] = tree[i.name]
             else:
                 feed[i.name] = (0.5 * rng.standard_normal(shape)).astype(types[i.type])
         got = [s.run(None, feed) for s in sessions]

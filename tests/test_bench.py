@@ -35,7 +35,7 @@ def test_bench_report_matches_generate(qwen, tmp_path, capsys):
                  "--past-lengths", "20,40,60", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert (out / "bench.png").stat().st_size > 1000
-    assert report["policies"] == ["auto", "1", "3", "7"]  # auto beside the lengths it measures (block 8)
+    assert report["policies"] == ["auto", "1", "3", "7", "1+3"]  # auto beside the lengths it measures (block 8), a tree
     sess = runtime.load(qwen.artifact)
     for row, prompt in zip(report["prompts"], ["t5 t6 t7", "t9 t3", "t11 t12 t13 t14"]):
         for n in (1, 3, 7):
@@ -61,7 +61,8 @@ def test_bench_report_matches_generate(qwen, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, match", [
-    (["--policies", "auto,8"], "--policies entry '8' must be auto or a verify length from 1 to block size - 1 = 7"),
+    (["--policies", "auto,8"], "--policies entry '8' must be auto, a verify length from 1 to block size - 1 = 7"),
+    (["--policies", "auto,1+4"], "--policies entry '1+4' must be auto, a verify length"),
     (["--policies", "3,3"], "--policies '3,3' repeats an entry"),
     (["--policies", ","], "--policies is empty"),
     (["--past-lengths", "128,x"], "--past-lengths entry 'x' must be a positive integer"),
@@ -93,9 +94,11 @@ def test_bench_out_unusable_and_plain_block(qwen, tmp_path, capsys):
 
 def test_parsers_and_noise_check():
     assert parse_policies(" auto, 3 ", 8) == ["auto", "3"]
+    assert parse_policies("1+3,7+2", 8) == ["1+3", "7+2"]
     assert parse_past_lengths("128, 512,") == [128, 512] and parse_past_lengths("") == []
-    with pytest.raises(DFlashError, match="must be auto or a verify length"):
-        parse_policies("auto,0", 8)
+    for bad in ("auto,0", "8+1", "1+x"):
+        with pytest.raises(DFlashError, match="must be auto, a verify length"):
+            parse_policies(bad, 8)
     assert curve_inversions({0: 10.0, 1: 11.0, 2: 12.0, 3: 30.0}) == []
     assert curve_inversions({0: 10.0, 1: 12.0, 2: 10.5, 3: 8.0}) == [(1, 2), (1, 3), (2, 3)]
     assert curve_inversions({1: 10.0, 2: 9.5}) == []  # within the 10% tolerance

@@ -63,7 +63,7 @@ def test_generate_json_with_steps(qwen):
     auto = json.loads(proc.stdout.strip().splitlines()[-1])
     assert auto["policy"] == "auto" and auto["output_ids"] == ref.output_ids
     proc = run_cli("generate", str(qwen.artifact), "--prompt-ids", "1,2,3", "--verify-len", "some")
-    assert proc.returncode == 2 and "--verify-len: must be auto, all or an integer (got 'some')" in proc.stderr
+    assert proc.returncode == 2 and "--verify-len: must be auto, all, an integer or a verify tree \"L+A\" (got 'some')" in proc.stderr
 
 
 def test_generate_json_in_process(qwen, capsys):

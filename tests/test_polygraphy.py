@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from runtime.tree import VerifyTree, chain_inputs, tree_inputs
+
 polygraphy = pytest.importorskip("polygraphy")
 from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx  # noqa: E402
 from polygraphy.comparator import Comparator, CompareFunc, IterationResult, RunResults  # noqa: E402
@@ -67,14 +69,15 @@ def _target_feeds(t, module):
     in_names, out_names = target_io_names(a.num_layers)
     head = module.head_weight().detach().numpy()
 
-    def feed(ids, proposals, past, temperature=0.0):
+    def feed(ids, proposals, past, temperature=0.0, tree=None):
         f = OrderedDict(
             input_ids=np.asarray(ids, np.int64),
             draft_hidden=(6.0 * head[np.asarray(proposals)]).astype(np.float32),
             temperature=np.array([temperature], np.float32),
             uniform=rng.uniform(0.05, 0.95, len(proposals) + 1).astype(np.float32),
         )
-        f.update(zip(in_names[4:], past))
+        f.update(tree_inputs(tree) if tree is not None else chain_inputs(len(proposals)))
+        f.update(zip(in_names[7:], past))
         return f
 
     empty = [np.zeros((0, a.num_kv_heads, a.head_dim), np.float32) for _ in range(2 * a.num_layers)]
@@ -83,7 +86,8 @@ def _target_feeds(t, module):
         outs = module(*[torch.from_numpy(v) for v in first.values()])
     past = [o.numpy() for o in outs[5:]]
     second = feed(rng.integers(0, t.spec.vocab_size, 1), rng.integers(0, t.spec.vocab_size, 15), past)
-    third = feed(rng.integers(0, t.spec.vocab_size, 3), rng.integers(0, t.spec.vocab_size, 4), past, 1.0)
+    # a verify tree (a chain of 2, 2 alternatives for its first position), sampled
+    third = feed(rng.integers(0, t.spec.vocab_size, 3), rng.integers(0, t.spec.vocab_size, 4), past, 1.0, VerifyTree(2, 2))
     return [first, second, third], in_names, out_names
 
 

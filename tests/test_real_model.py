@@ -92,7 +92,7 @@ def test_int4_speculative_equals_plain_on_the_real_pair(tmp_path_factory):
     accepted = 0
     for prompt in prompts:
         plain = sess.generate(prompt, chat=True, max_new_tokens=64, block_size=1, stop_token_ids=[])
-        for verify_len in (2, None):
+        for verify_len in (2, None, "1+3"):  # a chain, auto, a verify tree
             spec = sess.generate(prompt, chat=True, max_new_tokens=64, verify_len=verify_len, stop_token_ids=[])
             assert spec.output_ids == plain.output_ids, (prompt[:40], verify_len)
             accepted += sum(a - 1 for a in spec.acceptance_lengths)

@@ -280,7 +280,7 @@ def test_costs_extrapolate_and_measurement_fits_small_buffers(qwen, tmp_path, mo
 
 def test_bad_verify_len_and_step_api_after_close(qwen):
     sess = runtime.load(qwen.artifact)
-    with pytest.raises(DFlashError, match=r'verify_len must be "auto", "all" or an integer \(got \'AUTO\'\)'):
+    with pytest.raises(DFlashError, match=r'verify_len must be "auto", "all", an integer or a verify tree "L\+A" \(got \'AUTO\'\)'):
         sess.generate([5, 6], max_new_tokens=3, verify_len="AUTO")
     sess.close()
     with pytest.raises(DFlashError, match="this Session is closed"):

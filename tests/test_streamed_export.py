@@ -17,6 +17,7 @@ from dflash_export import weights as weights_mod
 from dflash_export.build import build
 from dflash_export.export import check_graph
 from runtime.errors import DFlashError
+from runtime.tree import chain_inputs
 
 
 def _graph_values(path):
@@ -83,7 +84,7 @@ def test_fp16_graph_keeps_fp32_rope_frequencies_at_long_positions(tiny, tmp_path
     sess = ort.InferenceSession(str(tmp_path / "target.onnx"), providers=["CPUExecutionProvider"])
     past = 2000
     feed = {"input_ids": np.array([5], np.int64), "draft_hidden": np.zeros((0, a.hidden_size), np.float16),
-            "temperature": np.zeros(1, np.float32), "uniform": np.zeros(1, np.float32)}
+            "temperature": np.zeros(1, np.float32), "uniform": np.zeros(1, np.float32), **chain_inputs(0)}
     for i in range(a.num_layers):
         for kind in ("key", "value"):
             feed[f"past_{kind}_{i}"] = np.zeros((past, a.num_kv_heads, a.head_dim), np.float16)

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from runtime.tree import VerifyTree, chain_inputs, tree_inputs
+
 ATOL = 1e-4
 KINDS = ["qwen3", "qwen3_tied", "llama"]
 
@@ -37,7 +39,7 @@ class Case:
     def empty_past(self) -> list[np.ndarray]:
         return [np.zeros((0, self.kv_heads, self.head_dim), np.float32) for _ in range(2 * self.layers)]
 
-    def run(self, ids, past, draft_hidden=None, temperature=0.0, uniform=None) -> dict[str, np.ndarray]:
+    def run(self, ids, past, draft_hidden=None, temperature=0.0, uniform=None, tree=None) -> dict[str, np.ndarray]:
         draft_hidden = np.zeros((0, self.d), np.float32) if draft_hidden is None else draft_hidden
         n = draft_hidden.shape[0]
         uniform = np.full(n + 1, 0.5, np.float32) if uniform is None else np.asarray(uniform, np.float32)
@@ -46,6 +48,7 @@ class Case:
             "draft_hidden": draft_hidden.astype(np.float32),
             "temperature": np.array([temperature], np.float32),
             "uniform": uniform,
+            **(tree_inputs(tree) if tree is not None else chain_inputs(n)),
         }
         for i in range(self.layers):
             feed[f"past_key_{i}"] = past[2 * i]
@@ -260,7 +263,7 @@ def test_draft_vocab_restricts_proposals_only(tiny, tmp_path):
     rng = np.random.default_rng(5)
     hidden = rng.standard_normal((12, t.spec.arch.hidden_size)).astype(np.float32)
     feed = {"input_ids": np.array([3, 9, 4], np.int64), "draft_hidden": hidden, "temperature": np.zeros(1, np.float32),
-            "uniform": np.zeros(0, np.float32)}
+            "uniform": np.zeros(0, np.float32), **chain_inputs(len(hidden))}
     for i in range(base.layers):
         feed[f"past_key_{i}"] = feed[f"past_value_{i}"] = np.zeros((0, base.kv_heads, base.head_dim), np.float32)
     got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
@@ -268,6 +271,12 @@ def test_draft_vocab_restricts_proposals_only(tiny, tmp_path):
     sub = hidden.astype(np.float64) @ head[vocab].T.astype(np.float64)
     want = np.asarray(vocab)[np.argmax(sub, axis=-1)]
     np.testing.assert_array_equal(got["proposal_ids"], want)
+    # a verify tree's nodes: row depth[i]'s rank[i]-th candidate within the proposal vocabulary
+    tree = VerifyTree(2, 3)
+    tree_got = dict(zip([o.name for o in sess.get_outputs()],
+                        sess.run(None, {**feed, "draft_hidden": hidden[:tree.size], **tree_inputs(tree)})))
+    ranked = np.argsort(-sub, axis=-1, kind="stable")
+    np.testing.assert_array_equal(tree_got["proposal_ids"], np.asarray(vocab)[ranked[tree.depth, tree.rank]])
     assert set(got["proposal_ids"].tolist()) <= set(vocab)
     full = np.argmax(hidden.astype(np.float64) @ head.T.astype(np.float64), axis=-1)
     assert np.any(full != want), "the fixture should make the full-vocabulary argmax differ somewhere"
@@ -276,3 +285,35 @@ def test_draft_vocab_restricts_proposals_only(tiny, tmp_path):
     np.testing.assert_array_equal(plain["proposal_ids"], want)
     for name in ("next_ids", "logits", "taps", "key_0", "value_2"):
         _close(got[name], plain[name], f"draft_vocab {name}", atol=1e-5)
+
+
+def test_verify_tree_rows_match_hf_on_their_own_paths(case):
+    """A verify tree (a chain of 3 and 3 alternatives for the first position) in one call: each node's
+    logits, taps and K/V rows equal HF's on the sequence that ends with that node's path, and the
+    alternatives are the draft's 2nd to 4th candidates for block position 1."""
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, case.vocab, 9).tolist()
+    anchor = rng.integers(0, case.vocab, 1).tolist()
+    out = case.run(prompt, case.empty_past())
+    past = case.new_kv(out)
+    tree = VerifyTree(3, 3)
+    hidden = rng.standard_normal((tree.size, case.d)).astype(np.float32)
+    out = case.run(anchor, past, draft_hidden=hidden, tree=tree)
+    scores = hidden.astype(np.float64) @ case.head_weight().T.astype(np.float64)
+    ranked = np.argsort(-scores, axis=-1, kind="stable")
+    np.testing.assert_array_equal(out["proposal_ids"], ranked[tree.depth, tree.rank])
+    assert len(set(out["proposal_ids"][[0, 3, 4, 5]].tolist())) == 4  # four distinct first proposals
+    p = len(prompt)
+    for node in range(tree.size):
+        path, i = [], node
+        while i >= 0:
+            path.insert(0, int(out["proposal_ids"][i]))
+            i = tree.parents[i]
+        ref = case.reference(prompt + anchor + path)
+        row, pos = 1 + node, p + len(path)  # this node's output row and its sequence position
+        _close(out["logits"][row], ref["logits"][pos], f"node {node} logits")
+        _close(out["taps"][row], ref["taps"][pos], f"node {node} taps")
+        for j, (got, want) in enumerate(zip(case.new_kv(out), ref["kv"])):
+            _close(got[row], want[pos], f"node {node} {'key' if j % 2 == 0 else 'value'}_{j // 2}")
+    ref = case.reference(prompt + anchor)  # the root row sees no proposal
+    _close(out["logits"][0], ref["logits"][p], "root logits")
