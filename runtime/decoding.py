@@ -26,7 +26,7 @@ from .stream import GenerationStream
 from .speculation import (TRAINED_ALTERNATIVE_PRIOR, TRAINED_DRAFT_PRIOR, UNTRAINED_ALTERNATIVE_PRIOR,
                           UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength, FixedLength, FixedTree, Policy)
 from .tokenizer import check_messages
-from .tree import TREE_RANKS, VerifyTree, parse_tree
+from .tree import TREE_RANKS, VerifyTree, parse_tree, verify_tree
 
 __all__ = ["Session", "GenerationStream", "GenerationResult", "StreamChunk", "MAX_BLOCK_SIZE"]
 
@@ -178,7 +178,7 @@ class Session:
         if self.logits is not None and (self.keep_logits or self._host_sampling):
             outputs["logits"] = self.logits.rows(0, n_proposals + 1)
         if hasattr(self, "tree_depth"):
-            self._bind_tree(inputs, tree or (VerifyTree(n_proposals) if n_proposals else None))
+            self._bind_tree(inputs, tree or (verify_tree(n_proposals) if n_proposals else None))
         _bind_kv(self.t_kv, past, rows, inputs, outputs)
         if self.recurrent is not None:
             self.recurrent.bind(inputs, outputs, rows)
@@ -187,7 +187,7 @@ class Session:
     def _bind_tree(self, inputs: dict, tree: VerifyTree | None) -> None:
         """Bind the tree inputs of `tree` (None: no proposals), writing them only when the shape changed."""
         n = tree.size if tree is not None else 0
-        if tree is not None and tree != self._tree_written:
+        if tree is not None and tree is not self._tree_written:  # trees are few and long-lived: identity suffices
             self.backend.write(self.tree_depth.rows(0, n), tree.depth)
             self.backend.write(self.tree_rank.rows(0, n), tree.rank)
             self.backend.write(View(self.tree_bias, 0, (n, n)), tree.bias)
@@ -282,7 +282,7 @@ class Session:
                 raise DFlashError(f'verify_len "{verify_len}" needs a target graph that verifies trees; this one '
                                   "verifies chains only (a hybrid target, or built before verify trees: rebuild it)")
             tree = parse_tree(verify_len)
-            return FixedTree(VerifyTree(min(tree.length, block_size - 1), tree.alternatives))
+            return FixedTree(verify_tree(min(tree.length, block_size - 1), tree.alternatives))
         return FixedLength(min(int(verify_len), block_size - 1))
 
     def close(self) -> None:

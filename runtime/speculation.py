@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from .tree import VerifyTree
+from .tree import VerifyTree, verify_tree
 
 # Prior acceptance of the first proposal. Trained: the shipped SmolLM2 draft's first-position
 # acceptance, greedy, held-out models/prompts/eval.jsonl (`python -m dflash_export bench ARTIFACT
@@ -259,7 +259,7 @@ class AdaptiveLength(Policy):
         if limit <= 0:
             return 0
         best, alternatives = self._best_shape(limit)
-        self.last_tree = VerifyTree(best, alternatives) if alternatives else None
+        self.last_tree = verify_tree(best, alternatives) if alternatives else None
         if best > 0:
             self.plain_run, self.probing, self.probe_gap = 0, False, self.first_probe_gap
             return self.last_tree or best

@@ -20,6 +20,7 @@ without moving any row, and an accepted alternative moves one K/V and taps row (
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -105,6 +106,13 @@ class VerifyTree:
             row = 1 + child
 
 
+@lru_cache(maxsize=None)
+def verify_tree(length: int, alternatives: int = 0) -> VerifyTree:
+    """`VerifyTree(length, alternatives)`, built once per shape: every step binds one, and the session
+    rewrites the graph's tree inputs only when the object changes."""
+    return VerifyTree(length, alternatives)
+
+
 def parse_tree(text: str) -> VerifyTree:
     """A fixed verify tree from its `verify_len` form "L+A": L top-1 proposals plus A alternatives for
     block position 1 (e.g. "1+3").
@@ -128,4 +136,4 @@ def chain_inputs(n: int) -> dict[str, np.ndarray]:
     if n == 0:
         return {"tree_depth": np.zeros(0, np.int64), "tree_rank": np.zeros(0, np.int64),
                 "tree_bias": np.zeros((0, 0), np.float32)}
-    return tree_inputs(VerifyTree(n))
+    return tree_inputs(verify_tree(n))
