@@ -203,11 +203,13 @@ class DecodeLoop:
 
     def _shape(self, choice: int | VerifyTree) -> tuple[int, VerifyTree | None]:
         """(proposals, tree or None) for a policy's choice: a tree runs as its top-1 chain where the
-        artifact verifies chains only, or where the host samples (top_k / top_p: its acceptance rule
-        is the chain's)."""
+        artifact verifies chains only, where the host samples (top_k / top_p: its acceptance rule is
+        the chain's), or where its rows would run past the caches' end (a request that fills them)."""
         if not isinstance(choice, VerifyTree):
             return choice, None
-        if self.sampler is not None or not self.s.verifies_trees or choice.alternatives == 0:
+        # the alternatives' rows must fit the caches too (a chain's always do: the token budget bounds it)
+        fits = len(self.s.context.ids) + 1 + choice.size <= self.s.max_seq_len
+        if self.sampler is not None or not self.s.verifies_trees or choice.alternatives == 0 or not fits:
             return choice.length, None
         return choice.size, choice
 

@@ -124,3 +124,17 @@ def test_tree_requests_are_checked(smollm2_artifact):
         sess.generate([1, 2, 3], max_new_tokens=2, verify_len="1+x")
     with pytest.raises(DFlashError, match="verify_len"):
         sess.generate([1, 2, 3], max_new_tokens=2, verify_len="1+4")
+
+
+def test_a_tree_near_the_end_of_the_caches_runs_as_its_chain(smollm2_artifact):
+    """A request that fills the KV buffers exactly: the alternatives' rows would not fit at the last
+    steps, which then verify the chain; the output equals plain decoding and nothing overflows."""
+    import runtime
+
+    sess = runtime.load(smollm2_artifact)
+    prompt = sess.encode("Count from one to fifty in words.", chat=True)
+    n = sess.max_seq_len - len(prompt)
+    plain = sess.generate(prompt, max_new_tokens=n, block_size=1, stop_token_ids=[])
+    tree = sess.generate(prompt, max_new_tokens=n, verify_len="1+3", stop_token_ids=[], record_steps=True)
+    assert tree.output_ids == plain.output_ids and len(tree.output_ids) == n
+    assert any(len(s["proposed"]) == 4 for s in tree.steps)
