@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -129,3 +130,28 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release graphs and memory (the backend is unusable afterwards)."""
+
+
+def make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | None,
+                 int4_accuracy_level: int | None = None) -> Backend:
+    """The backend `name` ("ort", "ort-cuda" or "trt") for an artifact; its modules (and TensorRT or
+    CUDA) are imported only when chosen.
+
+    Raises:
+        DFlashError: an unknown name, or the backend's own load errors.
+    """
+    from .errors import DFlashError
+
+    if name == "ort":
+        from .ort_backend import OrtBackend
+
+        return OrtBackend(artifact_dir, manifest, threads=threads, int4_accuracy_level=int4_accuracy_level)
+    if name == "trt":  # TensorRT and CUDA are imported only here
+        from .trt_backend import TrtBackend
+
+        return TrtBackend(artifact_dir, manifest)
+    if name == "ort-cuda":
+        from .ort_cuda_backend import OrtCudaBackend
+
+        return OrtCudaBackend(artifact_dir, manifest, threads=threads)
+    raise DFlashError(f"unknown backend {name!r}; available: ort, ort-cuda, trt")

@@ -14,12 +14,13 @@ from typing import Sequence
 
 import numpy as np
 
-from .backend import Backend, View
+from .backend import View, make_backend
 from .errors import DFlashError
 from .row_exact import needs_row_padding
 from . import call_costs
 from .loop import CachedContext, DecodeLoop
-from .manifest import DTYPES, greedy_form_exported, layer_types, load_manifest, tree_inputs_exported
+from .manifest import (DTYPES, greedy_form_exported, layer_types, load_manifest, load_mask_embedding,
+                       tree_inputs_exported)
 from .options import GENERATION_OPTION_NAMES, GenerationOptions, as_int
 from .results import GenerationResult, StreamChunk
 from .stream import GenerationStream
@@ -66,7 +67,7 @@ class Session:
         self.artifact_dir = Path(artifact_dir)
         self.keep_logits = bool(keep_logits)
         self.manifest = m = load_manifest(self.artifact_dir)
-        self.backend = _make_backend(backend, self.artifact_dir, m, threads, int4_accuracy_level)
+        self.backend = make_backend(backend, self.artifact_dir, m, threads, int4_accuracy_level)
         self.dtype = np.dtype(DTYPES[m["dtype"]])
         self.max_seq_len = int(m["max_seq_len"])
         self.block_size = int(m["draft"]["block_size"])
@@ -133,7 +134,7 @@ class Session:
             self.tree_depth, self.tree_rank = be.alloc(np.int64, mb), be.alloc(np.int64, mb)
             self.tree_bias = be.alloc(np.float32, mb * mb)
             self._tree_written = None
-        mask_row = _load_mask_embedding(self.artifact_dir / m["mask_embedding"], hidden).astype(self.dtype)
+        mask_row = load_mask_embedding(self.artifact_dir / m["mask_embedding"], hidden).astype(self.dtype)
         be.write(self.block.rows(0, mb), np.broadcast_to(mask_row, (mb, hidden)))
 
     # ---- graph calls (the public step API: bench, tests and call_costs use these) --------------
@@ -512,33 +513,3 @@ def _bind_kv(layers, past: int, rows: int, inputs: dict, outputs: dict) -> None:
     for i, k, v in layers:
         inputs[f"past_key_{i}"], inputs[f"past_value_{i}"] = k.rows(0, past), v.rows(0, past)
         outputs[f"key_{i}"], outputs[f"value_{i}"] = k.rows(past, rows), v.rows(past, rows)
-
-
-def _load_mask_embedding(path: Path, hidden: int) -> np.ndarray:
-    """The mask token's embedding row `[hidden]` (fp32) from the artifact, validated."""
-    try:
-        row = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise DFlashError(f"cannot read {path.name} ({exc}); the artifact is damaged, rebuild it") from None
-    if row.ndim != 1 or row.shape[0] != hidden or row.dtype.kind != "f":
-        raise DFlashError(
-            f"{path.name} holds a {row.dtype} array of shape {row.shape}, expected float [{hidden}]; rebuild the artifact"
-        )
-    return row
-
-
-def _make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | None,
-                  int4_accuracy_level: int | None = None) -> Backend:
-    if name == "ort":
-        from .ort_backend import OrtBackend
-
-        return OrtBackend(artifact_dir, manifest, threads=threads, int4_accuracy_level=int4_accuracy_level)
-    if name == "trt":  # TensorRT and CUDA are imported only here
-        from .trt_backend import TrtBackend
-
-        return TrtBackend(artifact_dir, manifest)
-    if name == "ort-cuda":
-        from .ort_cuda_backend import OrtCudaBackend
-
-        return OrtCudaBackend(artifact_dir, manifest, threads=threads)
-    raise DFlashError(f"unknown backend {name!r}; available: ort, ort-cuda, trt")

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .errors import DFlashError
 
 MANIFEST_FORMAT = "dflash_export.artifact"
@@ -116,3 +118,20 @@ def layer_types(section: dict[str, Any]) -> list[str]:
 def is_hybrid(manifest: dict[str, Any]) -> bool:
     """Whether the target has Gated DeltaNet layers (`runtime.recurrent`)."""
     return "linear_attention" in layer_types(manifest["target"])
+
+
+def load_mask_embedding(path: Path, hidden: int) -> np.ndarray:
+    """The mask token's embedding row `[hidden]` (float) from the artifact, validated.
+
+    Raises:
+        DFlashError: unreadable, or not a float vector of `hidden` values (a damaged artifact).
+    """
+    try:
+        row = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise DFlashError(f"cannot read {path.name} ({exc}); the artifact is damaged, rebuild it") from None
+    if row.ndim != 1 or row.shape[0] != hidden or row.dtype.kind != "f":
+        raise DFlashError(
+            f"{path.name} holds a {row.dtype} array of shape {row.shape}, expected float [{hidden}]; rebuild the artifact"
+        )
+    return row
