@@ -390,6 +390,11 @@ def test_generate_matches_onnxruntime_through_the_double(engines, doubles):
         a = ort_sess.generate(prompt, stop_token_ids=[], record_steps=True, verify_len=verify, **kw)
         b = trt_sess.generate(prompt, stop_token_ids=[], record_steps=True, verify_len=verify, **kw)
         assert b.output_ids == a.output_ids and b.acceptance_lengths == a.acceptance_lengths and b.steps == a.steps, kw
+    for kw in (dict(max_new_tokens=30), dict(max_new_tokens=25, temperature=0.9, seed=4)):  # verify trees
+        a = ort_sess.generate(prompt, stop_token_ids=[], record_steps=True, verify_len="2+3", **kw)
+        b = trt_sess.generate(prompt, stop_token_ids=[], record_steps=True, verify_len="2+3", **kw)
+        assert b.output_ids == a.output_ids and b.steps == a.steps, kw
+        assert max(len(s["proposed"]) for s in b.steps) == 5  # tree steps ran (2 + 3 nodes)
     # KV reuse: the new rows of a prompt extending the cached one go through the "extend" profile
     longer = prompt + a.output_ids[:5] + [9, 10, 11]
     a2 = ort_sess.generate(longer, stop_token_ids=[], max_new_tokens=12, verify_len="all", reuse_prefix=False)
