@@ -204,11 +204,13 @@ class DecodeLoop:
     def _shape(self, choice: int | VerifyTree) -> tuple[int, VerifyTree | None]:
         """(proposals, tree or None) for a policy's choice: a tree runs as its top-1 chain where the
         artifact verifies chains only, where the host samples (top_k / top_p: its acceptance rule is
-        the chain's), or where its rows would run past the caches' end (a request that fills them)."""
+        the chain's), or where its rows would run past the caches' end (a request that fills them) or
+        past the scratch buffers (a block of 62 or more with alternatives)."""
         if not isinstance(choice, VerifyTree):
             return choice, None
         # the alternatives' rows must fit the caches too (a chain's always do: the token budget bounds it)
-        fits = len(self.s.context.ids) + 1 + choice.size <= self.s.max_seq_len
+        # and the scratch buffers (max_block rows; a chain's L <= block_size - 1 always fits them)
+        fits = len(self.s.context.ids) + 1 + choice.size <= self.s.max_seq_len and choice.size < self.s.max_block
         if self.sampler is not None or not self.s.verifies_trees or choice.alternatives == 0 or not fits:
             return choice.length, None
         return choice.size, choice

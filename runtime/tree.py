@@ -19,6 +19,7 @@ without moving any row, and an accepted alternative moves one K/V and taps row (
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -120,10 +121,10 @@ def parse_tree(text: str) -> VerifyTree:
     Raises:
         ValueError: not of that form, or out of range (the message says which).
     """
-    parts = str(text).split("+")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+    match = re.fullmatch(r"([0-9]+)\+([0-9]+)", str(text))
+    if match is None:
         raise ValueError(f'a verify tree is written "L+A", e.g. "1+3" (got {text!r})')
-    return VerifyTree(int(parts[0]), int(parts[1]))
+    return VerifyTree(int(match[1]), int(match[2]))
 
 
 def tree_inputs(tree: VerifyTree) -> dict[str, np.ndarray]:

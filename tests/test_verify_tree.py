@@ -36,7 +36,7 @@ def test_tree_structure_and_bias():
     with pytest.raises(ValueError, match="alternatives"):
         VerifyTree(1, 4)
     assert parse_tree("1+3") == VerifyTree(1, 3)
-    for bad in ("1+", "a+1", "1+2+3", "0+1"):
+    for bad in ("1+", "a+1", "1+2+3", "0+1", "1+3 ", "1 + 3", "\u0661+3", "\u00b2+1"):
         with pytest.raises(ValueError):
             parse_tree(bad)
 
@@ -138,3 +138,16 @@ def test_a_tree_near_the_end_of_the_caches_runs_as_its_chain(smollm2_artifact):
     tree = sess.generate(prompt, max_new_tokens=n, verify_len="1+3", stop_token_ids=[], record_steps=True)
     assert tree.output_ids == plain.output_ids and len(tree.output_ids) == n
     assert any(len(s["proposed"]) == 4 for s in tree.steps)
+
+
+def test_a_tree_larger_than_the_scratch_buffers_runs_as_its_chain(smollm2_artifact):
+    """block_size 64 with "63+3": 66 nodes do not fit the 64-row scratch buffers (a chain of 63 does);
+    it raised IndexError, it now verifies the chain, and the output equals plain decoding."""
+    import runtime
+
+    sess = runtime.load(smollm2_artifact)
+    prompt = sess.encode("Write a Python function that reverses a linked list.", chat=True)
+    plain = sess.generate(prompt, max_new_tokens=100, block_size=1, stop_token_ids=[])
+    for tree in ("63+3", "61+3"):  # the token budget allows the whole chain for the first steps
+        res = sess.generate(prompt, max_new_tokens=100, block_size=64, verify_len=tree, stop_token_ids=[])
+        assert res.output_ids == plain.output_ids, tree
