@@ -334,14 +334,14 @@ def make_backend(name: str, artifact_dir: Path, manifest: dict, graphs: tuple[st
     """The runtime backend `name` for the check (the same classes `runtime.load` uses); onnxruntime on
     the CPU loads only `graphs`, in its low-memory mode, so checking a large graph holds its weights
     about once."""
-    from runtime.backend import make_backend
+    from runtime.backend import make_backend as runtime_backend
 
     if name == "ort":
         from runtime.ort_backend import OrtBackend
 
         # INT4 weights: the fused MatMulNBits computes in fp32 whatever the runtime's default is
         return OrtBackend(Path(artifact_dir), manifest, low_memory=True, graphs=graphs, int4_accuracy_level=1)
-    return make_backend(name, Path(artifact_dir), manifest, None)
+    return runtime_backend(name, Path(artifact_dir), manifest, None)
 
 
 def run_check(

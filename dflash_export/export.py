@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from runtime.errors import DFlashError
-from runtime.tree import tree_bias_of
+from runtime.tree import TREE_INPUTS, tree_bias_of
 
 from .graph_passes import pack_shared_input_gemms
 from .quantize import QUANT_OPSET, check_int4_form
@@ -34,7 +34,7 @@ def target_io_names(num_layers: int) -> tuple[list[str], list[str]]:
     kv_in = [f"past_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
     kv_out = [f"{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
     return (
-        ["input_ids", "draft_hidden", "temperature", "uniform", "tree_depth", "tree_rank", "tree_bias", *kv_in],
+        ["input_ids", "draft_hidden", "temperature", "uniform", *TREE_INPUTS, *kv_in],
         ["next_ids", "proposal_ids", "next_embeddings", "logits", "taps", *kv_out],
     )
 

@@ -130,10 +130,10 @@ class Session:
         self.draft_hidden = be.alloc(self.dtype, mb, (hidden,))
         # a verify tree's depth, rank and [N, N] bias (`runtime.tree`), written when the shape changes
         self.verifies_trees = tree_inputs_exported(m) and self.recurrent is None
+        self.tree_depth = self.tree_rank = self.tree_bias = self._tree_written = None
         if tree_inputs_exported(m):
             self.tree_depth, self.tree_rank = be.alloc(np.int64, mb), be.alloc(np.int64, mb)
             self.tree_bias = be.alloc(np.float32, mb * mb)
-            self._tree_written = None
         mask_row = load_mask_embedding(self.artifact_dir / m["mask_embedding"], hidden).astype(self.dtype)
         be.write(self.block.rows(0, mb), np.broadcast_to(mask_row, (mb, hidden)))
 
@@ -178,7 +178,7 @@ class Session:
         }
         if self.logits is not None and (self.keep_logits or self._host_sampling):
             outputs["logits"] = self.logits.rows(0, n_proposals + 1)
-        if hasattr(self, "tree_depth"):
+        if self.tree_depth is not None:  # the graph takes tree inputs (a chain's, without `tree`)
             self._bind_tree(inputs, tree or (verify_tree(n_proposals) if n_proposals else None))
         _bind_kv(self.t_kv, past, rows, inputs, outputs)
         if self.recurrent is not None:

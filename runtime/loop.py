@@ -264,8 +264,7 @@ class DecodeLoop:
             chunk = self._commit(committed)
             # a draft call that caught up on many context rows (the prompt, a long plain run) is not
             # the step cost the policy's curve models: flagged (a probe's full cost still counts)
-            self.policy.observe(n_prop, acc, clock() - t_step, catch_up=catch_up,
-                                first_rank=self.first_rank if tree is not None else None)
+            self.policy.observe(n_prop, acc, clock() - t_step, catch_up=catch_up, tree=tree, first_rank=self.first_rank)
             if n_prop > 0:
                 self.acceptance.append(acc + 1)
             if self.opts.record_steps:

@@ -56,12 +56,13 @@ class Policy(ABC):
         token budget allow; 0 means only a plain step is possible)."""
 
     def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False,
-                first_rank: int | None = None) -> None:
+                tree: VerifyTree | None = None, first_rank: int | None = None) -> None:
         """The step verified `verified` proposals, accepted `accepted` of them and took `seconds`
         (draft call, target call and the loop's host work). `catch_up`: the draft call first read
         many context rows (the prompt, a run of plain steps), so the step cost more than the
-        verify length alone does. `first_rank`: on a verify-tree step, the draft's rank of the
-        accepted first proposal (None: none accepted, or a chain step)."""
+        verify length alone does. `tree`: the verify tree the step ran (None: a chain, also where a
+        tree choice ran as its chain), and `first_rank` the draft's rank of its accepted first
+        proposal (None: none accepted)."""
 
 
 class FixedLength(Policy):
@@ -206,7 +207,6 @@ class AdaptiveLength(Policy):
                  probe_budget: float = 0.02, alternatives: int = 0):
         self.costs = costs
         self.alternatives = min(int(alternatives), len(acceptance.alternative_prior))
-        self.last_tree: VerifyTree | None = None
         self.margin = margin  # speculate only when it is predicted this much faster: estimates are noisy
         self.acceptance = acceptance
         self.first_probe_gap, self.max_probe_gap = probe_gap, max_probe_gap
@@ -259,10 +259,9 @@ class AdaptiveLength(Policy):
         if limit <= 0:
             return 0
         best, alternatives = self._best_shape(limit)
-        self.last_tree = verify_tree(best, alternatives) if alternatives else None
         if best > 0:
             self.plain_run, self.probing, self.probe_gap = 0, False, self.first_probe_gap
-            return self.last_tree or best
+            return verify_tree(best, alternatives) if alternatives else best
         self.plain_run += 1
         if self.plain_run < min(max(self.probe_gap, self._min_probe_gap()), self.max_probe_gap):
             return 0
@@ -272,7 +271,7 @@ class AdaptiveLength(Policy):
         return 1
 
     def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False,
-                first_rank: int | None = None) -> None:
+                tree: VerifyTree | None = None, first_rank: int | None = None) -> None:
         if self.probing and seconds > 0:
             extra = max(seconds - self.plain_scale * float(self._step_s[0]), 0.0)
             last = extra if self.probe_extra_s is None else self.probe_extra_s
@@ -290,8 +289,7 @@ class AdaptiveLength(Policy):
                 self.plain_scale = scale
         if verified == 0:
             return
-        tree = self.last_tree if self.last_tree is not None and verified == self.last_tree.size else None
-        if tree is None:  # a chain (also a tree the loop ran as its chain)
+        if tree is None:
             self.acceptance.observe(verified, accepted)
         else:
             self.acceptance.observe(tree.length, accepted, tree.alternatives, first_rank)
