@@ -385,7 +385,8 @@ def _torch_baseline(sess):
     from transformers import AutoModelForCausalLM
 
     from .build import prepare_pair
-    from .modules import DFlashDraft, load_weights
+    from .draft_model import DFlashDraft
+    from .modules import load_weights
     from .torch_loop import torch_spec_generate
 
     src = sess.manifest["sources"]

@@ -99,7 +99,7 @@ def random_draft_state(spec: DraftSpec, seed: int = 0) -> dict:
     """Deterministic random-init weights for an untrained draft (normal(0, 0.02), unit norms)."""
     import torch
 
-    from .modules import DFlashDraft
+    from .draft_model import DFlashDraft
 
     gen = torch.Generator().manual_seed(seed)
     module = empty_module(lambda: DFlashDraft(spec))  # names and shapes only, in state-dict order
@@ -149,7 +149,8 @@ def draft_export_module(dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
     Returns:
         (DFlashDraft, {initializer name: reader}) for `export.export_draft`.
     """
-    from .modules import DFlashDraft, cast_for_export
+    from .draft_model import DFlashDraft
+    from .modules import cast_for_export
 
     module = empty_module(lambda: DFlashDraft(dspec, dtype)).eval()
     cast_for_export(module, dtype)

@@ -1,4 +1,5 @@
-"""Small export-friendly PyTorch modules for the target (Qwen3 / Llama) and the DFlash draft.
+"""Small export-friendly PyTorch modules for the target (Qwen3 / Llama) and the layers the DFlash draft
+(`dflash_export.draft_model`) shares with it.
 
 They load Hugging Face weights under the checkpoint's own names, take batch-1 tensors with the
 sequence axis outermost, and make every cache explicit: past K/V go in as `[P, Hkv, D]` tensors and
@@ -17,9 +18,8 @@ import torch
 from torch import nn
 
 from .attention_tables import (apply_rope, causal_bias, key_ones_for, rope_cos_sin, rope_inv_freq,  # noqa: F401
-                               rope_matrix, tree_bias, window_bias)
+                               rope_matrix, tree_bias)
 from .checkpoint import AttentionSpec, TargetSpec
-from .draft_spec import DraftSpec
 from runtime.tree import TREE_RANKS  # a verify tree's nodes are among the draft's top TREE_RANKS candidates
 
 
@@ -398,88 +398,6 @@ class TargetForExport(nn.Module):
         next_ids = torch.where(torch.arange(rows, dtype=torch.int64) < u, picked, greedy)
         next_embeddings = self.model.embed_tokens(next_ids)
         return (next_ids, proposal_ids, next_embeddings, logits, tap_features, *new_caches)
-
-
-class DFlashDraft(nn.Module):
-    """The DFlash draft (Chen et al., 2026, arXiv 2602.06036; dflash-facts section 2) with its context
-    K/V cache explicit.
-
-    Inputs:
-        context_hidden: `[C, k * d]`, C >= 1: target tap features of the newly committed tokens.
-        block_embeddings: `[B, d]`: target embeddings of `[anchor, MASK x (B - 1)]`.
-        past_key_i / past_value_i: `[Pc, Hkv, D]`: cached context K/V (after k_norm and RoPE).
-
-    Outputs:
-        draft_hidden: `[B - 1, d]`: norm(h) of block positions 1..B-1 (position 0 is the known anchor).
-        key_i / value_i: `[C, Hkv, D]`: the context K/V rows of the new context, to cache at row Pc.
-
-    Positions: context rows take Pc..Pc+C-1, block rows Pc+C..Pc+C+B-1, from the DRAFT's RoPE.
-    Attention is non-causal: every block position sees all context and the whole block. Only block
-    rows query; context rows only give keys and values.
-    Sliding layers (`spec.layer_types`, Qwen3.6 drafts) see a key at position j from a query at
-    position i only when |i - j| < `spec.sliding_window` (flash-attention's window in the reference);
-    they read just the cached rows a block query can see (the last W - 1 - C, none once C >= W - 1).
-    A draft without sliding layers builds no window mask at all (its graph is unchanged).
-    `fc`, `hidden_norm` and all norms run in fp32 (released drafts see tap values above 2e4).
-    """
-
-    def __init__(self, spec: DraftSpec, dtype: torch.dtype = torch.float32):
-        super().__init__()
-        a = spec.arch
-        self.spec = spec
-        self.fc = nn.Linear(len(spec.target_layer_ids) * a.hidden_size, a.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.layers = nn.ModuleList([DecoderLayer(a, qk_norm=True) for _ in range(a.num_layers)])
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        inv, scale = rope_inv_freq(a, "qwen3")
-        self.register_buffer("inv_freq", inv, persistent=False)
-        self.rope_scale = scale
-        self.compute_dtype = dtype
-        self.sliding = tuple(t == "sliding_attention" for t in spec.layer_types)
-
-    def _window(self, positions: torch.Tensor, c: int, p: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """The sliding layers' view: (first visible cached row, past bias `[g * B, Pc - start]`, new
-        bias `[g * B, C + B]`), shared by every sliding layer. A block query at Pc + C + r sees cached
-        row j iff Pc + C + r - j < W, so rows before Pc + C - W + 1 are invisible to all of them."""
-        w = int(self.spec.sliding_window)
-        attn0 = self.layers[0].self_attn
-        g = attn0.num_heads // attn0.num_kv_heads
-        # cached rows kept: min(Pc, max(W - 1 - C, 0)), as symbolic sizes (dynamic C and Pc in the graph)
-        keep = torch.sym_min(p, torch.sym_max(w - 1 - c, 0))
-        start = p - keep
-        q_pos = positions[c:]
-        past_pos = torch.arange(keep, dtype=torch.int64) + start
-        return start, window_bias(q_pos, past_pos, w, g), window_bias(q_pos, positions, w, g)
-
-    def forward(self, context_hidden, block_embeddings, *past):
-        c = context_hidden.shape[0]
-        b = block_embeddings.shape[0]
-        p = past[0].shape[0]
-        positions = torch.arange(c + b, dtype=torch.int64) + p
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
-        cos_c, sin_c, cos_b, sin_b = cos[:c], sin[:c], cos[c:], sin[c:]
-        scale = self.layers[0].self_attn.scale
-        cos_q, sin_q = cos_b * scale, sin_b * scale
-        window = self._window(positions, c, p) if any(self.sliding) else None
-        ctx = self.hidden_norm(self.fc(context_hidden.to(self.fc.weight.dtype))).to(self.compute_dtype)
-        h = block_embeddings.to(self.compute_dtype)
-        new_kv = []
-        for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(h).to(self.compute_dtype)
-            q = layer.self_attn.query(x, cos_q, sin_q)
-            k_ctx, v_ctx = layer.self_attn.key_value(ctx, cos_c, sin_c)
-            k_blk, v_blk = layer.self_attn.key_value(x, cos_b, sin_b)
-            new_kv += [k_ctx, v_ctx]
-            k_new, v_new = torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk])
-            if self.sliding[i]:
-                start, past_bias, new_bias = window
-                attn = layer.self_attn.attend(q, past[2 * i][start:], past[2 * i + 1][start:], k_new, v_new,
-                                              new_bias, past_bias)
-            else:
-                attn = layer.self_attn.attend(q, past[2 * i], past[2 * i + 1], k_new, v_new, None)
-            h = h + layer.self_attn.o_proj(attn)
-            h = h + layer.mlp(layer.post_attention_layernorm(h).to(self.compute_dtype))
-        return (self.norm(h)[1:].to(self.compute_dtype), *new_kv)
 
 
 def load_weights(module: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:

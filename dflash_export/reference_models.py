@@ -73,7 +73,7 @@ def _reference_draft(dspec, dstate):
     """The fp32 reference draft module with the draft's weights (upcast as they are used)."""
     import torch
 
-    from .modules import DFlashDraft
+    from .draft_model import DFlashDraft
     from .weights import WeightSource, empty_module, load_module_weights
 
     dmod = empty_module(lambda: DFlashDraft(dspec, torch.float32)).eval()

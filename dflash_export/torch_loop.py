@@ -14,7 +14,7 @@ import torch
 
 from runtime.errors import DFlashError
 
-from .modules import DFlashDraft
+from .draft_model import DFlashDraft
 
 
 def _cache_kwarg(model) -> str:

@@ -16,7 +16,7 @@ def blocks_forward(draft, ctx_feats, block_emb, anchors):
     """Draft forward for K blocks of one sequence in one pass (training form of DFlashDraft.forward).
 
     Args:
-        draft: a :class:`dflash_export.modules.DFlashDraft`.
+        draft: a :class:`dflash_export.draft_model.DFlashDraft`.
         ctx_feats: `[L, k*d]` fp32 tap features of the sequence (row p = position p).
         block_emb: `[K, B, d]` target embeddings of `[anchor token, MASK x (B-1)]` per block.
         anchors: int64 `[K]` anchor positions (each block sits at positions anchor..anchor+B-1).

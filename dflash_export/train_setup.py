@@ -192,7 +192,8 @@ def build_draft(args, plan: DraftPlan, sequences: list[dict], device):
 
     from .checkpoint import load_state_dict
     from .families import target_family
-    from .modules import DFlashDraft, load_weights
+    from .draft_model import DFlashDraft
+    from .modules import load_weights
 
     family = target_family(plan.tspec.family)
     tstate = family.causal_lm_state_dict(load_state_dict(plan.target_dir))  # (the names training reads)

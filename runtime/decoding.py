@@ -279,12 +279,16 @@ class Session:
                                                        alternatives=TREE_RANKS - 1 if self.verifies_trees else 0)
             return self.auto[block_size]
         if isinstance(verify_len, str) and "+" in verify_len:
-            if not self.verifies_trees:
-                raise DFlashError(f'verify_len "{verify_len}" needs a target graph that verifies trees; this one '
-                                  "verifies chains only (a hybrid target, or built before verify trees: rebuild it)")
-            tree = parse_tree(verify_len)
+            tree = self._requested_tree(verify_len)
             return FixedTree(verify_tree(min(tree.length, block_size - 1), tree.alternatives))
         return FixedLength(min(int(verify_len), block_size - 1))
+
+    def _requested_tree(self, verify_len: str) -> VerifyTree:
+        """The verify tree `verify_len` ("L+A") names. Raises DFlashError where this artifact verifies chains only."""
+        if not self.verifies_trees:
+            raise DFlashError(f'verify_len "{verify_len}" needs a target graph that verifies trees; this one '
+                              "verifies chains only (a hybrid target, or built before verify trees: rebuild it)")
+        return parse_tree(verify_len)
 
     def close(self) -> None:
         """Release the backend's graphs and device memory; the session cannot generate afterwards."""
@@ -500,6 +504,8 @@ class Session:
             if not 1 <= v <= max(b - 1, 1):
                 raise DFlashError(f"verify_len must be between 1 and block_size - 1 = {b - 1} "
                                   f"(got {v}); block_size {b} proposes {b - 1} tokens per step")
+        elif isinstance(v, str) and "+" in v:
+            self._requested_tree(v)
         vocab = int(self.manifest["target"]["vocab_size"])
         if opts.top_k > vocab:
             raise DFlashError(f"top_k {opts.top_k} exceeds the vocabulary size {vocab}")

@@ -1,13 +1,16 @@
 """Default `generate` (auto speculation) against plain decoding, as a Python user runs them.
 
-    python scripts/auto_vs_plain.py ARTIFACT [--limit 10] [--repeats 2] [--max-new-tokens 128]
+    python scripts/auto_vs_plain.py ARTIFACT [--limit 10] [--repeats 3] [--max-new-tokens 128]
 
 One fresh Session with an empty step-cost cache (so the first auto call measures the costs itself, as
-on a new device), held-out prompts (models/prompts/eval.jsonl, chat template), greedy. Per prompt
-and repeat, one plain and one default generate, in alternating order (plain first on even pairs,
-auto first on odd ones: on this machine whichever runs second tends to be faster). Prints the
-auto/plain decode-speed ratio per category (median of the pairs), overall (median of all pairs)
-and "total" (summed plain decode time / summed auto decode time), and checks auto == plain ids.
+on a new device), held-out prompts (models/prompts/eval.jsonl, chat template), greedy. Per prompt,
+`--repeats` rounds of one plain and one default generate, the order alternating round by round and
+prompt by prompt (on this machine whichever runs second tends to be faster). A prompt's ratio is its
+median plain decode time over its median auto decode time: a median over rounds drops the runs a
+neighbour on this shared machine slowed down (about +-10% on a 1.5 s run), which a single pair cannot.
+Prints, per category and overall, the median of the prompts' ratios, "total" (summed median plain
+time / summed median auto time) and a 90% bootstrap interval of the median over prompts, and checks
+auto == plain ids.
 """
 
 from __future__ import annotations
@@ -24,11 +27,26 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def interval(ratios: list[float], rng: np.random.Generator, draws: int = 2000) -> tuple[float, float]:
+    """90% bootstrap interval of the median of `ratios` (resampling prompts)."""
+    x = np.asarray(ratios)
+    medians = np.median(x[rng.integers(0, len(x), (draws, len(x)))], axis=1)
+    return float(np.quantile(medians, 0.05)), float(np.quantile(medians, 0.95))
+
+
+def report(label: str, rows: list[tuple[float, float]], rng: np.random.Generator) -> str:
+    """One line: median ratio, total and interval over `rows` of (plain s, auto s) per prompt."""
+    ratios = [p / a for p, a in rows]
+    lo, hi = interval(ratios, rng)
+    total = sum(p for p, _ in rows) / sum(a for _, a in rows)
+    return f"{label:16s} median {np.median(ratios):.3f}  total {total:.3f}  90% [{lo:.3f}, {hi:.3f}]  prompts {len(rows)}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("artifact")
     ap.add_argument("--limit", type=int, default=10, help="prompts per category")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of plain + auto per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
     from runtime.call_costs import COSTS_ENV
@@ -40,28 +58,31 @@ def main() -> int:
 
     sess = runtime.load(args.artifact)
     prompts = first_per_category(read_prompts(DEFAULT_EVAL), args.limit)
-    ratios, plain_s, auto_s, mismatches, pair = defaultdict(list), 0.0, 0.0, 0, 0
-    for rep in range(args.repeats):
-        for p in prompts:
-            ids = sess.encode(p["prompt"], chat=True)
-            runs = {}
-            for kind in (("plain", "auto") if pair % 2 == 0 else ("auto", "plain")):
-                runs[kind] = sess.generate(ids, max_new_tokens=args.max_new_tokens, reuse_prefix=False,
-                                           block_size=1 if kind == "plain" else None)
-            pair += 1
-            plain, auto = runs["plain"], runs["auto"]
-            mismatches += plain.output_ids != auto.output_ids
-            n = len(plain.output_ids) - 1
-            if n < 1:
-                continue
-            tp, ta = n / plain.decode_tokens_per_s, n / auto.decode_tokens_per_s
-            plain_s, auto_s = plain_s + tp, auto_s + ta
-            ratios[p["category"]].append(tp / ta)
-            print(f"{p['id']} rep {rep}: auto/plain {tp / ta:.3f} (tau {auto.tau:.2f})", file=sys.stderr, flush=True)
-    every = [r for rs in ratios.values() for r in rs]
-    print(" ".join(f"{c} {np.median(rs):.3f}" for c, rs in ratios.items()) +
-          f" | overall {np.median(every):.3f} total {plain_s / auto_s:.3f} | pairs {len(every)}, "
-          f"auto != plain in {mismatches}")
+    rows, mismatches, taus = defaultdict(list), 0, []
+    for i, p in enumerate(prompts):
+        ids = sess.encode(p["prompt"], chat=True)
+        times = {"plain": [], "auto": []}
+        for rnd in range(args.repeats):
+            for kind in (("plain", "auto") if (i + rnd) % 2 == 0 else ("auto", "plain")):
+                r = sess.generate(ids, max_new_tokens=args.max_new_tokens, reuse_prefix=False,
+                                  block_size=1 if kind == "plain" else None)
+                n = len(r.output_ids) - 1
+                times[kind].append(n / r.decode_tokens_per_s if n >= 1 else 0.0)
+                if kind == "plain":
+                    plain_ids = r.output_ids
+                else:
+                    auto_ids, taus = r.output_ids, taus + [r.tau]
+            mismatches += plain_ids != auto_ids
+        tp, ta = float(np.median(times["plain"])), float(np.median(times["auto"]))
+        if tp > 0 and ta > 0:
+            rows[p["category"]].append((tp, ta))
+            print(f"{p['id']}: auto/plain {tp / ta:.3f} (plain {tp:.2f} s, auto {ta:.2f} s, tau {taus[-1]:.2f})",
+                  file=sys.stderr, flush=True)
+    rng = np.random.default_rng(0)
+    for category, r in rows.items():
+        print(report(category, r, rng))
+    print(report("overall", [x for r in rows.values() for x in r], rng))
+    print(f"auto != plain in {mismatches} of {len(prompts) * args.repeats} pairs; mean tau {np.mean(taus):.2f}")
     return 0
 
 

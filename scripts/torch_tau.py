@@ -24,7 +24,8 @@ def _load_draft(path: Path, tspec, args):
     from safetensors.torch import load_file
 
     from dflash_export.draft_spec import load_draft_spec, parse_draft_config
-    from dflash_export.modules import DFlashDraft, load_weights
+    from dflash_export.draft_model import DFlashDraft
+    from dflash_export.modules import load_weights
     from dflash_export.train_setup import draft_config
 
     if path.is_dir():

@@ -24,7 +24,7 @@ def main() -> int:
 
     from dflash_export.checkpoint import AttentionSpec
     from dflash_export.draft_spec import DraftSpec
-    from dflash_export.modules import DFlashDraft
+    from dflash_export.draft_model import DFlashDraft
     from dflash_export.train_loss import autocast_dtype, block_loss
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

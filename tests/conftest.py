@@ -108,7 +108,8 @@ class TinyFactory:
 
             import tiny_models
             from dflash_export.draft_spec import load_draft_spec
-            from dflash_export.modules import DFlashDraft, load_weights
+            from dflash_export.draft_model import DFlashDraft
+            from dflash_export.modules import load_weights
 
             target = self.target("qwen3")
             root = self._tmp.mktemp(f"draft_{kind}")

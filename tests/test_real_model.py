@@ -110,7 +110,8 @@ def test_acceptance_equals_the_pytorch_loop_and_tau_holds(smollm2_artifact):
 
     import runtime
     from dflash_export.build import prepare_pair
-    from dflash_export.modules import DFlashDraft, load_weights
+    from dflash_export.draft_model import DFlashDraft
+    from dflash_export.modules import load_weights
     from dflash_export.torch_loop import torch_spec_generate
 
     sess = runtime.load(smollm2_artifact)

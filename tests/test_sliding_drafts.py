@@ -60,7 +60,8 @@ class Draft:
         import json
 
         from dflash_export.draft_spec import load_draft_spec
-        from dflash_export.modules import DFlashDraft, load_weights
+        from dflash_export.draft_model import DFlashDraft
+        from dflash_export.modules import load_weights
 
         self.target = tiny.target("qwen3")
         self.root = tmp_path_factory.mktemp(name)

@@ -92,6 +92,27 @@ def test_plain_steps_probe_with_a_doubling_gap():
     assert pol.proposals(15) > 0 and pol.probe_gap == 4
 
 
+def test_the_shape_search_runs_again_only_when_its_inputs_change(monkeypatch):
+    """Plain steps change neither the acceptance estimate nor the speculative costs: the search over
+    shapes is not repeated for them (it cost 1.5% of an INT4 step), but a speculative step, a new
+    prompt or another limit repeats it."""
+    pol = AdaptiveLength(CPU_COSTS, AcceptanceEstimate(0.2, 15))
+    searched = []
+    search = pol._search
+    monkeypatch.setattr(pol, "_search", lambda limit: searched.append(limit) or search(limit))
+    for _ in range(3):
+        assert pol.proposals(15) == 0
+        pol.observe(0, 0, 0.031)
+    assert searched == [15]
+    pol.proposals(7)
+    pol.observe(0, 0, 0.031)
+    pol.observe(1, 1, 0.042)  # (a step the policy did not choose: still evidence)
+    pol.proposals(7)
+    pol.start()
+    pol.proposals(7)
+    assert searched == [15, 7, 7, 7]
+
+
 def test_acceptance_estimate_learns_and_forgets():
     est = AcceptanceEstimate(0.5, 7, prior_weight=2.0, decay=0.95, carry=0.85)
     np.testing.assert_allclose(est.rates(), 0.5 * 0.85 ** np.arange(7))  # no evidence: the prior, carried down

@@ -22,7 +22,8 @@ from tiny_models import make_draft, make_target
 def tiny_draft(tmp_path_factory):
     from dflash_export.checkpoint import load_target_spec
     from dflash_export.draft_spec import load_draft_spec
-    from dflash_export.modules import DFlashDraft, load_weights
+    from dflash_export.draft_model import DFlashDraft
+    from dflash_export.modules import load_weights
 
     root = tmp_path_factory.mktemp("train")
     t = make_target(root / "t")

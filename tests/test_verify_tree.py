@@ -12,6 +12,7 @@ import pytest
 
 from runtime.call_costs import CallCosts
 from runtime.errors import DFlashError
+from runtime.options import GenerationOptions
 from runtime.speculation import AcceptanceEstimate, AdaptiveLength
 from runtime.tree import VerifyTree, chain_inputs, parse_tree, tree_bias_of
 
@@ -124,6 +125,12 @@ def test_tree_requests_are_checked(smollm2_artifact):
         sess.generate([1, 2, 3], max_new_tokens=2, verify_len="1+x")
     with pytest.raises(DFlashError, match="verify_len"):
         sess.generate([1, 2, 3], max_new_tokens=2, verify_len="1+4")
+    # an artifact that verifies chains only refuses a tree before anything runs (the server checks
+    # requests this way before they queue; its 400 names verify_len as the parameter at fault)
+    sess.verifies_trees = False
+    with pytest.raises(DFlashError, match='^verify_len "1\\+3" needs a target graph that verifies trees'):
+        sess.check_request([1, 2, 3], GenerationOptions(max_new_tokens=2, verify_len="1+3"))
+    assert sess.check_request([1, 2, 3], GenerationOptions(max_new_tokens=2, verify_len=3)) == sess.block_size
 
 
 def test_a_tree_near_the_end_of_the_caches_runs_as_its_chain(smollm2_artifact):
