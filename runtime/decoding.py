@@ -498,14 +498,17 @@ class Session:
                 f"request or rebuild with `python -m dflash_export build --max-seq-len {n + opts.max_new_tokens}` (or larger)"
             )
         v = opts.verify_len
-        if isinstance(v, int):
-            if b == 1 and v != 1:
-                raise DFlashError(f"block_size 1 (plain decoding) verifies no proposals; omit verify_len (got {v})")
-            if not 1 <= v <= max(b - 1, 1):
+        if isinstance(v, str) and "+" in v:
+            tree = self._requested_tree(v)
+            length, shown = tree.length, f'"{v}"'
+        else:
+            length, shown = v, v
+        if isinstance(length, int):
+            if b == 1 and not (v == 1 and isinstance(v, int)):
+                raise DFlashError(f"block_size 1 (plain decoding) verifies no proposals; omit verify_len (got {shown})")
+            if not 1 <= length <= max(b - 1, 1):
                 raise DFlashError(f"verify_len must be between 1 and block_size - 1 = {b - 1} "
-                                  f"(got {v}); block_size {b} proposes {b - 1} tokens per step")
-        elif isinstance(v, str) and "+" in v:
-            self._requested_tree(v)
+                                  f"(got {shown}); block_size {b} proposes {b - 1} token{'s' if b != 2 else ''} per step")
         vocab = int(self.manifest["target"]["vocab_size"])
         if opts.top_k > vocab:
             raise DFlashError(f"top_k {opts.top_k} exceeds the vocabulary size {vocab}")

@@ -92,6 +92,8 @@ class GenerationOptions:
             except ValueError as e:
                 raise DFlashError(f"verify_len: {e}") from None
         elif v is not None and v not in ("auto", "all"):
+            if isinstance(v, str) and v.isascii() and v.isdigit():  # "3" from a command line or a JSON string
+                v = int(v)
             if isinstance(v, (str, bool)):
                 raise DFlashError(f'verify_len must be "auto", "all", an integer or a verify tree "L+A" (got {v!r})')
             set_("verify_len", as_int(v, "verify_len"))

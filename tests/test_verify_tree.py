@@ -125,6 +125,15 @@ def test_tree_requests_are_checked(smollm2_artifact):
         sess.generate([1, 2, 3], max_new_tokens=2, verify_len="1+x")
     with pytest.raises(DFlashError, match="verify_len"):
         sess.generate([1, 2, 3], max_new_tokens=2, verify_len="1+4")
+    # a tree's chain must fit the block as an integer verify_len must (its alternatives are ranks at
+    # position 1, which every block of 2 or more has); plain decoding takes no tree
+    with pytest.raises(DFlashError, match=r'^verify_len must be between 1 and block_size - 1 = 1 \(got "2\+2"\); '
+                                          r'block_size 2 proposes 1 token per step'):
+        sess.generate([1, 2, 3], max_new_tokens=2, block_size=2, verify_len="2+2")
+    with pytest.raises(DFlashError, match=r'block_size 1 \(plain decoding\) verifies no proposals; omit verify_len \(got "1\+3"\)'):
+        sess.generate([1, 2, 3], max_new_tokens=2, block_size=1, verify_len="1+3")
+    assert sess.check_request([1, 2, 3], GenerationOptions(max_new_tokens=2, block_size=2, verify_len="1+3")) == 2
+    assert GenerationOptions(verify_len="3").verify_len == 3  # a number from a command line or a JSON string
     # an artifact that verifies chains only refuses a tree before anything runs (the server checks
     # requests this way before they queue; its 400 names verify_len as the parameter at fault)
     sess.verifies_trees = False
