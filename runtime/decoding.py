@@ -504,7 +504,7 @@ class Session:
         else:
             length, shown = v, v
         if isinstance(length, int):
-            if b == 1 and not (v == 1 and isinstance(v, int)):
+            if b == 1 and v != 1:  # (a tree's string is never 1)
                 raise DFlashError(f"block_size 1 (plain decoding) verifies no proposals; omit verify_len (got {shown})")
             if not 1 <= length <= max(b - 1, 1):
                 raise DFlashError(f"verify_len must be between 1 and block_size - 1 = {b - 1} "
