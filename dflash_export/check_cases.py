@@ -99,7 +99,8 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
         **chain_inputs(0), **target_caches(t, None, 0)), tmod)
     block = np.concatenate([prefill.ref["next_embeddings"][:1], np.broadcast_to(mask_row, (B - 1, hidden))])
     dprefill = run("draft", "draft_prefill", feed(
-        "draft", context_hidden=prefill.ref["taps"], block_embeddings=block, **kv(None, 0, dl, dkv, dhd)), dmod)
+        "draft", context_hidden=prefill.ref["taps"], block_embeddings=block, proposal_rows=np.arange(B - 1),
+        **kv(None, 0, dl, dkv, dhd)), dmod)
     verify = run("target", "verify", feed(
         "target", input_ids=prefill.ref["next_ids"][:1], draft_hidden=dprefill.ref["draft_hidden"], temperature=np.zeros(1),
         uniform=np.zeros(greedy_rows), **chain_inputs(B - 1), **target_caches(t, prefill.ref, T)), tmod)
@@ -112,7 +113,9 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
     c = min(3, B)  # as if c - 1 proposals were accepted: the next context is c verified rows
     block2 = np.concatenate([verify.ref["next_embeddings"][c - 1 : c], np.broadcast_to(mask_row, (B - 1, hidden))])
     dstep = run("draft", "draft_step", feed(
-        "draft", context_hidden=verify.ref["taps"][:c], block_embeddings=block2, **kv(dprefill.ref, T, dl, dkv, dhd)), dmod)
+        "draft", context_hidden=verify.ref["taps"][:c], block_embeddings=block2,
+        proposal_rows=np.arange(min(2, B - 1)),  # a step verifying 2 proposals: the last layer cut to them
+        **kv(dprefill.ref, T, dl, dkv, dhd)), dmod)
     for case in (prefill, verify):
         case.margins["next_ids"] = _margins(case.ref["logits"])
     return [prefill, dprefill, verify, dstep]

@@ -43,7 +43,7 @@ def draft_io_names(num_layers: int) -> tuple[list[str], list[str]]:
     """Input and output names of the draft graph, in positional order."""
     kv_in = [f"past_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
     kv_out = [f"{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
-    return ["context_hidden", "block_embeddings", *kv_in], ["draft_hidden", *kv_out]
+    return ["context_hidden", "block_embeddings", "proposal_rows", *kv_in], ["draft_hidden", *kv_out]
 
 
 def trt10_supported_ops() -> set[str]:
@@ -376,18 +376,24 @@ def _replicated_target(module, readers: dict, layout) -> tuple:
 
 
 def export_draft(module, path: Path, readers: dict | None = None, progress: bool = False) -> None:
-    """Export a :class:`DFlashDraft` to `path` with dynamic C (>= 1), B (>= 2) and Pc (>= 0)."""
+    """Export a :class:`DFlashDraft` to `path` with dynamic C (>= 1), B (>= 2), R (>= 1: the
+    `proposal_rows` returned) and Pc (>= 0), its inputs in :class:`DraftWithRows` order."""
+    from .draft_model import DraftWithRows
+
+    module = DraftWithRows.view_of(module)
     spec = module.spec
     a = spec.arch
     dt = module.compute_dtype
-    c, b, p = 3, 6, 5
+    c, b, r, p = 3, 6, 4, 5  # distinct, so no dimension is specialised to another
     args = (
         torch.randn(c, len(spec.target_layer_ids) * a.hidden_size, dtype=dt),
         torch.randn(b, a.hidden_size, dtype=dt),
+        torch.arange(r, dtype=torch.int64),
         *[torch.randn(p, a.num_kv_heads, a.head_dim, dtype=dt) for _ in range(2 * a.num_layers)],
     )
     C = torch.export.Dim("context_len", min=1, max=1 << 20)
     B = torch.export.Dim("block_size", min=2, max=1 << 10)
+    R = torch.export.Dim("draft_rows", min=1, max=1 << 10)
     P = torch.export.Dim("past_context_len", min=0, max=1 << 20)
-    dyn = ({0: C}, {0: B}, tuple({0: P} for _ in range(2 * a.num_layers)))
+    dyn = ({0: C}, {0: B}, {0: R}, tuple({0: P} for _ in range(2 * a.num_layers)))
     _export(module, args, draft_io_names(a.num_layers), dyn, path, readers, progress)

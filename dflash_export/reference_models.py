@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from runtime.errors import DFlashError
+from runtime.manifest import draft_rows_exported
 
 
 def verify_sources(manifest: dict) -> tuple[str, str | None]:
@@ -66,17 +67,18 @@ def reference_modules(manifest: dict, artifact_dir: Path | None = None):
             raise DFlashError("an AWQ artifact's reference needs its directory (the scales are stored there)")
         manifest = {**manifest, "quantization": {**quant, "awq_scales": str(Path(artifact_dir) / quant["awq_scales"])}}
     tmod = target_family(tspec.family).reference_target(tspec, dspec, tsource, manifest, vocab)
-    return tmod, _reference_draft(dspec, dstate)
+    return tmod, _reference_draft(dspec, dstate, draft_rows_exported(manifest))
 
 
-def _reference_draft(dspec, dstate):
-    """The fp32 reference draft module with the draft's weights (upcast as they are used)."""
+def _reference_draft(dspec, dstate, takes_rows: bool = True):
+    """The fp32 reference draft module with the draft's weights (upcast as they are used), taking
+    `proposal_rows` as the artifact's draft graph does (`takes_rows`) or not (older graphs)."""
     import torch
 
-    from .draft_model import DFlashDraft
+    from .draft_model import DFlashDraft, DraftWithRows
     from .weights import WeightSource, empty_module, load_module_weights
 
-    dmod = empty_module(lambda: DFlashDraft(dspec, torch.float32)).eval()
+    dmod = empty_module(lambda: (DraftWithRows if takes_rows else DFlashDraft)(dspec, torch.float32)).eval()
     dsource = WeightSource(f"draft {dspec.path or '(untrained)'}", tensors=dstate)
     upcast_weights_on_use(load_module_weights(dmod, dsource, dsource.where))
     return dmod

@@ -88,7 +88,7 @@ def timed_step(session, n: int, past: int) -> float:
     be, t0 = session.backend, time.perf_counter()
     if n:
         be.copy(session.block.rows(0, 1), session.next_embeddings.rows(0, 1))
-        session.run_draft(1, past, session.block_size)
+        session.run_draft(1, past, session.block_size, rows=n)
     be.write(session.input_ids.rows(0, 1), np.array([1], np.int64))
     session.run_target(1, n, past)
     session.read_ids(n)

@@ -19,7 +19,7 @@ from .errors import DFlashError
 from .row_exact import needs_row_padding
 from . import call_costs
 from .loop import CachedContext, DecodeLoop
-from .manifest import (DTYPES, greedy_form_exported, layer_types, load_manifest, load_mask_embedding,
+from .manifest import (DTYPES, draft_rows_exported, greedy_form_exported, layer_types, load_manifest, load_mask_embedding,
                        tree_inputs_exported)
 from .options import GENERATION_OPTION_NAMES, GenerationOptions, as_int
 from .results import GenerationResult, StreamChunk
@@ -128,6 +128,10 @@ class Session:
         self.logits = be.alloc(np.float32, mb, (int(t["vocab_size"]),)) if self.keep_logits else None
         self.block = be.alloc(self.dtype, mb, (hidden,))
         self.draft_hidden = be.alloc(self.dtype, mb, (hidden,))
+        # the draft returns draft_hidden rows 0..R-1 only (its last layer cut to them), written once
+        self.proposal_rows = be.alloc(np.int64, mb) if draft_rows_exported(m) else None
+        if self.proposal_rows is not None:
+            be.write(self.proposal_rows.rows(0, mb), np.arange(mb, dtype=np.int64))
         # a verify tree's depth, rank and [N, N] bias (`runtime.tree`), written when the shape changes
         self.verifies_trees = tree_inputs_exported(m) and self.recurrent is None
         self.tree_depth = self.tree_rank = self.tree_bias = self._tree_written = None
@@ -239,14 +243,22 @@ class Session:
         ids = self.backend.read(self.token_ids.rows(0, 2 * n_proposals + 1))
         return ids[: n_proposals + 1], ids[n_proposals + 1 :]
 
-    def run_draft(self, n_context: int, past: int, block_size: int, taps_row: int = 0) -> None:
+    def run_draft(self, n_context: int, past: int, block_size: int, taps_row: int = 0,
+                  rows: int | None = None) -> None:
         """One draft call: new context = `taps` rows [taps_row, taps_row + n_context) appended at row
-        `past` of the draft's context cache, block = `block` rows [0, block_size); writes
-        block_size - 1 hidden rows to `draft_hidden`."""
+        `past` of the draft's context cache, block = `block` rows [0, block_size); writes `rows`
+        (1..block_size - 1; None: all block_size - 1) hidden rows to `draft_hidden`, block positions
+        1..rows. Asking for fewer rows is cheaper where the draft graph takes `proposal_rows`
+        (artifacts built since it exists; older ones compute and write all block_size - 1)."""
         if self.closed:
             raise DFlashError("this Session is closed; load the artifact again")
         inputs = {"context_hidden": self.taps.rows(taps_row, n_context), "block_embeddings": self.block.rows(0, block_size)}
-        outputs = {"draft_hidden": self.draft_hidden.rows(0, block_size - 1)}
+        if self.proposal_rows is None:
+            rows = block_size - 1
+        else:
+            rows = block_size - 1 if rows is None else min(max(int(rows), 1), block_size - 1)
+            inputs["proposal_rows"] = self.proposal_rows.rows(0, rows)
+        outputs = {"draft_hidden": self.draft_hidden.rows(0, rows)}
         _bind_kv(self.d_kv, past, n_context, inputs, outputs)
         self.backend.run("draft", inputs, outputs)
 

@@ -140,16 +140,18 @@ class DecodeLoop:
         elif n_prop == 0:
             s.backend.write(s.uniform.rows(0, 1), np.zeros(1, np.float32))
 
-    def _draft_catch_up(self) -> None:
+    def _draft_catch_up(self, rows: int) -> None:
         """Draft call(s) reading every pending context row (one call unless the engine's profiles
-        limit the rows per call); the last one's block is the proposal."""
+        limit the rows per call); the last one's block is the proposal, of which `rows` hidden rows
+        are computed (the earlier calls' blocks are overwritten: one row each)."""
         s, ctx = self.s, self.s.context
         limit = (s.backend.max_call_rows("draft") or ctx.pending) if ctx.draft_len > 0 else ctx.pending
         start = ctx.draft_len
         while True:
             row = ctx.draft_len - start
             n = min(len(ctx.ids) - ctx.draft_len, limit)
-            s.run_draft(n, ctx.draft_len, self.b, taps_row=row)
+            last = ctx.draft_len + n == len(ctx.ids)
+            s.run_draft(n, ctx.draft_len, self.b, taps_row=row, rows=rows if last else 1)
             ctx.draft_len += n
             if ctx.draft_len == len(ctx.ids):
                 break
@@ -162,7 +164,7 @@ class DecodeLoop:
         if n_prop > 0:  # the draft reads all context since its last call, then fills the block
             be.copy(s.block.rows(0, 1), s.next_embeddings.rows(self.anchor_row, 1))
             t0 = time.perf_counter()
-            self._draft_catch_up()
+            self._draft_catch_up(n_prop if tree is None else tree.length)
             self.draft_s += time.perf_counter() - t0
         be.write(s.input_ids.rows(0, 1), np.array([self.out[-1]], np.int64))
         self._write_uniforms(n_prop, tree)

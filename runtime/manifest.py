@@ -108,6 +108,13 @@ def tree_inputs_exported(manifest: dict[str, Any]) -> bool:
     return any(i["name"] == "tree_depth" for i in inputs)
 
 
+def draft_rows_exported(manifest: dict[str, Any]) -> bool:
+    """Whether the draft graph takes `proposal_rows` (int64 `[R]`: the `draft_hidden` rows to return,
+    its last layer cut to them); graphs exported before that return all B - 1 rows."""
+    inputs = manifest.get("io", {}).get("draft", {}).get("inputs", [])
+    return any(i["name"] == "proposal_rows" for i in inputs)
+
+
 def layer_types(section: dict[str, Any]) -> list[str]:
     """A graph section's (`manifest["target"]` or `["draft"]`) type per layer: "full_attention",
     "linear_attention" (a hybrid's Gated DeltaNet: a recurrent state, no KV cache) or

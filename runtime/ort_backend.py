@@ -84,7 +84,7 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
     Raises:
         DFlashError: the graph and the manifest disagree (a damaged or hand-edited artifact).
     """
-    from .manifest import DTYPES, layer_types, tree_inputs_exported
+    from .manifest import DTYPES, draft_rows_exported, layer_types, tree_inputs_exported
     from .recurrent import gdn_io_names
     from .tree import TREE_INPUTS
 
@@ -92,6 +92,8 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
     lead = ["input_ids", "draft_hidden", "temperature", "uniform"] if graph == "target" else ["context_hidden", "block_embeddings"]
     if graph == "target" and tree_inputs_exported(manifest):
         lead += list(TREE_INPUTS)
+    if graph == "draft" and draft_rows_exported(manifest):
+        lead.append("proposal_rows")
     types = layer_types(manifest[graph])
     expected = list(lead)
     for i, kind in enumerate(types):

@@ -41,7 +41,7 @@ from .manifest import is_hybrid
 # Symbolic dims of the exported graphs (dflash_export/export.py; a hybrid target adds "pending_rows",
 # dflash_export/qwen3_5_target.export_inputs).
 TARGET_DIMS = ("new_tokens", "proposals", "past_len", "sampled_rows")
-DRAFT_DIMS = ("context_len", "block_size", "past_context_len")
+DRAFT_DIMS = ("context_len", "block_size", "past_context_len", "draft_rows")
 
 Range = tuple[int, int, int]
 # Most prompt rows one target call prefills on top of a cached prefix (KV reuse), and most context
@@ -120,6 +120,7 @@ def dim_ranges(manifest: dict, max_block_size: int | None = None) -> dict[str, l
       (E = EXTEND_ROWS; the loop splits longer runs, see :func:`call_row_limit`).
     - draft "draft_step": C = accepted + 1 (or, catching up after plain steps or on a reused prompt,
       up to E rows) in [1, max(mb, E)], B in [2, mb], Pc in [1, S-1].
+    - both draft profiles: R (`proposal_rows`, the hidden rows returned) in [1, mb-1], opt b-1.
 
     Hybrid targets (`manifest["target"]["max_call_rows"]` = R_max, 64): prefill and extend take
     T <= R_max, verify N <= R_max - 1 and U <= R_max (so T + N <= R_max at every profile corner), and
@@ -151,11 +152,14 @@ def dim_ranges(manifest: dict, max_block_size: int | None = None) -> dict[str, l
         r = int(call_rows)
         pending = {"prefill": (0, 0, 0), "verify": _clamp(0, max(1, b // 2), r), "extend": _clamp(0, r, r)}
         target = [(name, {**dims, "pending_rows": pending[name]}) for name, dims in target]
+    rows = _clamp(1, b - 1, mb - 1)  # draft_hidden rows returned (graphs with `proposal_rows`)
     return {
         "target": target,
         "draft": [
-            ("draft_prefill", {"context_len": _clamp(1, min(top, 256), top), "block_size": _clamp(2, b, mb), "past_context_len": (0, 0, 0)}),
-            ("draft_step", {"context_len": _clamp(1, max(1, b // 2), max(mb, ext)), "block_size": _clamp(2, b, mb), "past_context_len": _clamp(1, S // 2, top)}),
+            ("draft_prefill", {"context_len": _clamp(1, min(top, 256), top), "block_size": _clamp(2, b, mb),
+                               "past_context_len": (0, 0, 0), "draft_rows": rows}),
+            ("draft_step", {"context_len": _clamp(1, max(1, b // 2), max(mb, ext)), "block_size": _clamp(2, b, mb),
+                            "past_context_len": _clamp(1, S // 2, top), "draft_rows": rows}),
         ],
     }
 

@@ -86,7 +86,7 @@ def oracle_draft(sess, reference: list[int], wrong: float) -> None:
     table = embedding_table(sess).astype(np.float32)
     rng = np.random.default_rng(0)
 
-    def run_draft(n_context, past, block_size, taps_row=0):
+    def run_draft(n_context, past, block_size, taps_row=0, rows=None):
         start = len(sess.context.ids) + 1  # proposal 1 is the token after the anchor
         rows = []
         for j in range(block_size - 1):

@@ -301,7 +301,7 @@ class Oracle:
         self.calls: list[tuple[int, list[int]]] = []
         sess.run_draft = self._draft
 
-    def _draft(self, n_context: int, past: int, block_size: int, taps_row: int = 0) -> None:
+    def _draft(self, n_context: int, past: int, block_size: int, taps_row: int = 0, rows=None) -> None:
         sess = self.sess
         k = past + n_context - self.prompt_len + 1  # tokens generated so far (cache + the anchor)
         toks = [int(t) for t in self.propose(k, block_size - 1)]

@@ -496,3 +496,35 @@ def test_text_prompt_with_tokenizer(qwen, qwen_ref):
     res = runtime.generate(qwen.artifact, "t5 t6 t7", max_new_tokens=4, stop_token_ids=[], verify_len="all")
     assert res.output_ids == qwen_ref([5, 6, 7])[:4]
 
+
+
+# ---- 2c. the draft computes only the rows a step verifies ---------------------------------------
+def test_draft_rows_follow_the_verified_proposals(qwen):
+    """The draft call returns as many `draft_hidden` rows as the step verifies (its last layer cut to
+    them; a tree: its chain length), and those rows equal the uncut call's."""
+    sess = runtime.load(qwen.artifact)
+    b = qwen.block_size
+    assert sess.proposal_rows is not None  # artifacts built now take proposal_rows
+    sess.generate([5, 6, 7], max_new_tokens=4, stop_token_ids=[], block_size=1)  # fills the context cache
+    be, past = sess.backend, len(sess.context.ids)
+    full = None
+    for rows in (None, 1, 3, b - 1):
+        be.copy(sess.block.rows(0, 1), sess.next_embeddings.rows(0, 1))
+        sess.run_draft(1, past - 1, b, rows=rows)
+        got = be.read(sess.draft_hidden.rows(0, rows or b - 1))
+        full = got if full is None else full
+        np.testing.assert_allclose(got, full[: len(got)], rtol=0, atol=1e-5)
+    sess.reset()
+    bound, run = [], be.run
+
+    def record(graph, inputs, outputs):
+        if graph == "draft":
+            bound.append((inputs["proposal_rows"].shape[0], outputs["draft_hidden"].shape[0]))
+        return run(graph, inputs, outputs)
+
+    be.run = record
+    for verify_len, rows in ((2, 2), ("2+2", 2), ("all", b - 1)):
+        bound.clear()
+        sess.generate([5, 6, 7], max_new_tokens=6, stop_token_ids=[], verify_len=verify_len)
+        # the first step verifies the full length; a step near the token budget may verify fewer
+        assert bound[0] == (rows, rows) and all(r == o <= rows for r, o in bound), (verify_len, bound)

@@ -182,8 +182,9 @@ def draft_session(draft):
     return ort.InferenceSession(str(draft.onnx_path), opts, providers=["CPUExecutionProvider"])
 
 
-def _onnx(sess, draft, ctx, block, past):
-    feed = {"context_hidden": ctx.numpy(), "block_embeddings": block.numpy()}
+def _onnx(sess, draft, ctx, block, past, rows=None):
+    rows = np.arange(block.shape[0] - 1) if rows is None else np.asarray(rows, np.int64)
+    feed = {"context_hidden": ctx.numpy(), "block_embeddings": block.numpy(), "proposal_rows": rows}
     for i in range(draft.spec.arch.num_layers):
         feed[f"past_key_{i}"] = past[2 * i].numpy()
         feed[f"past_value_{i}"] = past[2 * i + 1].numpy()
@@ -195,7 +196,7 @@ def _onnx(sess, draft, ctx, block, past):
 
 def test_onnx_io_names(draft_session, draft):
     n = draft.spec.arch.num_layers
-    assert [i.name for i in draft_session.get_inputs()] == ["context_hidden", "block_embeddings"] + [
+    assert [i.name for i in draft_session.get_inputs()] == ["context_hidden", "block_embeddings", "proposal_rows"] + [
         f"past_{k}_{i}" for i in range(n) for k in ("key", "value")
     ]
     assert [o.name for o in draft_session.get_outputs()] == ["draft_hidden"] + [
@@ -212,6 +213,25 @@ def test_onnx_matches_module_one_call(draft_session, draft, c, b):
     _close(ohid, hid, "onnx draft_hidden")
     for j, (got, want) in enumerate(zip(okv, kv)):
         _close(got, want, f"onnx context kv {j}")
+
+
+@pytest.mark.parametrize("rows", [[0], [0, 1, 2], [2, 5], list(range(15))])
+def test_draft_cut_to_proposal_rows_returns_those_rows_of_the_full_block(draft_session, draft, rows):
+    """The last layer cut to `proposal_rows` (a step verifying 1-3 proposals) returns exactly the rows
+    the uncut draft computes there (module), and the graph matches the module; the context K/V do not
+    depend on the rows."""
+    c, b = 9, 16
+    ctx, block = _inputs(draft, c, b, seed=5)
+    _, kv0 = _module(draft, ctx[:4], block, _empty_past(draft))
+    full, kv = _module(draft, ctx[4:], block, kv0)
+    with torch.no_grad():
+        out = draft.module(ctx[4:], block, *kv0, rows=torch.tensor(rows))
+    assert out[0].shape == (len(rows), draft.spec.arch.hidden_size)
+    _close(out[0], full[rows], "rows of the cut draft vs the full draft")
+    ohid, okv = _onnx(draft_session, draft, ctx[4:], block, kv0, rows=rows)
+    _close(ohid, full[rows], "onnx cut rows vs the full module")
+    for j, (got, want) in enumerate(zip(okv, kv)):
+        _close(got, want, f"onnx context kv {j} with rows {rows}")
 
 
 def test_onnx_split_context_matches_module_and_reference(draft_session, draft):

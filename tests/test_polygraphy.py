@@ -24,6 +24,7 @@ try:  # Polygraphy >= 0.53 deprecates CompareFunc.simple in favour of the class 
 except ImportError:  # pragma: no cover - older Polygraphy
     _Simple = CompareFunc.simple
 
+from dflash_export.draft_model import DraftWithRows  # noqa: E402
 from dflash_export.export import draft_io_names, target_io_names  # noqa: E402
 
 ATOL = 1e-4
@@ -119,20 +120,22 @@ def test_polygraphy_draft_onnx_vs_pytorch(tiny):
     rng = np.random.default_rng(9)
     k = len(dr.spec.target_layer_ids)
 
-    def feed(c, b, past):
+    def feed(c, b, rows, past):
         f = OrderedDict(
             context_hidden=rng.normal(0, 2, (c, k * a.hidden_size)).astype(np.float32),
             block_embeddings=rng.normal(0, 0.1, (b, a.hidden_size)).astype(np.float32),
+            proposal_rows=np.arange(rows, dtype=np.int64),
         )
-        f.update(zip(in_names[2:], past))
+        f.update(zip(in_names[3:], past))
         return f
 
+    module = DraftWithRows.view_of(dr.module)  # positional inputs in the graph's order
     empty = [np.zeros((0, a.num_kv_heads, a.head_dim), np.float32) for _ in range(2 * a.num_layers)]
-    first = feed(6, 8, empty)
+    first = feed(6, 8, 7, empty)
     with torch.no_grad():
-        outs = dr.module(*[torch.from_numpy(v) for v in first.values()])
+        outs = module(*[torch.from_numpy(v) for v in first.values()])
     past = [o.numpy() for o in outs[1:]]
-    feeds = [first, feed(3, 8, past), feed(1, 16, past)]
-    _, _, accuracy = _compare(dr.onnx_path, dr.module, feeds, in_names, out_names)
+    feeds = [first, feed(3, 8, 2, past), feed(1, 16, 15, past)]
+    _, _, accuracy = _compare(dr.onnx_path, module, feeds, in_names, out_names)
     assert accuracy, "Polygraphy: draft ONNX and PyTorch outputs differ beyond atol=1e-4"
     assert set(accuracy.output_names()) == set(out_names)

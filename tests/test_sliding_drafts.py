@@ -235,8 +235,9 @@ def test_sliding_only_draft_ignores_context_beyond_the_window(tiny, tmp_path_fac
 # ---- ONNX ---------------------------------------------------------------------------------------
 
 
-def _onnx(sess, spec, ctx, block, past):
-    feed = {"context_hidden": ctx.numpy(), "block_embeddings": block.numpy()}
+def _onnx(sess, spec, ctx, block, past, rows=None):
+    rows = np.arange(block.shape[0] - 1) if rows is None else np.asarray(rows, np.int64)
+    feed = {"context_hidden": ctx.numpy(), "block_embeddings": block.numpy(), "proposal_rows": rows}
     for i in range(spec.arch.num_layers):
         feed[f"past_key_{i}"] = past[2 * i].numpy()
         feed[f"past_value_{i}"] = past[2 * i + 1].numpy()
@@ -269,6 +270,24 @@ def test_sliding_onnx_matches_module_and_passes_graph_check(sliding):
             _close(got, want, f"onnx context kv {j} (Pc {pc}, C {c}, B {b})")
         ref_hid, _ = reference_draft(sliding.state, sliding.config, ctx, block)
         _close(ohid, ref_hid, f"onnx vs reference draft_hidden (Pc {pc}, C {c}, B {b})")
+
+
+def test_sliding_draft_cut_to_proposal_rows_keeps_each_rows_window(tiny, tmp_path_factory):
+    """A sliding last layer cut to `proposal_rows` masks each returned row by its own position's
+    window (block rows 1 and 7 see different rows: W = 5): the graph's rows equal the full block's."""
+    d = Draft(tiny, tmp_path_factory, "all_sliding_rows", layers=2, layer_types=["sliding_attention"] * 2,
+              sliding_window=WINDOW)
+    pc, c, b = 13, 2, 8
+    ctx, block = d.inputs(pc + c, b, seed=61)
+    _, past = d.run(ctx[:pc], block, d.empty_past())
+    full, _ = d.run(ctx[pc:], block, past)
+    sess = _session(d.onnx_path)
+    for rows in ([0], [0, 1], [1, 6], [6]):
+        got, _ = _onnx(sess, d.spec, ctx[pc:], block, past, rows=rows)
+        _close(got, full[rows], f"rows {rows}")
+        with torch.no_grad():
+            cut = d.module(ctx[pc:], block, *past, rows=torch.tensor(rows))[0]
+        _close(cut, full[rows], f"module rows {rows}")
 
 
 def test_sliding_layers_never_read_cached_rows_outside_the_window(sliding):
