@@ -145,7 +145,11 @@ def load_reference(path: Path, manifest: dict) -> list[Case]:
     if meta.get("format") != "dflash_export.check-reference" or meta.get("sources") != manifest.get("sources"):
         raise DFlashError(f"{path} was saved for another artifact (its sources differ); save it again for this one")
     cases = []
+    graph_inputs = {g: [t["name"] for t in manifest["io"][g]["inputs"]] for g in manifest.get("io", {})}
     for i, c in enumerate(meta["cases"]):
+        if c["graph"] in graph_inputs and list(c["inputs"]) != graph_inputs[c["graph"]]:
+            raise DFlashError(f"{path} was saved for an earlier build of this artifact (its {c['graph']} inputs "
+                              "differ from the graph's); save it again with `check --save-reference`")
         cases.append(Case(
             c["graph"], c["name"],
             OrderedDict((k, data[f"{i}/in/{k}"]) for k in c["inputs"]),

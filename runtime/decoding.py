@@ -21,12 +21,12 @@ from . import call_costs
 from .loop import CachedContext, DecodeLoop
 from .manifest import (DTYPES, draft_rows_exported, greedy_form_exported, layer_types, load_manifest, load_mask_embedding,
                        tree_inputs_exported)
-from .options import GENERATION_OPTION_NAMES, GenerationOptions, as_int
+from .options import GENERATION_OPTION_NAMES, GenerationOptions
+from .prompt_encoding import PromptEncoding
 from .results import GenerationResult, StreamChunk
 from .stream import GenerationStream
 from .speculation import (TRAINED_ALTERNATIVE_PRIOR, TRAINED_DRAFT_PRIOR, UNTRAINED_ALTERNATIVE_PRIOR,
                           UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength, FixedLength, FixedTree, Policy)
-from .tokenizer import check_messages
 from .tree import TREE_RANKS, VerifyTree, parse_tree, verify_tree
 
 __all__ = ["Session", "GenerationStream", "GenerationResult", "StreamChunk", "MAX_BLOCK_SIZE"]
@@ -35,7 +35,7 @@ __all__ = ["Session", "GenerationStream", "GenerationResult", "StreamChunk", "MA
 MAX_BLOCK_SIZE = 64
 
 
-class Session:
+class Session(PromptEncoding):
     """A loaded artifact: both graphs, static KV buffers and the tokenizer, reusable across calls.
 
     Args:
@@ -319,59 +319,6 @@ class Session:
         self.close()
 
     # ---- public API --------------------------------------------------------------------
-    def encode(self, prompt: str | Sequence[int], chat: bool = False, enable_thinking: bool | None = None) -> list[int]:
-        """Prompt text (optionally as a one-turn chat) or ids -> ids.
-
-        Raises:
-            DFlashError: empty prompt, ids outside the vocabulary, or text without a tokenizer.
-        """
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise DFlashError("the prompt is empty; pass some text or token ids")
-            if chat:
-                return self.encode_messages([{"role": "user", "content": prompt}], enable_thinking)
-            ids = self._require_tokenizer().encode(prompt)
-            if not ids:
-                raise DFlashError("the prompt tokenizes to no tokens; pass some text or token ids")
-            return ids
-        if isinstance(prompt, (bytes, dict)) or prompt is None:
-            raise DFlashError("the prompt must be text or a sequence of token ids")
-        try:
-            ids = [as_int(i, "prompt token id") for i in prompt]
-        except TypeError:
-            raise DFlashError("the prompt must be text or a sequence of token ids") from None
-        if not ids:
-            raise DFlashError("the prompt is empty; pass at least one token id")
-        vocab = int(self.manifest["target"]["vocab_size"])
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise DFlashError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return ids
-
-    def encode_messages(self, messages, enable_thinking: bool | None = None) -> list[int]:
-        """OpenAI-style messages (`[{"role": "system"|"user"|"assistant", "content": str}, ...]`) -> the
-        ids of the model's chat template with the generation prompt. `enable_thinking` (Qwen3's
-        template option) defaults to what the draft was trained on (the manifest's
-        `draft.enable_thinking`; False when absent: the released drafts are non-thinking).
-
-        Raises:
-            DFlashError: malformed messages, no tokenizer or no chat template.
-        """
-        messages = check_messages(messages)
-        if enable_thinking is None:
-            enable_thinking = bool(self.manifest["draft"].get("enable_thinking", False))
-        elif not isinstance(enable_thinking, bool):
-            raise DFlashError(f"enable_thinking must be true or false (got {enable_thinking!r})")
-        ids = self._require_tokenizer().apply_chat_template(messages, enable_thinking=enable_thinking)
-        if not ids:
-            raise DFlashError("the chat template renders these messages to no tokens")
-        return ids
-
-    def _require_tokenizer(self):
-        if self.tokenizer is None:
-            raise DFlashError("this artifact has no tokenizer; pass token ids instead of text")
-        return self.tokenizer
-
     def stream(self, prompt: str | Sequence[int] | None = None, *, messages=None, chat: bool = False,
                enable_thinking: bool | None = None, **options) -> "GenerationStream":
         """Start a generation whose output arrives as it is committed.

@@ -307,7 +307,10 @@ class Oracle:
         toks = [int(t) for t in self.propose(k, block_size - 1)]
         assert len(toks) == block_size - 1
         self.calls.append((k, toks))
-        sess.backend.write(sess.draft_hidden.rows(0, block_size - 1), self.rows[toks].astype(sess.dtype))
+        hidden = self.rows[toks].astype(sess.dtype)
+        if rows is not None and sess.proposal_rows is not None:  # as the graph: rows past `rows` not written
+            hidden[rows:] = np.nan  # so a step reading a row its draft call did not compute goes wrong
+        sess.backend.write(sess.draft_hidden.rows(0, block_size - 1), hidden)
 
 
 def follow(ref: Sequence[int], correct: int | None = None) -> Callable[[int, int], list[int]]:

@@ -528,3 +528,39 @@ def test_draft_rows_follow_the_verified_proposals(qwen):
         sess.generate([5, 6, 7], max_new_tokens=b + 4, stop_token_ids=[], verify_len=verify_len)
         # the first step verifies the full length; a step near the token budget may verify fewer
         assert bound[0] == (rows, rows) and all(r == o <= rows for r, o in bound), (verify_len, bound)
+
+
+def test_an_artifact_whose_draft_returns_every_row_still_runs(qwen, qwen_ref, tmp_path):
+    """Artifacts built before `proposal_rows` (a draft graph returning all B - 1 rows) load, check and
+    decode as before: the runtime binds no rows input and the output equals plain decoding."""
+    import json
+    import shutil
+
+    import torch
+
+    from dflash_export.build import _io_spec, draft_export_module, prepare_pair
+    from dflash_export.export import _export
+    from dflash_export.weights import WeightSource
+
+    art = tmp_path / "old"
+    shutil.copytree(qwen.artifact, art)
+    _, dspec, _, dstate, _ = prepare_pair(str(qwen.target_dir), str(qwen.draft_dir))
+    module, readers = draft_export_module(dspec, WeightSource("draft", tensors=dstate), torch.float32)
+    a = dspec.arch
+    args = (torch.randn(3, len(dspec.target_layer_ids) * a.hidden_size), torch.randn(6, a.hidden_size),
+            *[torch.randn(5, a.num_kv_heads, a.head_dim) for _ in range(2 * a.num_layers)])
+    dims = ({0: torch.export.Dim("context_len", min=1, max=1 << 20)}, {0: torch.export.Dim("block_size", min=2, max=1 << 10)},
+            tuple({0: torch.export.Dim("past_context_len", min=0, max=1 << 20)} for _ in range(2 * a.num_layers)))
+    kv = [f"past_{k}_{i}" for i in range(a.num_layers) for k in ("key", "value")]
+    names = (["context_hidden", "block_embeddings", *kv], ["draft_hidden", *[n[5:] for n in kv]])
+    _export(module, args, names, dims, art / "draft.onnx", readers)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["io"]["draft"] = _io_spec(art / "draft.onnx")
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    sess = runtime.load(art)
+    assert sess.proposal_rows is None
+    for prompt in PROMPTS:
+        want = qwen_ref(prompt, 20)
+        for verify_len in (1, "2+2", None):
+            got = sess.generate(list(prompt), max_new_tokens=20, stop_token_ids=[], verify_len=verify_len)
+            assert got.output_ids == want, (prompt, verify_len)
