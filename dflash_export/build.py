@@ -26,7 +26,7 @@ from .checkpoint import TargetSpec, load_target_spec, safetensors_files
 from .draft_spec import DraftSpec, load_draft_spec, parse_draft_config
 from .sources import SourceHashes, random_draft_config, resolve_draft, resolve_target
 from .families import target_family
-from .quantize import QuantConfig, quantization_record
+from .quantize import QuantConfig, draft_quant_plan, quantization_record
 from .weights import WeightSource, bind_weights, empty_module
 
 
@@ -157,6 +157,18 @@ def draft_export_module(dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
     return module, bind_weights(module, source, source.where)
 
 
+def draft_rewrite(plan: dict, readers: dict, source: WeightSource, dtype):
+    """The draft export's `rewrite(model, packed)`: INT4 for the weights of `plan`
+    (`quantize.draft_quant_plan`), packed gate+up included."""
+    from .dense_target import graph_weight_names, read_packed
+    from .quantize import QuantConfig, rewrite_int4
+
+    def rewrite(model, packed):
+        rewrite_int4(model, graph_weight_names(plan["tensors"], packed, False), read_packed(packed, readers, source, dtype),
+                     QuantConfig(method="rtn", block=plan["block"]), dtype)
+    return rewrite
+
+
 def build(
     target: str | None,
     draft: str | None,
@@ -253,7 +265,9 @@ def build(
         with stage("exporting draft.onnx"):
             dsource = WeightSource(f"draft {dspec.path or '(untrained)'}", tensors=dstate)
             dmod, dreaders = draft_export_module(dspec, dsource, torch_dtype)
-            export_draft(dmod, tmp / "draft.onnx", dreaders, progress=not quiet)
+            dquant = draft_quant_plan(dspec, dsource.shapes, qconfig) if qconfig is not None else None
+            export_draft(dmod, tmp / "draft.onnx", dreaders, progress=not quiet,
+                         rewrite=dquant and draft_rewrite(dquant, dreaders, dsource, torch_dtype))
             del dstate, dsource, dmod, dreaders
         with stage(f"exporting target.onnx ({family.EXPORT_TITLE})"):
             exported = family.export_for_build(tspec, dspec, tsource, tmp / "target.onnx", torch_dtype, qconfig,
@@ -267,7 +281,7 @@ def build(
             if qconfig is not None:
                 head_name = "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
                 manifest["quantization"] = {**quantization_record(qconfig, exported.quantized, dtype, head_name),
-                                            **exported.quant_extra}
+                                            **exported.quant_extra, **({"draft": dquant} if dquant else {})}
             if exported.proposal_head is not None:
                 head = exported.proposal_head
                 manifest["proposal_head"] = {"format": "int4", "method": head.method, "block": head.block}

@@ -375,9 +375,10 @@ def _replicated_target(module, readers: dict, layout) -> tuple:
                    f"its layers to {len(layout.kinds)} layers in {time.perf_counter() - t1:.1f}s")
 
 
-def export_draft(module, path: Path, readers: dict | None = None, progress: bool = False) -> None:
+def export_draft(module, path: Path, readers: dict | None = None, progress: bool = False, rewrite=None) -> None:
     """Export a :class:`DFlashDraft` to `path` with dynamic C (>= 1), B (>= 2), R (>= 1: the
-    `proposal_rows` returned) and Pc (>= 0), its inputs in :class:`DraftWithRows` order."""
+    `proposal_rows` returned) and Pc (>= 0), its inputs in :class:`DraftWithRows` order. `rewrite`:
+    as for :func:`export_target` (the INT4 last layer of `build.draft_rewrite`)."""
     from .draft_model import DraftWithRows
 
     module = DraftWithRows.view_of(module)
@@ -396,4 +397,4 @@ def export_draft(module, path: Path, readers: dict | None = None, progress: bool
     R = torch.export.Dim("draft_rows", min=1, max=1 << 10)
     P = torch.export.Dim("past_context_len", min=0, max=1 << 20)
     dyn = ({0: C}, {0: B}, {0: R}, tuple({0: P} for _ in range(2 * a.num_layers)))
-    _export(module, args, draft_io_names(a.num_layers), dyn, path, readers, progress)
+    _export(module, args, draft_io_names(a.num_layers), dyn, path, readers, progress, rewrite)

@@ -67,19 +67,28 @@ def reference_modules(manifest: dict, artifact_dir: Path | None = None):
             raise DFlashError("an AWQ artifact's reference needs its directory (the scales are stored there)")
         manifest = {**manifest, "quantization": {**quant, "awq_scales": str(Path(artifact_dir) / quant["awq_scales"])}}
     tmod = target_family(tspec.family).reference_target(tspec, dspec, tsource, manifest, vocab)
-    return tmod, _reference_draft(dspec, dstate, draft_rows_exported(manifest))
+    return tmod, _reference_draft(dspec, dstate, draft_rows_exported(manifest), manifest)
 
 
-def _reference_draft(dspec, dstate, takes_rows: bool = True):
+def _reference_draft(dspec, dstate, takes_rows: bool = True, manifest: dict | None = None):
     """The fp32 reference draft module with the draft's weights (upcast as they are used), taking
-    `proposal_rows` as the artifact's draft graph does (`takes_rows`) or not (older graphs)."""
+    `proposal_rows` as the artifact's draft graph does (`takes_rows`) or not (older graphs); the
+    weights an INT4 build quantized (`manifest["quantization"]["draft"]`) as the graph computes with
+    them (dequantized in the graph dtype)."""
     import torch
 
     from .draft_model import DFlashDraft, DraftWithRows
+    from .quantize import dequantize, quantize_rtn
     from .weights import WeightSource, empty_module, load_module_weights
 
     dmod = empty_module(lambda: (DraftWithRows if takes_rows else DFlashDraft)(dspec, torch.float32)).eval()
     dsource = WeightSource(f"draft {dspec.path or '(untrained)'}", tensors=dstate)
+    plan = ((manifest or {}).get("quantization") or {}).get("draft")
+    if plan:
+        names, block = set(plan["tensors"]), int(plan["block"])
+        dtype = {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]]
+        dsource = dsource.mapped(lambda name, t: dequantize(*quantize_rtn(t.to(dtype), block, dtype), block)
+                                 if name in names else t, "dequantized")
     upcast_weights_on_use(load_module_weights(dmod, dsource, dsource.where))
     return dmod
 

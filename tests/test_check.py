@@ -79,6 +79,19 @@ def test_saved_reference_and_json(artifact, tmp_path, capsys):
     assert rc == 0
     replay = json.loads(out.out)
     assert [r["max_abs"] for r in replay["results"]] == [r["max_abs"] for r in live["results"]]
+    # a reference saved before the draft graph took proposal_rows: one clear error, not a shape error
+    import numpy as np
+
+    data = dict(np.load(ref, allow_pickle=False))
+    meta = json.loads(bytes(data["meta"]).decode())
+    for case in meta["cases"]:
+        if case["graph"] == "draft":
+            case["inputs"].remove("proposal_rows")
+    data["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    old = tmp_path / "old.npz"
+    np.savez(old, **data)
+    rc, out = _check([str(artifact), "--reference", str(old)], capsys)
+    assert rc == 2 and "saved for an earlier build of this artifact" in out.err and "save it again" in out.err
 
 
 def test_check_reports_user_errors(artifact, tmp_path, capsys):

@@ -67,9 +67,17 @@ def test_int4_graph_form_and_parity_with_dequantized_modules(pairs, tmp_path, ki
         assert scale.data_type == (TensorProto.FLOAT16 if dtype == "fp16" else TensorProto.FLOAT)
         assert {a.name: a.i for a in dq.attribute} == {"axis": 0, "block_size": 16}
         assert users[dq.output[0]].op_type == "MatMul" and list(users[dq.output[0]].input).index(dq.output[0]) == 1
-    # the embedding (and the untied LM head) stay in the graph dtype; the draft is not quantized
+    # the embedding (and the untied LM head) stay in the graph dtype; of the draft, only the last layer's
+    # weights that run on the verified rows (q, o, MLP; gate+up packed) are INT4
     assert inits["model.embed_tokens.weight"].data_type == (TensorProto.FLOAT16 if dtype == "fp16" else TensorProto.FLOAT)
-    assert not [n for n in onnx.load(str(art / "draft.onnx")).graph.node if n.op_type == "DequantizeLinear"]
+    last = f"layers.{manifest['draft']['num_layers'] - 1}."
+    want = [last + n for n in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+                               "mlp.up_proj.weight", "mlp.down_proj.weight")]
+    assert q["draft"] == {"method": "rtn", "block": 16, "tensors": want}
+    ddqs = [n for n in onnx.load(str(art / "draft.onnx")).graph.node if n.op_type == "DequantizeLinear"]
+    packed = f"{last}mlp.gate_proj.weight+{last}mlp.up_proj.weight"
+    assert sorted(d.input[0] for d in ddqs) == sorted(f"{n}.int4" for n in [want[0], want[1], want[4], packed])
+    assert manifest["graph_checks"]["draft"]["int4_weights"] == 4
     rep = run_check(art)  # the tight tolerance of the graph dtype: the graph computes its dequantized model
     assert rep.passed, [r for r in rep.results if not r.passed]
     if dtype == "fp32":
