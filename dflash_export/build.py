@@ -25,6 +25,7 @@ from . import __version__
 from .checkpoint import TargetSpec, load_target_spec, safetensors_files
 from .draft_spec import DraftSpec, load_draft_spec, parse_draft_config
 from .sources import SourceHashes, random_draft_config, resolve_draft, resolve_target
+from .dense_target import streaming_rewrite
 from .families import target_family
 from .quantize import QuantConfig, draft_quant_plan, quantization_record
 from .weights import WeightSource, bind_weights, empty_module
@@ -157,18 +158,6 @@ def draft_export_module(dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
     return module, bind_weights(module, source, source.where)
 
 
-def draft_rewrite(plan: dict, readers: dict, source: WeightSource, dtype):
-    """The draft export's `rewrite(model, packed)`: INT4 for the weights of `plan`
-    (`quantize.draft_quant_plan`), packed gate+up included."""
-    from .dense_target import graph_weight_names, read_packed
-    from .quantize import QuantConfig, rewrite_int4
-
-    def rewrite(model, packed):
-        rewrite_int4(model, graph_weight_names(plan["tensors"], packed, False), read_packed(packed, readers, source, dtype),
-                     QuantConfig(method="rtn", block=plan["block"]), dtype)
-    return rewrite
-
-
 def build(
     target: str | None,
     draft: str | None,
@@ -266,8 +255,9 @@ def build(
             dsource = WeightSource(f"draft {dspec.path or '(untrained)'}", tensors=dstate)
             dmod, dreaders = draft_export_module(dspec, dsource, torch_dtype)
             dquant = draft_quant_plan(dspec, dsource.shapes, qconfig) if qconfig is not None else None
-            export_draft(dmod, tmp / "draft.onnx", dreaders, progress=not quiet,
-                         rewrite=dquant and draft_rewrite(dquant, dreaders, dsource, torch_dtype))
+            rewrite = dquant and streaming_rewrite(dreaders, dsource, torch_dtype, QuantConfig("rtn", dquant["block"]),
+                                                   dquant["tensors"], None)
+            export_draft(dmod, tmp / "draft.onnx", dreaders, progress=not quiet, rewrite=rewrite)
             del dstate, dsource, dmod, dreaders
         with stage(f"exporting target.onnx ({family.EXPORT_TITLE})"):
             exported = family.export_for_build(tspec, dspec, tsource, tmp / "target.onnx", torch_dtype, qconfig,

@@ -354,13 +354,16 @@ def dequantized_source(source, record: dict, dtype: torch.dtype):
         from .awq import load_scales, scaled_source
 
         source = scaled_source(source, load_scales(record["awq_scales"]))
-    block = int(record["block"])
-    names = {n for n in record["tensors"] if QUANTIZED_LAYER.match(n)}
+    return rtn_round_trip(source, [n for n in record["tensors"] if QUANTIZED_LAYER.match(n)], int(record["block"]), dtype)
+
+
+def rtn_round_trip(source, names, block: int, dtype: torch.dtype):
+    """`source` with the weights `names` read as an INT4 graph computes with them: RTN-quantized at
+    `block` and dequantized in `dtype`, exactly as `build` did; other weights as stored."""
+    names = set(names)
 
     def transform(name, t):
-        if name not in names:
-            return t
-        return dequantize(*quantize_rtn(t.to(dtype), block, dtype), block)
+        return dequantize(*quantize_rtn(t.to(dtype), block, dtype), block) if name in names else t
 
     return source.mapped(transform, "dequantized")
 

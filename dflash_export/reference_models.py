@@ -78,17 +78,15 @@ def _reference_draft(dspec, dstate, takes_rows: bool = True, manifest: dict | No
     import torch
 
     from .draft_model import DFlashDraft, DraftWithRows
-    from .quantize import dequantize, quantize_rtn
+    from .quantize import rtn_round_trip
     from .weights import WeightSource, empty_module, load_module_weights
 
     dmod = empty_module(lambda: (DraftWithRows if takes_rows else DFlashDraft)(dspec, torch.float32)).eval()
     dsource = WeightSource(f"draft {dspec.path or '(untrained)'}", tensors=dstate)
     plan = ((manifest or {}).get("quantization") or {}).get("draft")
     if plan:
-        names, block = set(plan["tensors"]), int(plan["block"])
         dtype = {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]]
-        dsource = dsource.mapped(lambda name, t: dequantize(*quantize_rtn(t.to(dtype), block, dtype), block)
-                                 if name in names else t, "dequantized")
+        dsource = rtn_round_trip(dsource, plan["tensors"], int(plan["block"]), dtype)
     upcast_weights_on_use(load_module_weights(dmod, dsource, dsource.where))
     return dmod
 
