@@ -75,8 +75,10 @@ def quantized_names(names, shapes: dict, config: QuantConfig, head_name: str | N
     for name, k in zip(chosen, widths):
         if k % config.block:
             fits = math.gcd(*widths) & -math.gcd(*widths)  # the largest power of two dividing every K
-            hint = (f"the largest block that divides every quantized layer's K is {fits}" if fits >= 16
+            fitting = [b for b in (16, 32, 64, 128, 256) if b <= fits]
+            hint = (f"use --quant-block {' or '.join(map(str, fitting))}" if fitting
                     else "no power-of-two block >= 16 divides every quantized layer's K")
+            hint += " (32 is the README's choice for speed and accuracy)" if 32 in fitting else ""
             raise DFlashError(f"{name} has {k} input features, which --quant-block {config.block} does not divide; {hint}")
     return chosen
 

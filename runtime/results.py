@@ -39,7 +39,8 @@ class GenerationResult:
             first token, host_s the decode time spent outside the two graphs.
         steps: per step, when requested: {"proposed": [...], "accepted": int, "committed": [...]}
             ("proposed" is empty on plain steps).
-        policy: the speculation policy that chose the verify lengths ("auto" or "fixed").
+        policy: the speculation policy that chose the verify lengths ("auto", "fixed" or "fixed-tree";
+            a tree's steps run as its top-1 chain under top_k / top_p and on chain-only artifacts).
         prompt_tokens: the prompt's length in tokens.
         reused_tokens: prompt tokens whose KV cache rows were reused from the session's previous
             request (not prefilled again).

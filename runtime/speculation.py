@@ -192,9 +192,14 @@ class AdaptiveLength(Policy):
     decoding wins, a speculative step is still tried after `probe_gap` plain steps so a draft that
     starts to fit the text is noticed (a probe verifies one proposal, and its time updates
     `spec_scale`); each probe after which plain decoding still wins doubles the gap (up to
-    `max_probe_gap`). A probe after plain steps also pays the draft's catch-up on the context they
-    added (measured: about 0.7 of a plain step extra on SmolLM2 INT4, 2 cores), so the gap is also
-    at least what keeps that extra cost within `probe_budget` of the plain decoding time. One
+    `max_probe_gap`). A probe costs more than a plain step (a draft call with its catch-up on the
+    context the plain steps added, and a longer target call: about 0.45 of a plain step on SmolLM2
+    INT4, 2 cores) but commits its accepted token too, so its cost is counted net of what it
+    committed beyond a plain step's one token, as a running mean, and the gap is also at least what
+    keeps that net cost within `probe_budget` of the plain decoding time. The gap may grow to 128
+    plain steps: on an artifact where speculation never pays (SmolLM2 INT4 on 2 cores) each
+    probe is a small loss, and a 128-token reply then pays for one, not two (replayed on 50 held-out
+    prompts, `scripts/policy_replay.py`: 0.992x -> 0.996x plain, fp32 unchanged). One
     instance lives as long as its Session, so what it learned carries over to the next generate
     call: a new prompt starts at half the gap it had reached, not at `probe_gap`.
 
@@ -205,7 +210,7 @@ class AdaptiveLength(Policy):
 
     name = "auto"
 
-    def __init__(self, costs, acceptance: AcceptanceEstimate, probe_gap: int = 4, max_probe_gap: int = 64,
+    def __init__(self, costs, acceptance: AcceptanceEstimate, probe_gap: int = 4, max_probe_gap: int = 128,
                  scale_smoothing: float = 0.2, probe_smoothing: float = 0.5, margin: float = 1.03,
                  probe_budget: float = 0.02, alternatives: int = 0):
         self.costs = costs
@@ -231,7 +236,7 @@ class AdaptiveLength(Policy):
     def _min_probe_gap(self) -> int:
         """Plain steps between probes that keep their extra cost within `probe_budget`."""
         plain = self.plain_scale * float(self._step_s[0])
-        if self.probe_extra_s is None or plain <= 0:
+        if self.probe_extra_s is None or plain <= 0 or self.probe_extra_s <= 0:
             return 0
         return int(np.ceil(self.probe_extra_s / (self.probe_budget * plain) - 1e-6))
 
@@ -290,8 +295,8 @@ class AdaptiveLength(Policy):
 
     def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False,
                 tree: VerifyTree | None = None, first_rank: int | None = None) -> None:
-        if self.probing and seconds > 0:
-            extra = max(seconds - self.plain_scale * float(self._step_s[0]), 0.0)
+        if self.probing and seconds > 0:  # net of the tokens it committed beyond a plain step's one
+            extra = seconds - (1 + accepted) * self.plain_scale * float(self._step_s[0])
             last = extra if self.probe_extra_s is None else self.probe_extra_s
             self.probe_extra_s = last + self.probe_smoothing * (extra - last)
         if catch_up:  # not the step cost the curve models

@@ -215,8 +215,8 @@ def test_rtn_round_trip_and_packing():
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(quant_block=64), r"has 96 input features, which --quant-block 64 does not divide; the largest block that "
-                           r"divides every quantized layer's K is 32"),
+    (dict(quant_block=64), r"has 96 input features, which --quant-block 64 does not divide; use --quant-block 16 or 32 "
+                           r"\(32 is the README's choice"),
     (dict(quant_block=24), r"--quant-block 24 must be a power of two >= 16"),
     (dict(quant_block=8), r"--quant-block 8 must be a power of two >= 16"),
     (dict(quant_method="gptq"), r"--quant-method 'gptq' is not supported \(supported: rtn, awq\)"),

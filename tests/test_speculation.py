@@ -62,8 +62,8 @@ def test_auto_picks_the_fastest_length_and_plain_when_nothing_wins():
 
 
 def test_plain_steps_probe_with_a_doubling_gap():
-    """A useless draft: plain steps, a probe after 4 of them, the gap doubling per failed probe up to 64,
-    and never shorter than what keeps the probes' extra cost within 2% of the time."""
+    """A useless draft: plain steps, a probe after 4 of them, the gap doubling per failed probe up to 128,
+    and never shorter than what keeps the probes' net extra cost within 2% of the time."""
     pol = _policy(0.2)
     probes = []
     for step in range(400):
@@ -74,14 +74,24 @@ def test_plain_steps_probe_with_a_doubling_gap():
     gaps = np.diff(probes).tolist()
     # a probe costs 42 - 30 = 12 ms more than a plain step: at least 0.012 / (0.02 * 0.030) = 20 steps apart
     assert pol.probe_extra_s == pytest.approx(0.012)
-    assert probes[0] == 3 and gaps[:5] == [20, 20, 32, 64, 64] and set(gaps[3:]) == {64}
+    assert probes[0] == 3 and gaps[:5] == [20, 20, 32, 64, 128] and set(gaps[4:]) == {128}
     pol.start()  # a new prompt: half the gap reached, not the first gap
-    assert pol.probe_gap == 32
+    assert pol.probe_gap == 64
     # a catch-up probe's full time counts as its cost, but not as a verify step's cost
     pol = _policy(0.2)
     pol.probing = True
     pol.observe(1, 0, 0.100, catch_up=True)
     assert pol.probe_extra_s == pytest.approx(0.070) and pol.spec_scale == 1.0
+    # an accepted probe committed 2 tokens in 42 ms where plain steps take 60: it cost nothing net,
+    # and probes that pay for themselves are not spaced out for their cost
+    pol.probing = True
+    pol.observe(1, 1, 0.042)
+    assert pol.probe_extra_s == pytest.approx(0.5 * (0.070 + 0.042 - 0.060))
+    pol.probing = True
+    pol.observe(1, 1, 0.042)
+    pol.probing = True
+    pol.observe(1, 1, 0.042)
+    assert pol.probe_extra_s < 0 and pol._min_probe_gap() == 0
     # probes that accept but do not make speculation pay keep doubling the gap; once speculation
     # wins, the gap starts again at 4
     pol = _policy(0.2)
