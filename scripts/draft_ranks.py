@@ -8,6 +8,11 @@ top 2, 3, 4 and 8, and the share of blocks whose first j proposals are all top-1
 accepts). Top-k coverage at position 1 is what verifying k alternatives for the first proposal (tree
 verification) would accept.
 
+It also prints how well the draft's own confidence (its top-1 softmax probability at block position 1)
+predicts that its first proposal is the target's token, by confidence bin: a calibrated confidence
+would let a step choose its verify length after the draft call, from what the draft says of each
+proposal, instead of from the running acceptance alone.
+
     python scripts/draft_ranks.py [--draft models/smollm2-135m-dflash] [--per-category 3] [--max-new-tokens 96] [--save ranks.json]
 """
 
@@ -26,8 +31,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def block_ranks(model, draft, spec, ids: list[int], reply: list[int], block: int | None = None) -> list[list[int]]:
-    """Per anchor position in `reply`: the ranks of the target's next tokens at block positions 1.."""
+def block_ranks(model, draft, spec, ids: list[int], reply: list[int], block: int | None = None,
+                confidences: list | None = None) -> list[list[int]]:
+    """Per anchor position in `reply`: the ranks of the target's next tokens at block positions 1..
+    (`confidences`, when given, gets the draft's top-1 probability per block position appended per anchor)."""
     import torch
 
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -43,6 +50,8 @@ def block_ranks(model, draft, spec, ids: list[int], reply: list[int], block: int
             logits = head(draft(features[: t + 1], embed(block), *past)[0][: b - 1])
             truth = seq[t + 1 : t + b]
             out.append([int((logits[k] > logits[k, y]).sum()) for k, y in enumerate(truth)])
+            if confidences is not None:
+                confidences.append(torch.softmax(logits[: len(truth)].float(), dim=-1).max(dim=-1).values.tolist())
     return out
 
 
@@ -68,13 +77,13 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32, use_safetensors=True).eval()
     draft, spec = _load_draft(args.draft, tspec, None)
-    ranks = []
+    ranks, confidences = [], []
     for row in first_per_category(read_prompts(args.prompts), args.per_category):
         ids = list(tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
                                            tokenize=True, return_dict=True)["input_ids"])
         with torch.no_grad():
             reply = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)[0]
-        ranks += block_ranks(model, draft, spec, ids, reply[len(ids):].tolist(), args.block)
+        ranks += block_ranks(model, draft, spec, ids, reply[len(ids):].tolist(), args.block, confidences)
     print(f"{len(ranks)} block anchors")
     if args.save:
         args.save.write_text(json.dumps(ranks))
@@ -87,6 +96,14 @@ def main() -> int:
         print(f"position {k}: " + ", ".join(f"top-{n} {np.mean(r < n):.3f}" for n in (1, 2, 3, 4, 8)))
     chains = np.array([next((k for k, rank in enumerate(r) if rank), len(r)) for r in ranks])
     print("first j proposals all top-1: " + ", ".join(f"j={j} {np.mean(chains >= j):.3f}" for j in (1, 2, 3, 4)))
+    first_conf = np.array([c[0] for c in confidences])
+    first_hit = np.array([r[0] == 0 for r in ranks])
+    edges = np.linspace(0.0, 1.0, 11)
+    print("position 1, draft confidence -> share of anchors, P(top-1 is the target's token):")
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        inside = (first_conf >= lo) & ((first_conf < hi) | (hi == 1.0))
+        if inside.any():
+            print(f"  [{lo:.1f}, {hi:.1f}{']' if hi == 1.0 else ')'} {inside.mean():.3f}  {first_hit[inside].mean():.3f}")
     return 0
 
 
