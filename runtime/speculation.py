@@ -234,7 +234,7 @@ class AdaptiveLength(Policy):
         self.plain_run, self.probing = 0, False
 
     def _min_probe_gap(self) -> int:
-        """Plain steps between probes that keep their extra cost within `probe_budget`."""
+        """Plain steps between probes that keep their net extra cost within `probe_budget` (0 when probes pay)."""
         plain = self.plain_scale * float(self._step_s[0])
         if self.probe_extra_s is None or plain <= 0 or self.probe_extra_s <= 0:
             return 0

@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def block_ranks(model, draft, spec, ids: list[int], reply: list[int], block: int | None = None,
-                confidences: list | None = None) -> list[list[int]]:
-    """Per anchor position in `reply`: the ranks of the target's next tokens at block positions 1..
-    (`confidences`, when given, gets the draft's top-1 probability per block position appended per anchor)."""
+def block_ranks(model, draft, spec, ids: list[int], reply: list[int],
+                block: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
+    """Per anchor position in `reply`: the ranks of the target's next tokens at block positions 1..,
+    and the draft's top-1 probability (its confidence) at those positions."""
     import torch
 
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -43,16 +43,15 @@ def block_ranks(model, draft, spec, ids: list[int], reply: list[int], block: int
         hidden = model(torch.tensor([seq]), output_hidden_states=True).hidden_states
         features = torch.cat([hidden[i + 1][0] for i in spec.target_layer_ids], dim=-1)
         a, b = spec.arch, block or spec.block_size
-        out = []
+        out, confidences = [], []
         for t in range(len(ids) - 1, len(seq) - 1):
             past = [torch.zeros(0, a.num_kv_heads, a.head_dim) for _ in range(2 * a.num_layers)]
             block = torch.tensor([seq[t]] + [spec.mask_token_id] * (b - 1))
             logits = head(draft(features[: t + 1], embed(block), *past)[0][: b - 1])
             truth = seq[t + 1 : t + b]
             out.append([int((logits[k] > logits[k, y]).sum()) for k, y in enumerate(truth)])
-            if confidences is not None:
-                confidences.append(torch.softmax(logits[: len(truth)].float(), dim=-1).max(dim=-1).values.tolist())
-    return out
+            confidences.append(torch.softmax(logits[: len(truth)].float(), dim=-1).max(dim=-1).values.tolist())
+    return out, confidences
 
 
 def main() -> int:
@@ -83,7 +82,8 @@ def main() -> int:
                                            tokenize=True, return_dict=True)["input_ids"])
         with torch.no_grad():
             reply = model.generate(torch.tensor([ids]), max_new_tokens=args.max_new_tokens, do_sample=False)[0]
-        ranks += block_ranks(model, draft, spec, ids, reply[len(ids):].tolist(), args.block, confidences)
+        r, c = block_ranks(model, draft, spec, ids, reply[len(ids):].tolist(), args.block)
+        ranks, confidences = ranks + r, confidences + c
     print(f"{len(ranks)} block anchors")
     if args.save:
         args.save.write_text(json.dumps(ranks))
