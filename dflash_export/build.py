@@ -158,6 +158,30 @@ def draft_export_module(dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
     return module, bind_weights(module, source, source.where)
 
 
+def _attach_proposal_head(dmod, dreaders: dict, tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, dtype,
+                          qconfig, proposal_head: str) -> tuple:
+    """The draft export module ending in the proposal head (`draft_model.ProposingDraft`): the target's
+    LM head rows of the draft's proposal vocabulary, streamed into the draft graph as `draft_head`
+    (read when written, added to `dreaders`). Returns (module, the head rows' INT4 config or None):
+    INT4 with the LM head under --quant-lm-head (the same block as the target's head), or with
+    --proposal-head int4."""
+    import torch
+
+    from .dense_target import proposal_head_config
+    from .draft_model import ProposingDraft
+    from .weights import placeholder
+
+    head_name = "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
+    vocab = torch.tensor(list(dspec.draft_vocab), dtype=torch.int64)
+    rows = placeholder((len(vocab), tspec.arch.hidden_size), dtype)
+    dreaders["draft_head"] = lambda: torch.index_select(tsource.read_as(head_name, dtype), 0, vocab)
+    if qconfig is not None and qconfig.lm_head:
+        config = QuantConfig("rtn", qconfig.block, lm_head=True)
+    else:
+        config = proposal_head_config(proposal_head, True, qconfig, tspec.arch.hidden_size)
+    return ProposingDraft.with_head(dmod, dspec.draft_vocab, rows), config
+
+
 def build(
     target: str | None,
     draft: str | None,
@@ -255,8 +279,13 @@ def build(
             dsource = WeightSource(f"draft {dspec.path or '(untrained)'}", tensors=dstate)
             dmod, dreaders = draft_export_module(dspec, dsource, torch_dtype)
             dquant = draft_quant_plan(dspec, dsource.shapes, qconfig) if qconfig is not None else None
-            rewrite = dquant and streaming_rewrite(dreaders, dsource, torch_dtype, QuantConfig("rtn", dquant["block"]),
-                                                   dquant["tensors"], None)
+            head_config = None
+            if family.DRAFT_PROPOSES and dspec.draft_vocab is not None:
+                dmod, head_config = _attach_proposal_head(dmod, dreaders, tspec, dspec, tsource, torch_dtype, qconfig,
+                                                          proposal_head)
+            rewrite = (dquant or head_config) and streaming_rewrite(
+                dreaders, dsource, torch_dtype, dquant and QuantConfig("rtn", dquant["block"]),
+                dquant["tensors"] if dquant else [], head_config)
             export_draft(dmod, tmp / "draft.onnx", dreaders, progress=not quiet, rewrite=rewrite)
             del dstate, dsource, dmod, dreaders
         with stage(f"exporting target.onnx ({family.EXPORT_TITLE})"):
@@ -272,8 +301,8 @@ def build(
                 head_name = "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
                 manifest["quantization"] = {**quantization_record(qconfig, exported.quantized, dtype, head_name),
                                             **exported.quant_extra, **({"draft": dquant} if dquant else {})}
-            if exported.proposal_head is not None:
-                head = exported.proposal_head
+            head = exported.proposal_head or (head_config if proposal_head == "int4" else None)
+            if head is not None:
                 manifest["proposal_head"] = {"format": "int4", "method": head.method, "block": head.block}
             manifest["export_seconds"] = round(time.perf_counter() - t_start, 1)
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))

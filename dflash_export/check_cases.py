@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.errors import DFlashError
-from runtime.manifest import greedy_form_exported, layer_types
+from runtime.manifest import draft_proposes, greedy_form_exported, layer_types
 from runtime.tree import chain_inputs
 
 from .reference_models import reference_modules
@@ -51,6 +51,26 @@ def _margins(logits: np.ndarray) -> np.ndarray:
         return np.full(logits.shape[:1], np.inf, np.float32)
     top2 = np.sort(logits, axis=-1)[..., -2:]
     return (top2[..., 1] - top2[..., 0]).astype(np.float32)
+
+
+def _rank_margins(dmod, feed: dict, ranks: int) -> np.ndarray:
+    """fp32 `[R, ranks]`: how clearly each of a proposing draft's top-`ranks` candidates holds its rank
+    (the least score gap to the candidate above or below it; scores are logits, so the gaps are those
+    of the log-probabilities)."""
+    import torch
+
+    from .draft_model import DraftWithRows
+
+    args = [torch.from_numpy(np.ascontiguousarray(a.astype(np.float32) if a.dtype.kind == "f" else a)) for a in feed.values()]
+    with torch.no_grad():
+        hidden = DraftWithRows.forward(dmod, *args)[0]
+        scores = dmod.proposal_scores(hidden).to(torch.float32)
+        top = torch.topk(scores, min(ranks + 1, scores.shape[-1]), dim=-1).values.numpy()
+    gaps = top[:, :-1] - top[:, 1:]  # rank k against rank k + 1
+    if gaps.shape[1] < ranks:  # a vocabulary of exactly `ranks` ids: the last rank has nothing below
+        gaps = np.concatenate([gaps, np.full((gaps.shape[0], 1), np.inf, np.float32)], axis=1)
+    above = np.concatenate([np.full((gaps.shape[0], 1), np.inf, np.float32), gaps[:, :-1]], axis=1)
+    return np.minimum(gaps[:, :ranks], above[:, :ranks]).astype(np.float32)
 
 
 def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None = None, seed: int = 0, modules=None) -> list[Case]:
@@ -94,22 +114,26 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
     # prefill case keeps one, so both forms are compared; BackendRunner adds them for engines that need them)
     greedy_rows = 0 if greedy_form_exported(manifest) else B
 
+    proposes = draft_proposes(manifest)
     prefill = run("target", "prefill", feed(
-        "target", input_ids=ids, draft_hidden=np.zeros((0, hidden)), temperature=np.zeros(1), uniform=np.zeros(1),
-        **chain_inputs(0), **target_caches(t, None, 0)), tmod)
+        "target", input_ids=ids, draft_hidden=np.zeros((0, hidden)), proposal_ids=np.zeros(0, np.int64),
+        temperature=np.zeros(1), uniform=np.zeros(1), **chain_inputs(0), **target_caches(t, None, 0)), tmod)
     block = np.concatenate([prefill.ref["next_embeddings"][:1], np.broadcast_to(mask_row, (B - 1, hidden))])
     dprefill = run("draft", "draft_prefill", feed(
         "draft", context_hidden=prefill.ref["taps"], block_embeddings=block, proposal_rows=np.arange(B - 1),
         **kv(None, 0, dl, dkv, dhd)), dmod)
+    proposals = ({"proposal_ids": dprefill.ref["draft_top_ids"][:, 0]} if proposes
+                 else {"draft_hidden": dprefill.ref["draft_hidden"]})
     verify = run("target", "verify", feed(
-        "target", input_ids=prefill.ref["next_ids"][:1], draft_hidden=dprefill.ref["draft_hidden"], temperature=np.zeros(1),
+        "target", input_ids=prefill.ref["next_ids"][:1], **proposals, temperature=np.zeros(1),
         uniform=np.zeros(greedy_rows), **chain_inputs(B - 1), **target_caches(t, prefill.ref, T)), tmod)
-    with torch.no_grad():
-        prop_logits = tmod.logits_of(torch.from_numpy(verify.feed["draft_hidden"].astype(np.float32)))
-        if tmod.draft_vocab is not None:  # proposals are an argmax over the draft vocabulary's rows only
-            prop_logits = prop_logits[:, tmod.draft_vocab]
-        prop_logits = prop_logits.numpy()
-    verify.margins["proposal_ids"] = _margins(prop_logits)
+    if not proposes:
+        with torch.no_grad():
+            prop_logits = tmod.logits_of(torch.from_numpy(verify.feed["draft_hidden"].astype(np.float32)))
+            if tmod.draft_vocab is not None:  # proposals are an argmax over the draft vocabulary's rows only
+                prop_logits = prop_logits[:, tmod.draft_vocab]
+            prop_logits = prop_logits.numpy()
+        verify.margins["proposal_ids"] = _margins(prop_logits)
     c = min(3, B)  # as if c - 1 proposals were accepted: the next context is c verified rows
     block2 = np.concatenate([verify.ref["next_embeddings"][c - 1 : c], np.broadcast_to(mask_row, (B - 1, hidden))])
     dstep = run("draft", "draft_step", feed(
@@ -118,6 +142,9 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
         **kv(dprefill.ref, T, dl, dkv, dhd)), dmod)
     for case in (prefill, verify):
         case.margins["next_ids"] = _margins(case.ref["logits"])
+    if proposes:
+        for case in (dprefill, dstep):
+            case.margins["draft_top_ids"] = _rank_margins(dmod, case.feed, case.ref["draft_top_ids"].shape[1])
     return [prefill, dprefill, verify, dstep]
 
 

@@ -107,15 +107,24 @@ def manifest_fields(tspec: TargetSpec) -> dict:
     return {"row_exact": True}
 
 
+# This family's target takes proposal ids from a draft that ends in the proposal head (`build`: when
+# the draft has a proposal vocabulary; `draft_model.ProposingDraft`).
+DRAFT_PROPOSES = True
+
+
 def target_export_module(tspec: TargetSpec, dspec: DraftSpec, source: WeightSource, dtype,
-                         module_class=TargetForExport, load_whole=lambda name: False) -> tuple:
+                         module_class=TargetForExport, load_whole=lambda name: False,
+                         draft_proposes: bool = False) -> tuple:
     """The target's export module (`module_class`: TargetForExport or a subclass with its interface)
     in `dtype` (norms fp32) with streamed weights (`weights.bind_weights`, `load_whole` passed on).
+    `draft_proposes`: the module takes proposal ids and holds no proposal head rows.
 
     Returns:
         (module, {initializer name: reader}) for `export.export_target` or `export._export`.
     """
-    module = empty_module(lambda: module_class(tspec, dspec.target_layer_ids, dtype, dspec.draft_vocab)).eval()
+    extra = {"draft_proposes": True} if draft_proposes else {}
+    vocab = None if draft_proposes else dspec.draft_vocab
+    module = empty_module(lambda: module_class(tspec, dspec.target_layer_ids, dtype, vocab, **extra)).eval()
     cast_for_export(module, dtype)
     readers = bind_weights(module, source, f"target {tspec.path}", load_whole)
     head_rows = module.freeze_draft_head(readers.get(module.head_weight_name()))
@@ -151,7 +160,8 @@ def export_for_build(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource,
     quant_extra = {}
     if qconfig is not None and qconfig.method == "awq":
         tsource, quant_extra = _awq_source(tspec, dspec, tsource, path.parent, torch_dtype, qconfig, quiet)
-    tmod, treaders = target_export_module(tspec, dspec, tsource, torch_dtype)
+    tmod, treaders = target_export_module(tspec, dspec, tsource, torch_dtype,
+                                          draft_proposes=DRAFT_PROPOSES and dspec.draft_vocab is not None)
     head_config = proposal_head_config(proposal_head, "draft_head" in treaders, qconfig, tspec.arch.hidden_size)
     rewrite = streaming_rewrite(treaders, tsource, torch_dtype, qconfig, qnames, head_config)
     export_target(tmod, path, treaders, progress=not quiet, rewrite=rewrite)
@@ -223,13 +233,16 @@ def reference_target(tspec: TargetSpec, dspec: DraftSpec, source: WeightSource, 
     """The fp32 reference target `check` compares the graph with (family hook): weights kept as stored
     (bf16 for most checkpoints) and upcast as they are used; an INT4 artifact's quantized weights as
     the graph computes with them (its dequantized weights)."""
+    from runtime.manifest import draft_proposes
+
     from .quantize import dequantized_source
     from .reference_models import upcast_weights_on_use
 
     graph_dtype = {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]]
     if manifest.get("quantization"):  # the model the INT4 graph computes: its dequantized weights
         source = dequantized_source(source, manifest["quantization"], graph_dtype)
-    tmod = empty_module(lambda: ReferenceTarget(tspec, dspec.target_layer_ids, torch.float32, vocab)).eval()
+    proposes = draft_proposes(manifest)
+    tmod = empty_module(lambda: ReferenceTarget(tspec, dspec.target_layer_ids, torch.float32, vocab, proposes)).eval()
     set_head_transforms(tmod, manifest, graph_dtype)
     load_module_weights(tmod, source, f"target {tspec.path}")
     tmod.model.embed_tokens.register_forward_hook(lambda module, args, out: out.to(torch.float32))

@@ -10,7 +10,7 @@ from torch import nn
 
 from .draft_spec import DraftSpec
 from .attention_tables import rope_cos_sin, rope_inv_freq, window_bias
-from .modules import DecoderLayer, RMSNorm
+from .modules import DecoderLayer, RMSNorm, proposal_table
 
 
 class DFlashDraft(nn.Module):
@@ -127,4 +127,42 @@ class DraftWithRows(DFlashDraft):
             return draft
         view = copy.copy(draft)
         view.__class__ = cls
+        return view
+
+
+class ProposingDraft(DraftWithRows):
+    """A :class:`DraftWithRows` ending in the proposal head: its graph returns, per computed row, the
+    draft's top candidates and their probabilities instead of `draft_hidden`, so the runtime sees how
+    confident the draft is before it chooses how many proposals the target verifies.
+
+    The head is the target's LM head rows of the proposal vocabulary (`draft_vocab`, FR-Spec), as the
+    target graph would apply them: moved here, not copied (the target then takes `proposal_ids`).
+
+    Outputs:
+        draft_top_ids: int64 `[R, K]`, K = min(4, V'): each row's candidates in rank order, as target
+            token ids (`modules.proposal_table`).
+        draft_top_probs: fp32 `[R, K]`: their softmax probabilities over the proposal vocabulary.
+        key_i / value_i: as :class:`DFlashDraft`.
+    """
+
+    proposes = True
+
+    def forward(self, context_hidden, block_embeddings, proposal_rows, *past):
+        hidden, *new_kv = super().forward(context_hidden, block_embeddings, proposal_rows, *past)
+        return (*proposal_table(self.proposal_scores(hidden), self.draft_vocab), *new_kv)
+
+    def proposal_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden [R, d]` -> the head's scores `[R, V']` over the proposal vocabulary."""
+        return nn.functional.linear(hidden.to(self.draft_head.dtype), self.draft_head)
+
+    @classmethod
+    def with_head(cls, draft: DFlashDraft, vocab, rows: torch.Tensor) -> "ProposingDraft":
+        """A view of `draft` (its parameters shared, `draft` left as it was) with the proposal head:
+        `vocab` the proposal vocabulary (target ids, `[V']`) and `rows` the LM head's rows for it
+        `[V', d]` (a placeholder when streamed: then the reader writes them as `draft_head`)."""
+        view = copy.copy(draft)
+        view.__class__ = cls
+        view._buffers = dict(draft._buffers)
+        view.register_buffer("draft_vocab", torch.tensor(list(vocab), dtype=torch.int64), persistent=False)
+        view.register_buffer("draft_head", rows, persistent=False)
         return view

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from runtime.errors import DFlashError
-from runtime.tree import TREE_INPUTS, tree_bias_of
+from runtime.manifest import DRAFT_PROPOSAL_OUTPUTS
+from runtime.tree import TREE_INPUTS, TREE_SHAPE_INPUTS, tree_bias_of
 
 from .graph_passes import pack_shared_input_gemms
 from .quantize import QUANT_OPSET, check_int4_form
@@ -29,21 +30,27 @@ OPSET = 20
 EXTERNAL_DATA_THRESHOLD = 64 << 20
 
 
-def target_io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    """Input and output names of the target graph, in positional order."""
+def target_io_names(num_layers: int, draft_proposes: bool = False) -> tuple[list[str], list[str]]:
+    """Input and output names of the target graph, in positional order (`draft_proposes`: the target
+    takes the proposal ids, `modules.TargetForExport`)."""
     kv_in = [f"past_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
     kv_out = [f"{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
+    if draft_proposes:
+        return (["input_ids", "proposal_ids", "temperature", "uniform", *TREE_SHAPE_INPUTS, *kv_in],
+                ["next_ids", "next_embeddings", "logits", "taps", *kv_out])
     return (
         ["input_ids", "draft_hidden", "temperature", "uniform", *TREE_INPUTS, *kv_in],
         ["next_ids", "proposal_ids", "next_embeddings", "logits", "taps", *kv_out],
     )
 
 
-def draft_io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    """Input and output names of the draft graph, in positional order."""
+def draft_io_names(num_layers: int, proposes: bool = False) -> tuple[list[str], list[str]]:
+    """Input and output names of the draft graph, in positional order (`proposes`: it ends in the
+    proposal head, `draft_model.ProposingDraft`)."""
     kv_in = [f"past_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
     kv_out = [f"{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
-    return ["context_hidden", "block_embeddings", "proposal_rows", *kv_in], ["draft_hidden", *kv_out]
+    heads = list(DRAFT_PROPOSAL_OUTPUTS) if proposes else ["draft_hidden"]
+    return ["context_hidden", "block_embeddings", "proposal_rows", *kv_in], [*heads, *kv_out]
 
 
 def trt10_supported_ops() -> set[str]:
@@ -294,13 +301,17 @@ def _target_inputs(module) -> tuple:
     a = spec.arch
     dt = module.compute_dtype
     t, n, p = 3, 4, 6  # uniform gets n + 1 = 5 rows: still distinct from every other size
+    proposes = module.draft_proposes
+    proposals = (torch.randint(0, spec.vocab_size, (n,), dtype=torch.int64) if proposes
+                 else torch.randn(n, a.hidden_size, dtype=dt))
+    ranks = () if proposes else (torch.tensor([0, 0, 1, 2], dtype=torch.int64),)
     args = (
         torch.randint(0, spec.vocab_size, (t,), dtype=torch.int64),
-        torch.randn(n, a.hidden_size, dtype=dt),
+        proposals,
         torch.zeros(1, dtype=torch.float32),
         torch.rand(n + 1, dtype=torch.float32),
         torch.tensor([0, 1, 0, 0], dtype=torch.int64),  # a tree: a chain of 2 and two alternatives
-        torch.tensor([0, 0, 1, 2], dtype=torch.int64),
+        *ranks,
         torch.tensor(tree_bias_of([-1, 0, -1, -1])),
         *[torch.randn(p, a.num_kv_heads, a.head_dim, dtype=dt) for _ in range(2 * a.num_layers)],
     )
@@ -308,8 +319,10 @@ def _target_inputs(module) -> tuple:
     N = torch.export.Dim("proposals", min=0, max=1 << 10)
     P = torch.export.Dim("past_len", min=0, max=1 << 20)
     U = torch.export.Dim("sampled_rows", min=0, max=1 << 10)  # 1 + N when sampling, 0 when greedy
-    dyn = ({0: T}, {0: N}, None, {0: U}, {0: N}, {0: N}, {0: N, 1: N}, tuple({0: P} for _ in range(2 * a.num_layers)))
-    return args, target_io_names(a.num_layers), dyn
+    # forward(input_ids, proposals, temperature, uniform, *rest): the tree inputs and caches are `rest`
+    rest = ({0: N}, *([{0: N}] * len(ranks)), {0: N, 1: N}, *({0: P} for _ in range(2 * a.num_layers)))
+    dyn = ({0: T}, {0: N}, None, {0: U}, rest)
+    return args, target_io_names(a.num_layers, proposes), dyn
 
 
 class ReplicationWarning(UserWarning):
@@ -377,7 +390,8 @@ def _replicated_target(module, readers: dict, layout) -> tuple:
 
 def export_draft(module, path: Path, readers: dict | None = None, progress: bool = False, rewrite=None) -> None:
     """Export a :class:`DFlashDraft` to `path` with dynamic C (>= 1), B (>= 2), R (>= 1: the
-    `proposal_rows` returned) and Pc (>= 0), its inputs in :class:`DraftWithRows` order. `rewrite`:
+    `proposal_rows` returned) and Pc (>= 0), its inputs in :class:`DraftWithRows` order (a
+    :class:`ProposingDraft` returns its proposal table instead of `draft_hidden`). `rewrite`:
     as for :func:`export_target` (the INT4 last layer of `build.draft_rewrite`)."""
     from .draft_model import DraftWithRows
 
@@ -397,4 +411,5 @@ def export_draft(module, path: Path, readers: dict | None = None, progress: bool
     R = torch.export.Dim("draft_rows", min=1, max=1 << 10)
     P = torch.export.Dim("past_context_len", min=0, max=1 << 20)
     dyn = ({0: C}, {0: B}, {0: R}, tuple({0: P} for _ in range(2 * a.num_layers)))
-    _export(module, args, draft_io_names(a.num_layers), dyn, path, readers, progress, rewrite)
+    names = draft_io_names(a.num_layers, getattr(module, "proposes", False))
+    _export(module, args, names, dyn, path, readers, progress, rewrite)

@@ -88,12 +88,12 @@ def dense_layout(module) -> Layout:
 
     def make_template(kinds, taps):
         tspec = replace(spec, arch=replace(spec.arch, num_layers=len(kinds)))
-        return TargetForExport(tspec, taps, module.compute_dtype)
+        return TargetForExport(tspec, taps, module.compute_dtype, draft_proposes=module.draft_proposes)
 
     return Layout(kinds=("decoder",) * spec.arch.num_layers,
                   cache_names=lambda kind, i: ([f"past_key_{i}", f"past_value_{i}"], [f"key_{i}", f"value_{i}"]),
                   make_template=make_template, export_inputs=_target_inputs,
-                  io_names=lambda m: target_io_names(m.spec.arch.num_layers))
+                  io_names=lambda m: target_io_names(m.spec.arch.num_layers, m.draft_proposes))
 
 
 def replicable(module, layout: Layout) -> bool:
@@ -221,7 +221,8 @@ def _taps_node(graph, tap_layers: tuple, n: int, layers: list, plan: rg.Plan):
     """The Concat writing `taps`, checked: its input k reads the tap stand-in's hidden state for a tap
     below the last layer (`template_target` put every such tap there), the final norm's output for a
     tap at the last layer."""
-    node = graph.outputs[4].producer() if graph.outputs[4].name == "taps" else None
+    out = next((v for v in graph.outputs if v.name == "taps"), None)
+    node = out.producer() if out is not None else None
     if node is None or node.op_type != "Concat" or len(node.inputs) != len(tap_layers):
         raise ReplicationError(f"taps is not a Concat of the {len(tap_layers)} tap layers")
     for k, (v, t) in enumerate(zip(node.inputs, tap_layers)):

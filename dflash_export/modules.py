@@ -34,6 +34,22 @@ def _ranked_rows(scores: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
     return torch.gather(top, 1, rank[:, None]).reshape(-1)
 
 
+def proposal_table(scores: torch.Tensor, vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's candidates per block row from its head scores `scores [R, V']` (fp32) over the
+    proposal vocabulary `vocab` (int64 `[V']` target ids; None: all V ids).
+
+    Returns:
+        (ids int64 `[R, K]`, probs fp32 `[R, K]`): each row's K = min(TREE_RANKS, V') most probable
+        candidates in rank order (ONNX TopK: ties to the lower index, so rank 0 is the argmax) and
+        their softmax probabilities over the proposal vocabulary: the draft's confidence, which the
+        runtime uses to choose how many proposals to verify (`runtime.speculation`).
+    """
+    probs = torch.softmax(scores.to(torch.float32), dim=-1)
+    top = torch.topk(probs, min(TREE_RANKS, scores.shape[-1]), dim=-1)
+    ids = top.indices if vocab is None else torch.index_select(vocab, 0, top.indices.reshape(-1)).reshape(top.indices.shape)
+    return ids, top.values
+
+
 def _argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     """int64 `[N]` argmax of each row of `scores [N, V]`, also for N = 0: onnxruntime 1.23.2's ArgMax
     returns an empty `[0, V]` (its input's shape) for an empty input, so the reduction keeps its axis
@@ -219,6 +235,9 @@ class TargetForExport(nn.Module):
         draft_hidden: `[N, d]`, N >= 0: the draft's final hidden states for the block positions
             1..N. They go through the TARGET lm_head (DFlash has no head of its own) and their
             argmax is appended to `input_ids`, so one call proposes and verifies.
+            With `draft_proposes` the input is instead `proposal_ids` int64 `[N]`: the proposals
+            themselves, which the draft graph ranked with the proposal head (`proposal_table`), and
+            there is no `tree_rank` input and no `proposal_ids` output.
         temperature: fp32 `[1]`; 0 means greedy (argmax), > 0 samples the posterior at T.
         uniform: fp32 `[U]` in [0, 1), U = 1 + N to sample (one uniform per logits row, inverse CDF)
             or U = 0 for greedy decoding: then no softmax/cumsum over the vocabulary runs at all
@@ -248,10 +267,14 @@ class TargetForExport(nn.Module):
     """
 
     def __init__(
-        self, spec: TargetSpec, tap_layers: tuple[int, ...], dtype: torch.dtype = torch.float32, draft_vocab=None
+        self, spec: TargetSpec, tap_layers: tuple[int, ...], dtype: torch.dtype = torch.float32, draft_vocab=None,
+        draft_proposes: bool = False,
     ):
         super().__init__()
         self.spec = spec
+        # the draft graph holds the proposal head and passes proposal ids in (an export module then gets
+        # no draft_vocab: it holds no proposal rows; a reference keeps it to score the draft's rows)
+        self.draft_proposes = bool(draft_proposes)
         self.tap_layers = tuple(tap_layers)
         # int64 [V']: the proposal vocabulary (None: all V ids)
         vocab = None if draft_vocab is None else torch.tensor(list(draft_vocab), dtype=torch.int64)
@@ -320,19 +343,31 @@ class TargetForExport(nn.Module):
         vocab = self.draft_vocab
         return lambda: torch.index_select(head_reader(), 0, vocab)
 
-    def forward(self, input_ids, draft_hidden, temperature, uniform, tree_depth, tree_rank, tree_bias, *past):
-        proposal_ids = self.propose(draft_hidden, tree_depth, tree_rank)
+    def forward(self, input_ids, proposals, temperature, uniform, *rest):
+        """`rest`: (tree_depth, tree_rank, tree_bias, *past), without tree_rank when `draft_proposes`
+        (then `proposals` are the proposal ids, else the draft's hidden rows)."""
+        if self.draft_proposes:
+            (tree_depth, tree_bias), past, proposal_ids = rest[:2], rest[2:], proposals
+        else:
+            (tree_depth, tree_rank, tree_bias), past = rest[:3], rest[3:]
+            proposal_ids = self.propose(proposals, tree_depth, tree_rank)
         ids = torch.cat([input_ids, proposal_ids], dim=0)
         h, tap_features, new_caches = self.body(ids, past, tree_depth, tree_bias)
-        return self.head(h, input_ids.shape[0], proposal_ids, temperature, uniform, tap_features, new_caches)
+        return self._outputs(self.head(h, input_ids.shape[0], proposal_ids, temperature, uniform, tap_features, new_caches))
 
-    def chain_forward(self, input_ids, draft_hidden, temperature, uniform, *past):
-        """`forward` without the verify-tree inputs: proposal i is row i's argmax, the rows are causal
-        (the interface of a family whose layers cannot verify a tree, e.g. recurrent ones)."""
-        proposal_ids = self.propose(draft_hidden)
+    def chain_forward(self, input_ids, proposals, temperature, uniform, *past):
+        """`forward` without the verify-tree inputs: proposal i is row i's argmax (or the given id),
+        the rows are causal (the interface of a family whose layers cannot verify a tree, e.g.
+        recurrent ones)."""
+        proposal_ids = proposals if self.draft_proposes else self.propose(proposals)
         ids = torch.cat([input_ids, proposal_ids], dim=0)
         h, tap_features, new_caches = self.body(ids, past)
-        return self.head(h, input_ids.shape[0], proposal_ids, temperature, uniform, tap_features, new_caches)
+        return self._outputs(self.head(h, input_ids.shape[0], proposal_ids, temperature, uniform, tap_features, new_caches))
+
+    def _outputs(self, outs: tuple) -> tuple:
+        """`head`'s outputs as the graph returns them: without `proposal_ids` when the draft proposes
+        (the runtime passed them in)."""
+        return (outs[0], *outs[2:]) if self.draft_proposes else outs
 
     def body(self, ids: torch.Tensor, past: tuple, tree_depth: torch.Tensor | None = None,
              proposal_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:

@@ -140,7 +140,7 @@ def measure_cost_model(sess, host_ms_per_step: list[float], past_len: int = 128,
     timed_step(sess, b - 1, past_len)  # warm-up: sizes the arenas
     for rnd in range(rounds):
         for n in order[rnd % b:] + order[: rnd % b]:
-            times[n].append(timed_step(sess, n, past_len))
+            times[n].append(timed_step(sess, n, past_len)[0])
     draft = {c: [] for c in context_rows}
     for _ in range(rounds):
         for c in context_rows:

@@ -42,6 +42,9 @@ EXPORT_TITLE = "weights are read as they are written"  # build's progress line f
 NORM_WEIGHT_OFFSET = 1.0
 
 
+DRAFT_PROPOSES = False  # the hybrid target still ranks the draft's hidden rows itself (chains only)
+
+
 def read_target(model_dir: Path, cfg: dict) -> TargetSpec | None:
     """Family hook: the TargetSpec of a dense Qwen3.5/3.6 hybrid checkpoint (`Qwen3_5ForCausalLM` or
     `Qwen3_5ForConditionalGeneration`; its `arch`: the full-attention layers' sizes), None for a config

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from runtime.errors import DFlashError
-from runtime.manifest import draft_rows_exported
+from runtime.manifest import draft_proposes, draft_rows_exported
 
 
 def verify_sources(manifest: dict) -> tuple[str, str | None]:
@@ -67,7 +67,25 @@ def reference_modules(manifest: dict, artifact_dir: Path | None = None):
             raise DFlashError("an AWQ artifact's reference needs its directory (the scales are stored there)")
         manifest = {**manifest, "quantization": {**quant, "awq_scales": str(Path(artifact_dir) / quant["awq_scales"])}}
     tmod = target_family(tspec.family).reference_target(tspec, dspec, tsource, manifest, vocab)
-    return tmod, _reference_draft(dspec, dstate, draft_rows_exported(manifest), manifest)
+    dmod = _reference_draft(dspec, dstate, draft_rows_exported(manifest), manifest)
+    if draft_proposes(manifest):
+        dmod = _proposing_reference(dmod, tmod)
+    return tmod, dmod
+
+
+def _proposing_reference(dmod, tmod):
+    """`dmod` (the reference draft) ending in the proposal head as the artifact's draft graph does
+    (`draft_model.ProposingDraft`), its scores from the reference target's proposal rows (fp32; INT4
+    rows as the graph computes with them)."""
+    import torch
+
+    from .draft_model import ProposingDraft
+
+    class ReferenceProposingDraft(ProposingDraft):
+        def proposal_scores(self, hidden):
+            return tmod.proposal_scores(hidden.to(torch.float32))
+
+    return ReferenceProposingDraft.with_head(dmod, tmod.draft_vocab.tolist(), None)
 
 
 def _reference_draft(dspec, dstate, takes_rows: bool = True, manifest: dict | None = None):

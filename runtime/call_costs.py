@@ -23,7 +23,7 @@ import numpy as np
 
 from .files import cache_dir, write_atomic
 
-CACHE_FORMAT = "dflash_export.call_costs/1"
+CACHE_FORMAT = "dflash_export.call_costs/2"  # /2: also the target call's part of each speculative step
 COSTS_ENV = "DFLASH_EXPORT_CALL_COSTS"
 _FULL_HASH_LIMIT = 64 << 20
 _EDGE = 1 << 20
@@ -42,6 +42,19 @@ class CallCosts:
 
     step_ms: dict[int, float]
     past_len: int
+    # the target call (and its read) inside each n > 0 step: what verifying n costs once the draft ran
+    verify_ms: dict[int, float] | None = None
+
+    def verify_s(self, n: np.ndarray) -> np.ndarray:
+        """Seconds of the target call verifying each count in `n` once the draft call ran (n > 0: the
+        line through the measured verify parts, as :meth:`step_s`; n = 0: a plain step). Without
+        verify measurements (costs cached by an older runtime), the step minus the 1-proposal step's
+        excess over a plain step's."""
+        n = np.asarray(n, np.float64)
+        if not self.verify_ms:
+            return np.where(n > 0, self.step_s(n) - (self.step_s(np.ones(1))[0] - self.step_ms[0] / 1000.0),
+                            self.step_ms[0] / 1000.0)
+        return np.where(n > 0, _affine_fit(self.verify_ms, n), self.step_ms[0]) / 1000.0
 
     def step_s(self, n: np.ndarray) -> np.ndarray:
         """Seconds of a step verifying each count in `n` (float64 array like `n`): the measured plain
@@ -50,25 +63,36 @@ class CallCosts:
         curve a little instead of making one length look 20% cheaper than its neighbours). The line
         extends past the last point (a block_size override larger than the draft's block)."""
         n = np.asarray(n, np.float64)
-        xs = np.array(sorted(k for k in self.step_ms if k > 0), np.float64)
-        ys = np.array([self.step_ms[int(k)] for k in xs])
-        if len(xs) >= 2:  # least squares; the line passes through the points' mean
-            slope = max(float(np.polyfit(xs, ys, 1)[0]), 0.0)
-            spec = ys.mean() + slope * (n - xs.mean())
-        else:
-            spec = np.full_like(n, ys[0] if len(ys) else self.step_ms[0])
+        spec = _affine_fit(self.step_ms, n) if any(k > 0 for k in self.step_ms) else np.full_like(n, self.step_ms[0])
         return np.where(n > 0, spec, self.step_ms[0]) / 1000.0
 
     def to_json(self) -> dict:
-        return {"step_ms": {str(k): v for k, v in self.step_ms.items()}, "past_len": self.past_len}
+        out = {"step_ms": {str(k): v for k, v in self.step_ms.items()}, "past_len": self.past_len}
+        if self.verify_ms:
+            out["verify_ms"] = {str(k): v for k, v in self.verify_ms.items()}
+        return out
 
     @classmethod
     def from_json(cls, data: dict) -> "CallCosts":
         """Raises ValueError/TypeError/KeyError/AttributeError on anything malformed."""
         steps = {int(k): float(v) for k, v in data["step_ms"].items()}
+        verify = {int(k): float(v) for k, v in data.get("verify_ms", {}).items()} or None
         if 0 not in steps or len(steps) < 2 or not all(np.isfinite(v) and v > 0 for v in steps.values()):
             raise ValueError("bad step_ms")
-        return cls(steps, int(data["past_len"]))
+        if verify is not None and not all(k > 0 and np.isfinite(v) and v > 0 for k, v in verify.items()):
+            raise ValueError("bad verify_ms")
+        return cls(steps, int(data["past_len"]), verify)
+
+
+def _affine_fit(points_ms: dict[int, float], n: np.ndarray) -> np.ndarray:
+    """The least-squares line through the n > 0 points, evaluated at `n` (ms; a slope below 0 is
+    taken as 0; one point: constant)."""
+    xs = np.array(sorted(k for k in points_ms if k > 0), np.float64)
+    ys = np.array([points_ms[int(k)] for k in xs])
+    if len(xs) >= 2:  # the line passes through the points' mean
+        slope = max(float(np.polyfit(xs, ys, 1)[0]), 0.0)
+        return ys.mean() + slope * (n - xs.mean())
+    return np.full_like(n, ys[0])
 
 
 def measurement_points(block_size: int) -> list[int]:
@@ -81,18 +105,24 @@ def measurement_points(block_size: int) -> list[int]:
     return sorted(points)
 
 
-def timed_step(session, n: int, past: int) -> float:
-    """Seconds of one decoding step verifying `n` proposals at past length `past`, as `generate` runs
-    it (draft call when n > 0, target call, one read of the ids). Overwrites buffer rows past the
-    committed length only, so call it between generations."""
+def timed_step(session, n: int, past: int) -> tuple[float, float]:
+    """(seconds of one decoding step verifying `n` proposals at past length `past`, as `generate` runs
+    it (draft call when n > 0, target call, one read of the ids), seconds of its target call and read).
+    Where the draft proposes, the step also reads its proposals and writes them for the target.
+    Overwrites buffer rows past the committed length only, so call it between generations."""
     be, t0 = session.backend, time.perf_counter()
     if n:
         be.copy(session.block.rows(0, 1), session.next_embeddings.rows(0, 1))
         session.run_draft(1, past, session.block_size, rows=n)
+        if session.draft_proposes:
+            table, _ = session.read_draft_proposals(n)
+            session.write_proposals(table[:, 0])
     be.write(session.input_ids.rows(0, 1), np.array([1], np.int64))
+    t1 = time.perf_counter()
     session.run_target(1, n, past)
     session.read_ids(n)
-    return time.perf_counter() - t0
+    t2 = time.perf_counter()
+    return t2 - t0, t2 - t1
 
 
 def measure(session, rounds: int = 2, past_len: int = 128) -> CallCosts:
@@ -105,14 +135,18 @@ def measure(session, rounds: int = 2, past_len: int = 128) -> CallCosts:
     points = sorted({min(n, session.max_seq_len - past - 1) for n in measurement_points(b)})
     timed_step(session, points[-1], past)
     best = {n: float("inf") for n in points}
+    verify = {n: float("inf") for n in points if n > 0}
     for rnd in range(rounds):
         # n = 0 first: it follows the previous step's target call, as plain steps follow each other
         rest = points[1:]
         shift = rnd % len(rest) if rest else 0
         order = [0] + rest[shift:] + rest[:shift]
         for n in order:
-            best[n] = min(best[n], timed_step(session, n, past))
-    return CallCosts({n: 1000 * best[n] for n in points}, past)
+            step, target = timed_step(session, n, past)
+            best[n] = min(best[n], step)
+            if n:
+                verify[n] = min(verify[n], target)
+    return CallCosts({n: 1000 * best[n] for n in points}, past, {n: 1000 * v for n, v in verify.items()} or None)
 
 
 def cache_key(session) -> dict:

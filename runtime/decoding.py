@@ -19,8 +19,8 @@ from .errors import DFlashError
 from .row_exact import needs_row_padding
 from . import call_costs
 from .loop import CachedContext, DecodeLoop
-from .manifest import (DTYPES, draft_rows_exported, greedy_form_exported, layer_types, load_manifest, load_mask_embedding,
-                       tree_inputs_exported)
+from .manifest import (DTYPES, draft_proposes, draft_rows_exported, greedy_form_exported, layer_types, load_manifest,
+                       load_mask_embedding, proposal_ranks, tree_inputs_exported)
 from .options import GENERATION_OPTION_NAMES, GenerationOptions
 from .prompt_encoding import PromptEncoding
 from .results import GenerationResult, StreamChunk
@@ -127,7 +127,16 @@ class Session(PromptEncoding):
         self.next_embeddings = be.alloc(self.dtype, mb, (hidden,))
         self.logits = be.alloc(np.float32, mb, (int(t["vocab_size"]),)) if self.keep_logits else None
         self.block = be.alloc(self.dtype, mb, (hidden,))
-        self.draft_hidden = be.alloc(self.dtype, mb, (hidden,))
+        # the draft's output: its top candidates and their probabilities per row where its graph ends in
+        # the proposal head (read to the host to choose the verify length), else its hidden rows, which
+        # the target's proposal head ranks
+        self.draft_proposes = draft_proposes(m)
+        self.draft_hidden = self.draft_top_ids = self.draft_top_probs = None
+        if self.draft_proposes:
+            ranks = proposal_ranks(m)
+            self.draft_top_ids, self.draft_top_probs = be.alloc(np.int64, mb, (ranks,)), be.alloc(np.float32, mb, (ranks,))
+        else:
+            self.draft_hidden = be.alloc(self.dtype, mb, (hidden,))
         # the draft returns draft_hidden rows 0..R-1 only (its last layer cut to them), written once
         self.proposal_rows = be.alloc(np.int64, mb) if draft_rows_exported(m) else None
         if self.proposal_rows is not None:
@@ -135,9 +144,9 @@ class Session(PromptEncoding):
         # a verify tree's depth, rank and [N, N] bias (`runtime.tree`), written when the shape changes
         self.verifies_trees = tree_inputs_exported(m) and self.recurrent is None
         self.tree_depth = self.tree_rank = self.tree_bias = self._tree_written = None
-        if tree_inputs_exported(m):
-            self.tree_depth, self.tree_rank = be.alloc(np.int64, mb), be.alloc(np.int64, mb)
-            self.tree_bias = be.alloc(np.float32, mb * mb)
+        if tree_inputs_exported(m):  # a target taking proposal ids needs no ranks (the host picked the ids)
+            self.tree_depth, self.tree_bias = be.alloc(np.int64, mb), be.alloc(np.float32, mb * mb)
+            self.tree_rank = None if self.draft_proposes else be.alloc(np.int64, mb)
         mask_row = load_mask_embedding(self.artifact_dir / m["mask_embedding"], hidden).astype(self.dtype)
         be.write(self.block.rows(0, mb), np.broadcast_to(mask_row, (mb, hidden)))
 
@@ -146,17 +155,18 @@ class Session(PromptEncoding):
                    tree: VerifyTree | None = None) -> None:
         """One target call on the session's buffers.
 
-        Reads `n_ids` ids from `input_ids` rows [0, n_ids) and `n_proposals` draft rows from
-        `draft_hidden` (a chain of top-1 proposals; with `tree`, its `tree.size` nodes, reading
-        `draft_hidden` row `tree.depth[i]`, `runtime.tree`; then `n_proposals` must be `tree.size` and
-        the artifact must verify trees, :attr:`verifies_trees`), with the target cache's rows [0, past)
-        as its past; writes the new K/V at row
-        `past`, 1 + n_proposals posterior ids (their embeddings to `next_embeddings`) and then the
-        proposals' target-head argmax to `token_ids` (read both with :meth:`read_ids`), and the tap features of every row to `taps` from row
-        `taps_row`. Rows of the cache past `past + n_ids + n_proposals` are untouched, except that a
-        one-row call with :attr:`pad_single_rows` runs as two rows (a proposal from whatever
-        `draft_hidden` holds) and also writes K/V row `past + 1` and taps row `taps_row + 1`, past
-        what it commits. (Calling this
+        Reads `n_ids` ids from `input_ids` rows [0, n_ids) and `n_proposals` proposals: where the
+        draft proposes (:attr:`draft_proposes`), the ids :meth:`write_proposals` wrote; else the draft
+        rows of `draft_hidden`, ranked by the target's proposal head (a chain of top-1 proposals; with
+        `tree`, its `tree.size` nodes, reading `draft_hidden` row `tree.depth[i]`, `runtime.tree`).
+        With `tree`, `n_proposals` must be `tree.size` and the artifact must verify trees
+        (:attr:`verifies_trees`). The target cache's rows [0, past) are its past; it writes the new
+        K/V at row `past`, 1 + n_proposals posterior ids (their embeddings to `next_embeddings`) and
+        then the proposals to `token_ids` (read both with :meth:`read_ids`), and the tap features of
+        every row to `taps` from row `taps_row`. Rows of the cache past `past + n_ids + n_proposals`
+        are untouched, except that a one-row call with :attr:`pad_single_rows` runs as two rows (a
+        proposal from whatever the buffers hold) and also writes K/V row `past + 1` and taps row
+        `taps_row + 1`, past what it commits. (Calling this
         directly leaves :attr:`context` stale: call :meth:`reset` before the next `generate`.)
         """
         if self.closed:
@@ -167,19 +177,22 @@ class Session(PromptEncoding):
             raise DFlashError(f"a verify tree of {tree.size} nodes cannot run as {n_proposals} proposals"
                               if self.verifies_trees else "this artifact's target graph verifies chains only")
         rows = n_ids + n_proposals
+        proposals = self.token_ids.rows(n_proposals + 1, n_proposals)
         inputs = {
             "input_ids": self.input_ids.rows(0, n_ids),
-            "draft_hidden": self.draft_hidden.rows(0, n_proposals),
             "temperature": self.temperature.rows(0, 1),
             # greedy binds no uniforms, so the graph skips the softmax/cumsum sampling branch
             "uniform": self.uniform.rows(0, n_proposals + 1 if self._sampling or not self._greedy_skips_sampling else 0),
         }
         outputs = {
             "next_ids": self.token_ids.rows(0, n_proposals + 1),
-            "proposal_ids": self.token_ids.rows(n_proposals + 1, n_proposals),
             "next_embeddings": self.next_embeddings.rows(0, n_proposals + 1),
             "taps": self.taps.rows(taps_row, rows),
         }
+        if self.draft_proposes:  # the ids the host wrote sit right after the posterior: read_ids reads both
+            inputs["proposal_ids"] = proposals
+        else:
+            inputs["draft_hidden"], outputs["proposal_ids"] = self.draft_hidden.rows(0, n_proposals), proposals
         if self.logits is not None and (self.keep_logits or self._host_sampling):
             outputs["logits"] = self.logits.rows(0, n_proposals + 1)
         if self.tree_depth is not None:  # the graph takes tree inputs (a chain's, without `tree`)
@@ -194,11 +207,13 @@ class Session(PromptEncoding):
         n = tree.size if tree is not None else 0
         if tree is not None and tree is not self._tree_written:  # trees are few and long-lived: identity suffices
             self.backend.write(self.tree_depth.rows(0, n), tree.depth)
-            self.backend.write(self.tree_rank.rows(0, n), tree.rank)
+            if self.tree_rank is not None:
+                self.backend.write(self.tree_rank.rows(0, n), tree.rank)
             self.backend.write(View(self.tree_bias, 0, (n, n)), tree.bias)
             self._tree_written = tree
-        inputs["tree_depth"], inputs["tree_rank"] = self.tree_depth.rows(0, n), self.tree_rank.rows(0, n)
-        inputs["tree_bias"] = View(self.tree_bias, 0, (n, n))
+        inputs["tree_depth"], inputs["tree_bias"] = self.tree_depth.rows(0, n), View(self.tree_bias, 0, (n, n))
+        if self.tree_rank is not None:
+            inputs["tree_rank"] = self.tree_rank.rows(0, n)
 
     def move_target_row(self, src: int, dst: int, taps_src: int, taps_dst: int) -> None:
         """Copy every attention layer's K/V cache row `src` to row `dst`, and taps row `taps_src` to
@@ -243,12 +258,29 @@ class Session(PromptEncoding):
         ids = self.backend.read(self.token_ids.rows(0, 2 * n_proposals + 1))
         return ids[: n_proposals + 1], ids[n_proposals + 1 :]
 
+    def write_proposals(self, ids: np.ndarray) -> None:
+        """Write the proposal ids (int64 `[n]`) the next target call verifies, where the draft proposes
+        (:attr:`draft_proposes`): a chain's are the top-1 column of :meth:`read_draft_proposals`, a
+        tree's its nodes' candidates (`VerifyTree.ids_from`)."""
+        n = len(ids)
+        self.backend.write(self.token_ids.rows(n + 1, n), np.asarray(ids, np.int64))
+
+    def read_draft_proposals(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int64 `[rows, K]`, probabilities fp32 `[rows, K]`) of the last draft call's first `rows`
+        rows (block positions 1..rows), where the draft proposes (:attr:`draft_proposes`): each row's K
+        most probable candidates in rank order and the draft's softmax probability of each."""
+        if not self.draft_proposes:
+            raise DFlashError("this artifact's draft returns hidden rows, not proposals (no proposal vocabulary, "
+                              "a hybrid target, or built before drafts proposed: rebuild it)")
+        return self.backend.read(self.draft_top_ids.rows(0, rows)), self.backend.read(self.draft_top_probs.rows(0, rows))
+
     def run_draft(self, n_context: int, past: int, block_size: int, taps_row: int = 0,
                   rows: int | None = None) -> None:
         """One draft call: new context = `taps` rows [taps_row, taps_row + n_context) appended at row
         `past` of the draft's context cache, block = `block` rows [0, block_size); writes `rows`
-        (1..block_size - 1; None: all block_size - 1) hidden rows to `draft_hidden`, block positions
-        1..rows. Asking for fewer rows is cheaper where the draft graph takes `proposal_rows`
+        (1..block_size - 1; None: all block_size - 1) rows of block positions 1..rows: the proposal
+        table (:meth:`read_draft_proposals`) where the draft proposes, else hidden rows to
+        `draft_hidden`. Asking for fewer rows is cheaper where the draft graph takes `proposal_rows`
         (artifacts built since it exists; older ones compute and write all block_size - 1)."""
         if self.closed:
             raise DFlashError("this Session is closed; load the artifact again")
@@ -258,7 +290,10 @@ class Session(PromptEncoding):
         else:
             rows = block_size - 1 if rows is None else min(max(int(rows), 1), block_size - 1)
             inputs["proposal_rows"] = self.proposal_rows.rows(0, rows)
-        outputs = {"draft_hidden": self.draft_hidden.rows(0, rows)}
+        if self.draft_proposes:
+            outputs = {"draft_top_ids": self.draft_top_ids.rows(0, rows), "draft_top_probs": self.draft_top_probs.rows(0, rows)}
+        else:
+            outputs = {"draft_hidden": self.draft_hidden.rows(0, rows)}
         _bind_kv(self.d_kv, past, n_context, inputs, outputs)
         self.backend.run("draft", inputs, outputs)
 
@@ -288,7 +323,8 @@ class Session(PromptEncoding):
                 estimate = AcceptanceEstimate(self.acceptance_prior, block_size - 1, alternative_prior=(
                     TRAINED_ALTERNATIVE_PRIOR if trained else UNTRAINED_ALTERNATIVE_PRIOR))
                 self.auto[block_size] = AdaptiveLength(self.call_costs, estimate,
-                                                       alternatives=TREE_RANKS - 1 if self.verifies_trees else 0)
+                                                       alternatives=TREE_RANKS - 1 if self.verifies_trees else 0,
+                                                       confidence=self.draft_proposes)
             return self.auto[block_size]
         if isinstance(verify_len, str) and "+" in verify_len:
             tree = self._requested_tree(verify_len)

@@ -6,8 +6,9 @@ dflash-facts section 5):
 1. Prefill: the target runs on the prompt tokens not already in its cache; its last posterior is
    the first new token and the tap features of those positions become the draft's context.
 2. Each step: the draft fills the block `[last committed, MASK x (B - 1)]`; ONE target call takes
-   the last committed token plus the draft's hidden states, turns them into proposals with the
-   target's LM head, and verifies them; the longest prefix where proposal j equals posterior j is
+   the last committed token plus the proposals and verifies them (where the draft ends in the
+   proposal head, the policy first sees its confidence and may verify fewer; else the target's
+   proposal head turns the draft's hidden states into the proposals); the longest prefix where proposal j equals posterior j is
    accepted, plus the bonus token posterior[acc] (acc + 1 tokens per step).
 3. Rollback is a length update: both caches are static buffers and the rows past the committed
    length are simply overwritten next step.
@@ -157,15 +158,30 @@ class DecodeLoop:
                 break
         # the taps rows [0, read) were consumed: the next target call writes from row 0 (pending = 0)
 
-    def _step(self, n_prop: int, tree: VerifyTree | None = None) -> tuple[list[int], int, list[int]]:
+    def _draft(self, n_prop: int, tree: VerifyTree | None) -> tuple[int, VerifyTree | None]:
+        """The step's draft call(s), then, where the draft proposes, the shape the policy keeps after
+        seeing its confidence (`Policy.trim`) and those proposal ids written for the target call.
+        Returns the (proposals, tree) the target verifies."""
+        s, be = self.s, self.s.backend
+        be.copy(s.block.rows(0, 1), s.next_embeddings.rows(self.anchor_row, 1))
+        t0 = time.perf_counter()
+        rows = n_prop if tree is None else tree.length
+        self._draft_catch_up(rows)
+        if s.draft_proposes:
+            table, probs = s.read_draft_proposals(rows)
+            n_prop, tree = self._shape(self.policy.trim(tree or n_prop, probs))
+            if n_prop:
+                s.write_proposals(table[:n_prop, 0] if tree is None else tree.ids_from(table))
+        self.draft_s += time.perf_counter() - t0
+        return n_prop, tree
+
+    def _step(self, n_prop: int, tree: VerifyTree | None = None) -> tuple[list[int], int, list[int], int, VerifyTree | None]:
         """One draft (if n_prop > 0) + target call verifying a chain of `n_prop` proposals, or `tree`
-        (then n_prop = tree.size). Returns (committed ids, accepted, proposals)."""
+        (then n_prop = tree.size). Returns (committed ids, accepted, proposals, and the proposals and
+        tree verified: fewer where the policy trimmed them after the draft call)."""
         s, be, ctx = self.s, self.s.backend, self.s.context
         if n_prop > 0:  # the draft reads all context since its last call, then fills the block
-            be.copy(s.block.rows(0, 1), s.next_embeddings.rows(self.anchor_row, 1))
-            t0 = time.perf_counter()
-            self._draft_catch_up(n_prop if tree is None else tree.length)
-            self.draft_s += time.perf_counter() - t0
+            n_prop, tree = self._draft(n_prop, tree)
         be.write(s.input_ids.rows(0, 1), np.array([self.out[-1]], np.int64))
         self._write_uniforms(n_prop, tree)
         k = len(self.out)
@@ -175,7 +191,7 @@ class DecodeLoop:
         self.verify_s += time.perf_counter() - t0
         posterior, proposals = s.read_ids(n_prop)
         if tree is not None:
-            return self._accept_tree(tree, posterior, proposals)
+            return (*self._accept_tree(tree, posterior, proposals), n_prop, tree)
         if self.sampler is None:
             acc = accepted_prefix(proposals, posterior)
             bonus = int(posterior[acc])
@@ -185,7 +201,7 @@ class DecodeLoop:
         s.commit_target_rows(1 + acc)
         ctx.ids += [self.out[-1]] + [int(t) for t in proposals[:acc]]
         self.anchor_row = acc
-        return [int(t) for t in proposals[:acc]] + [bonus], acc, proposals
+        return [int(t) for t in proposals[:acc]] + [bonus], acc, proposals, n_prop, None
 
     def _accept_tree(self, tree: VerifyTree, posterior, proposals) -> tuple[list[int], int, list[int]]:
         """Commit a tree call's accepted path: its nodes' K/V and taps rows move to the rows of their
@@ -260,13 +276,14 @@ class DecodeLoop:
         while self.finish_reason != "stop" and len(self.out) < max_new:
             limit = min(self.b - 1, max_new - len(self.out) - 1)  # never verify more than can be committed
             n_prop, tree = self._shape(self.policy.proposals(limit) if self.anchor_valid else 0)
-            t_step, catch_up = clock(), n_prop > 0 and self.s.context.pending > self.b
+            t_step, catch_up, drafted = clock(), n_prop > 0 and self.s.context.pending > self.b, n_prop > 0
             self.first_rank = None
-            committed, acc, proposals = self._step(n_prop, tree)
+            committed, acc, proposals, n_prop, tree = self._step(n_prop, tree)
             chunk = self._commit(committed)
             # a draft call that caught up on many context rows (the prompt, a long plain run) is not
             # the step cost the policy's curve models: flagged (a probe's full cost still counts)
-            self.policy.observe(n_prop, acc, clock() - t_step, catch_up=catch_up, tree=tree, first_rank=self.first_rank)
+            self.policy.observe(n_prop, acc, clock() - t_step, catch_up=catch_up, tree=tree, first_rank=self.first_rank,
+                                drafted=drafted)
             if n_prop > 0:
                 self.acceptance.append(acc + 1)
             if self.opts.record_steps:

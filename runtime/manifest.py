@@ -115,6 +115,26 @@ def draft_rows_exported(manifest: dict[str, Any]) -> bool:
     return any(i["name"] == "proposal_rows" for i in inputs)
 
 
+# What a draft graph ending in the proposal head returns instead of `draft_hidden`: int64 `[R, K]`
+# candidate ids and fp32 `[R, K]` their probabilities (`dflash_export.modules.proposal_table`).
+DRAFT_PROPOSAL_OUTPUTS = ("draft_top_ids", "draft_top_probs")
+
+
+def draft_proposes(manifest: dict[str, Any]) -> bool:
+    """Whether the draft graph ranks the proposals itself (outputs `DRAFT_PROPOSAL_OUTPUTS`, the
+    target takes `proposal_ids`), so the runtime sees the draft's confidence before the verify call;
+    else (drafts without a proposal vocabulary, hybrid targets, older builds) it returns `draft_hidden`
+    and the target's proposal head ranks them."""
+    outputs = manifest.get("io", {}).get("draft", {}).get("outputs", [])
+    return any(o["name"] == DRAFT_PROPOSAL_OUTPUTS[0] for o in outputs)
+
+
+def proposal_ranks(manifest: dict[str, Any]) -> int:
+    """K, the candidates per row a proposing draft returns (`draft_top_ids` is `[R, K]`)."""
+    out = next(o for o in manifest["io"]["draft"]["outputs"] if o["name"] == DRAFT_PROPOSAL_OUTPUTS[0])
+    return int(out["shape"][1])
+
+
 def layer_types(section: dict[str, Any]) -> list[str]:
     """A graph section's (`manifest["target"]` or `["draft"]`) type per layer: "full_attention",
     "linear_attention" (a hybrid's Gated DeltaNet: a recurrent state, no KV cache) or

@@ -84,14 +84,16 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
     Raises:
         DFlashError: the graph and the manifest disagree (a damaged or hand-edited artifact).
     """
-    from .manifest import DTYPES, draft_rows_exported, layer_types, tree_inputs_exported
+    from .manifest import DTYPES, draft_proposes, draft_rows_exported, layer_types, tree_inputs_exported
     from .recurrent import gdn_io_names
-    from .tree import TREE_INPUTS
+    from .tree import TREE_INPUTS, TREE_SHAPE_INPUTS
 
     n = int(manifest[graph]["num_layers"])
-    lead = ["input_ids", "draft_hidden", "temperature", "uniform"] if graph == "target" else ["context_hidden", "block_embeddings"]
+    proposes = draft_proposes(manifest)
+    proposals = "proposal_ids" if proposes else "draft_hidden"
+    lead = ["input_ids", proposals, "temperature", "uniform"] if graph == "target" else ["context_hidden", "block_embeddings"]
     if graph == "target" and tree_inputs_exported(manifest):
-        lead += list(TREE_INPUTS)
+        lead += list(TREE_SHAPE_INPUTS if proposes else TREE_INPUTS)
     if graph == "draft" and draft_rows_exported(manifest):
         lead.append("proposal_rows")
     types = layer_types(manifest[graph])

@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from .confidence import ConfidenceTrim
 from .tree import VerifyTree, verify_tree
 
 # Prior acceptance of the first proposal. Trained: the shipped SmolLM2 draft's first-position
@@ -55,14 +56,22 @@ class Policy(ABC):
         """Proposals to verify this step, 0..`limit` (`limit` = what the block and the remaining
         token budget allow; 0 means only a plain step is possible)."""
 
+    def trim(self, choice: int | VerifyTree, probs: np.ndarray) -> int | VerifyTree:
+        """After the draft call, where the draft proposes (`Session.draft_proposes`): what to verify
+        given the draft's probabilities `probs` (fp32 `[R, K]`: its top-K candidates for block
+        positions 1..R, R the chain length of `choice`). Returns `choice` or a smaller shape (0: a
+        plain target call). This default keeps `choice` (explicit verify lengths are kept)."""
+        return choice
+
     def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False,
-                tree: VerifyTree | None = None, first_rank: int | None = None) -> None:
+                tree: VerifyTree | None = None, first_rank: int | None = None, drafted: bool = False) -> None:
         """The step verified `verified` proposals, accepted `accepted` of them and took `seconds`
         (draft call, target call and the loop's host work). `catch_up`: the draft call first read
         many context rows (the prompt, a run of plain steps), so the step cost more than the
         verify length alone does. `tree`: the verify tree the step ran (None: a chain, also where a
         tree choice ran as its chain), and `first_rank` the draft's rank of its accepted first
-        proposal (None: none accepted)."""
+        proposal (None: none accepted). `drafted`: a draft call ran (also where `trim` then chose
+        to verify nothing)."""
 
 
 class FixedLength(Policy):
@@ -203,16 +212,24 @@ class AdaptiveLength(Policy):
     instance lives as long as its Session, so what it learned carries over to the next generate
     call: a new prompt starts at half the gap it had reached, not at `probe_gap`.
 
+    With `confidence` (a draft that returns its proposals' probabilities), the length is chosen
+    after the draft call instead (`trim`, :class:`runtime.confidence.ConfidenceTrim`), and whether to
+    call the draft at all follows the measured rate of such steps: committed tokens per second over
+    the recent drafted steps (a decayed sum, the model's best fixed length as its prior), against
+    plain decoding's, with the same margin and probes. The draft computes `draft_rows` rows, one
+    more than the last step verified when it used them all, one fewer when it used two fewer.
+
     Args:
         costs: step costs measured for this artifact on this device.
         acceptance: the session's running acceptance estimate.
+        confidence: choose the verify shape from the draft's probabilities (`trim`).
     """
 
     name = "auto"
 
     def __init__(self, costs, acceptance: AcceptanceEstimate, probe_gap: int = 4, max_probe_gap: int = 128,
                  scale_smoothing: float = 0.2, probe_smoothing: float = 0.5, margin: float = 1.03,
-                 probe_budget: float = 0.02, alternatives: int = 0):
+                 probe_budget: float = 0.02, alternatives: int = 0, confidence: bool = False):
         self.costs = costs
         self.alternatives = min(int(alternatives), len(acceptance.alternative_prior))
         self.margin = margin  # speculate only when it is predicted this much faster: estimates are noisy
@@ -226,9 +243,20 @@ class AdaptiveLength(Policy):
         self.probe_extra_s = None  # running mean of what a probe costs beyond a plain step
         self.probe_gap = self.first_probe_gap
         self._cached = None  # (key, best speculative shape): see _best_speculative
+        self.trimmer = None
+        if confidence:
+            nodes = np.arange(len(acceptance.trials) + self.alternatives + 1)
+            self._verify_s = costs.verify_s(nodes)
+            self._draft_s = max(float(self._step_s[1] - self._verify_s[1]), 0.0)
+            self.trimmer = ConfidenceTrim(self._verify_s, self.alternatives)
+            self.draft_rows = 2
+            self.drafted_tokens = self.drafted_seconds = 0.0  # decayed sums over drafted steps
         self.start()
 
     def start(self) -> None:
+        if self.trimmer is not None:
+            self.drafted_tokens *= 0.5
+            self.drafted_seconds *= 0.5
         self.acceptance.forget(0.5)
         self.probe_gap = max(self.first_probe_gap, self.probe_gap // 2)
         self.plain_run, self.probing = 0, False
@@ -278,28 +306,59 @@ class AdaptiveLength(Policy):
                         best, shape = r, (length, a)
         return best, shape
 
+    def _speculative_choice(self, limit: int) -> int | VerifyTree:
+        """What a speculative step asks of the draft where speculation wins; 0 where plain decoding does."""
+        if self.trimmer is not None:
+            plain_s = self.plain_scale * float(self._step_s[0])
+            return min(limit, self.draft_rows) if self.drafted_rate(limit) * plain_s > self.margin else 0
+        best, alternatives = self._best_shape(limit)
+        return verify_tree(best, alternatives) if alternatives else best
+
+    def drafted_rate(self, limit: int) -> float:
+        """Committed tokens per second of the recent drafted steps (confidence mode), with the model's
+        best fixed shape as a prior worth `acceptance.weight` steps."""
+        prior_rate, _ = self._best_speculative(limit)
+        t1 = self.spec_scale * float(self._step_s[1])
+        w = self.acceptance.weight
+        return (self.drafted_tokens + w * prior_rate * t1) / (self.drafted_seconds + w * t1)
+
     def proposals(self, limit: int) -> int | VerifyTree:
         if limit <= 0:
             return 0
-        best, alternatives = self._best_shape(limit)
-        if best > 0:
+        choice = self._speculative_choice(limit)
+        if choice:
             self.plain_run, self.probing, self.probe_gap = 0, False, self.first_probe_gap
-            return verify_tree(best, alternatives) if alternatives else best
+            return choice
         self.plain_run += 1
         if self.plain_run < min(max(self.probe_gap, self._min_probe_gap()), self.max_probe_gap):
             return 0
         # a probe verifies one proposal, the cheapest speculative step (an accepted one also lifts the
-        # deeper positions' prior, see AcceptanceEstimate)
+        # deeper positions' prior, see AcceptanceEstimate); with confidence, what the draft's rows earn
         self.plain_run, self.probing = 0, True
-        return 1
+        return 1 if self.trimmer is None else min(limit, self.draft_rows)
+
+    def trim(self, choice: int | VerifyTree, probs: np.ndarray) -> int | VerifyTree:
+        if self.trimmer is None:
+            return choice
+        rows = len(probs)
+        plain_s = self.plain_scale * float(self._step_s[0])
+        length, alternatives = self.trimmer.choose(probs, plain_s, self.spec_scale)
+        if length >= rows:
+            self.draft_rows = min(self.draft_rows + 1, len(self.acceptance.trials))
+        elif length < rows - 1:
+            self.draft_rows = max(self.draft_rows - 1, 1)
+        return verify_tree(length, alternatives) if alternatives else length
 
     def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False,
-                tree: VerifyTree | None = None, first_rank: int | None = None) -> None:
+                tree: VerifyTree | None = None, first_rank: int | None = None, drafted: bool = False) -> None:
         if self.probing and seconds > 0:  # net of the tokens it committed beyond a plain step's one
             extra = seconds - (1 + accepted) * self.plain_scale * float(self._step_s[0])
             last = extra if self.probe_extra_s is None else self.probe_extra_s
             self.probe_extra_s = last + self.probe_smoothing * (extra - last)
-        if catch_up:  # not the step cost the curve models
+        drafted = drafted or verified > 0
+        if self.trimmer is not None and drafted:
+            self._observe_drafted(verified, accepted, seconds, catch_up, tree, first_rank)
+        if catch_up or (drafted and not verified):  # not a step cost the curve models
             seconds = 0.0
         predicted = float(self._step_s[min(verified, len(self._step_s) - 1)])
         if predicted > 0 and seconds > 0:  # a spike moves a scale at most 2x at a time
@@ -310,12 +369,23 @@ class AdaptiveLength(Policy):
                 self.spec_scale = scale
             else:
                 self.plain_scale = scale
-        if verified == 0:
-            return
-        if tree is None:
+        if verified and tree is None:
             self.acceptance.observe(verified, accepted)
-        else:
+        elif verified:
             self.acceptance.observe(tree.length, accepted, tree.alternatives, first_rank)
-        if self.probing:  # the gap shrinks back only once speculation wins again (see proposals)
+        if self.probing and drafted:  # the gap shrinks back only once speculation wins again (see proposals)
             self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
             self.probing = False
+
+    def _observe_drafted(self, verified: int, accepted: int, seconds: float, catch_up: bool,
+                         tree: VerifyTree | None, first_rank: int | None, decay: float = 0.95) -> None:
+        """Confidence mode: a drafted step's tokens and time join the drafted rate (a catch-up step at
+        its predicted time: its extra context rows are the plain steps' debt, priced in the probe
+        gap), and its first proposal's outcome the trimmer's calibration."""
+        nodes = tree.size if tree is not None else verified
+        if catch_up or seconds <= 0:
+            seconds = self.spec_scale * (self._draft_s + float(self._verify_s[min(nodes, len(self._verify_s) - 1)]))
+        self.drafted_tokens = decay * self.drafted_tokens + 1 + accepted
+        self.drafted_seconds = decay * self.drafted_seconds + seconds
+        if verified:
+            self.trimmer.observe(accepted > 0 and first_rank in (None, 0))

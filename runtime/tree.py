@@ -27,6 +27,8 @@ import numpy as np
 
 # The target graph's inputs that describe a verify tree (after `uniform`, before the caches).
 TREE_INPUTS = ("tree_depth", "tree_rank", "tree_bias")
+# A target taking proposal ids (the draft ranked them) needs only the tree's shape: no ranks.
+TREE_SHAPE_INPUTS = ("tree_depth", "tree_bias")
 # The most candidates per block position a tree may use: the graph's TopK width (`modules.TREE_RANKS`).
 TREE_RANKS = 4
 
@@ -83,6 +85,11 @@ class VerifyTree:
     def size(self) -> int:
         """Proposals (nodes) the target call verifies."""
         return self.length + self.alternatives
+
+    def ids_from(self, table: np.ndarray) -> np.ndarray:
+        """int64 `[N]`: the node tokens picked from a proposing draft's candidate table (`[R, K]`, R >
+        every depth, K > every rank): node i is `table[depth[i], rank[i]]`."""
+        return np.asarray(table)[self.depth, self.rank].astype(np.int64)
 
     def accept(self, proposals: np.ndarray, posterior: np.ndarray) -> tuple[list[int], int]:
         """The accepted path and the bonus token.

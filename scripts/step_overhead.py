@@ -128,8 +128,8 @@ def spin_child(artifact: str, n: int, past: int, spin: bool, reps: int = 20) -> 
         timed_step(sess, n, past)
     plain, spec = [], []
     for _ in range(reps):
-        plain.append(timed_step(sess, 0, past))
-        spec.append(timed_step(sess, n, past))
+        plain.append(timed_step(sess, 0, past)[0])
+        spec.append(timed_step(sess, n, past)[0])
     print(json.dumps([float(np.median(plain)), float(np.median(spec))]))
 
 
