@@ -266,6 +266,8 @@ class TargetForExport(nn.Module):
         key_i / value_i: `[T + N, Hkv, D]`: the new K/V rows, to be written at row P of the cache.
     """
 
+    draft_proposes = False  # (a family module borrowing these methods without this __init__ takes draft_hidden)
+
     def __init__(
         self, spec: TargetSpec, tap_layers: tuple[int, ...], dtype: torch.dtype = torch.float32, draft_vocab=None,
         draft_proposes: bool = False,

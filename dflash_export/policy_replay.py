@@ -113,6 +113,7 @@ def record_trace(sess, ids: list[int], max_new_tokens: int, draft_block: int | N
     while reply[-1] not in stops and len(reply) < max_new_tokens:
         be.copy(sess.block.rows(0, 1), sess.next_embeddings.rows(0, 1))
         sess.run_draft(pending, draft_len, b, taps_row=0, rows=depth)
+        sess.chain_proposals(depth)
         draft_len += pending
         be.write(sess.input_ids.rows(0, 1), np.array([reply[-1]], np.int64))
         sess.run_target(1, depth, draft_len, taps_row=0)

@@ -80,7 +80,9 @@ class HybridDFlashTarget(Qwen35TargetForExport):
     """
 
     forward = TargetForExport.chain_forward  # a recurrent state cannot verify a tree: chains only
+    draft_proposes = False  # the target ranks the draft's hidden rows (module docstring)
     head = TargetForExport.head
+    _outputs = TargetForExport._outputs
     propose = TargetForExport.propose
     proposal_scores = TargetForExport.proposal_scores
     logits_of = TargetForExport.logits_of

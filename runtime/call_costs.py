@@ -114,7 +114,7 @@ def timed_step(session, n: int, past: int) -> tuple[float, float]:
     if n:
         be.copy(session.block.rows(0, 1), session.next_embeddings.rows(0, 1))
         session.run_draft(1, past, session.block_size, rows=n)
-        if session.draft_proposes:
+        if session.draft_proposes:  # as generate: the draft's candidates and confidences read, ids written
             table, _ = session.read_draft_proposals(n)
             session.write_proposals(table[:, 0])
     be.write(session.input_ids.rows(0, 1), np.array([1], np.int64))

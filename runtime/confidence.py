@@ -53,7 +53,7 @@ class ConfidenceTrim:
         """Accepted first proposals per unit of the probability the draft gave them (running)."""
         return (self.hits + self.weight) / (self.mass + self.weight)
 
-    def choose(self, probs: np.ndarray, plain_step_s: float, cost_scale: float = 1.0) -> tuple[int, int]:
+    def choose(self, probs: np.ndarray, plain_step_s: float, cost_scale: float = 1.0, least: int = 0) -> tuple[int, int]:
         """(chain length L, alternatives A) to verify; (0, 0) is a plain target call.
 
         Args:
@@ -61,6 +61,8 @@ class ConfidenceTrim:
                 positions 1..R (rank order); L <= R.
             plain_step_s: seconds of a plain decoding step (what one token is worth).
             cost_scale: the running ratio of observed to predicted speculative step times.
+            least: the shortest chain to verify (1 on a probe: the calibration learns only from
+                verified proposals, so a draft it has written off can earn its way back).
         """
         probs = np.asarray(probs, np.float64)
         rows = min(probs.shape[0], len(self.verify_s) - 1)
@@ -69,6 +71,7 @@ class ConfidenceTrim:
         cost = self.verify_s * cost_scale / max(plain_step_s, 1e-9)
         cost[0] = 1.0  # a plain call after the draft is one plain step (its draft call is already paid)
         value = tokens - cost[: rows + 1]
+        value[: min(least, rows)] = -np.inf
         best, shape = float(value.max()), (int(np.argmax(value)), 0)
         alts = min(self.alternatives, probs.shape[1] - 1)
         if alts and rows:

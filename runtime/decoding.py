@@ -265,6 +265,14 @@ class Session(PromptEncoding):
         n = len(ids)
         self.backend.write(self.token_ids.rows(n + 1, n), np.asarray(ids, np.int64))
 
+    def chain_proposals(self, n: int) -> None:
+        """Make the last draft call's top-1 candidates for block positions 1..n the next target call's
+        proposals (a chain), as `generate` verifies them when nothing is trimmed. Only needed where
+        the draft proposes (:attr:`draft_proposes`); elsewhere the target ranks the draft's hidden
+        rows itself and this does nothing."""
+        if self.draft_proposes and n > 0:
+            self.write_proposals(self.backend.read(self.draft_top_ids.rows(0, n))[:, 0])
+
     def read_draft_proposals(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids int64 `[rows, K]`, probabilities fp32 `[rows, K]`) of the last draft call's first `rows`
         rows (block positions 1..rows), where the draft proposes (:attr:`draft_proposes`): each row's K

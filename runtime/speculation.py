@@ -250,6 +250,7 @@ class AdaptiveLength(Policy):
             self._draft_s = max(float(self._step_s[1] - self._verify_s[1]), 0.0)
             self.trimmer = ConfidenceTrim(self._verify_s, self.alternatives)
             self.draft_rows = 2
+            self.drafted_prior_steps = 2.0  # what the model's prior rate is worth, in drafted steps
             self.drafted_tokens = self.drafted_seconds = 0.0  # decayed sums over drafted steps
         self.start()
 
@@ -316,10 +317,10 @@ class AdaptiveLength(Policy):
 
     def drafted_rate(self, limit: int) -> float:
         """Committed tokens per second of the recent drafted steps (confidence mode), with the model's
-        best fixed shape as a prior worth `acceptance.weight` steps."""
+        best fixed shape as a prior worth `drafted_prior_steps` steps."""
         prior_rate, _ = self._best_speculative(limit)
         t1 = self.spec_scale * float(self._step_s[1])
-        w = self.acceptance.weight
+        w = self.drafted_prior_steps
         return (self.drafted_tokens + w * prior_rate * t1) / (self.drafted_seconds + w * t1)
 
     def proposals(self, limit: int) -> int | VerifyTree:
@@ -342,7 +343,7 @@ class AdaptiveLength(Policy):
             return choice
         rows = len(probs)
         plain_s = self.plain_scale * float(self._step_s[0])
-        length, alternatives = self.trimmer.choose(probs, plain_s, self.spec_scale)
+        length, alternatives = self.trimmer.choose(probs, plain_s, self.spec_scale, least=int(self.probing))
         if length >= rows:
             self.draft_rows = min(self.draft_rows + 1, len(self.acceptance.trials))
         elif length < rows - 1:

@@ -63,13 +63,27 @@ class TargetCalls:
         z = np.zeros((0, *self.kv_shape), self.dtype)
         return [(z, z)] * self.layers
 
-    def __call__(self, ids: list[int], draft_hidden: np.ndarray, past) -> dict[str, np.ndarray]:
-        feed = {"input_ids": np.array(ids, np.int64), "draft_hidden": draft_hidden.astype(self.dtype),
-                "temperature": np.zeros(1, np.float32), "uniform": np.zeros(0, np.float32)}
+    @property
+    def takes_ids(self) -> bool:
+        """Whether the graph takes `proposal_ids` (its draft proposes) rather than `draft_hidden`."""
+        return any(i.name == "proposal_ids" for i in self.sess.get_inputs())
+
+    def proposals(self, rng, n: int, vocab: int) -> np.ndarray:
+        """n random proposals in the graph's form: ids, or draft hidden rows its head ranks."""
+        return (rng.integers(0, vocab, size=n).astype(np.int64) if self.takes_ids
+                else rng.standard_normal((n, self.hidden)).astype(np.float32))
+
+    def __call__(self, ids: list[int], proposals: np.ndarray, past) -> dict[str, np.ndarray]:
+        feed = {"input_ids": np.array(ids, np.int64), "temperature": np.zeros(1, np.float32),
+                "uniform": np.zeros(0, np.float32)}
+        if self.takes_ids:
+            feed["proposal_ids"] = proposals.astype(np.int64)
+        else:
+            feed["draft_hidden"] = proposals.astype(self.dtype)
         from runtime.tree import chain_inputs
 
         names = {i.name for i in self.sess.get_inputs()}
-        feed.update({k: v for k, v in chain_inputs(len(draft_hidden)).items() if k in names})  # a chain
+        feed.update({k: v for k, v in chain_inputs(len(proposals)).items() if k in names})  # a chain
         for i, (k, v) in enumerate(past):
             feed[f"past_key_{i}"], feed[f"past_value_{i}"] = k, v
         return dict(zip(self.outputs, self.sess.run(None, feed)))
@@ -90,16 +104,17 @@ def check(artifact: Path, level: int, past_len: int, proposals: int, seed: int =
     rng = np.random.default_rng(seed)
     vocab = int(manifest["target"]["vocab_size"])
     prompt = rng.integers(min(100, vocab // 2), vocab, size=past_len).tolist()
-    none = np.zeros((0, call.hidden), np.float32)
+    none = call.proposals(rng, 0, vocab)
     pre = call(prompt, none, call.empty_past())
     past = call.extend(call.empty_past(), pre, past_len)
     token = int(pre["next_ids"][-1])
-    draft_hidden = rng.standard_normal((proposals, call.hidden)).astype(np.float32)
-    verify = call(ids=[token], draft_hidden=draft_hidden, past=past)
-    plain = call([int(verify["proposal_ids"][0])], none, call.extend(past, verify, 1))
-    padded = call([int(verify["proposal_ids"][0])], draft_hidden[:1], call.extend(past, verify, 1))
+    drafted = call.proposals(rng, proposals, vocab)
+    verify = call(ids=[token], proposals=drafted, past=past)
+    first = int(drafted[0] if call.takes_ids else verify["proposal_ids"][0])
+    plain = call([first], none, call.extend(past, verify, 1))
+    padded = call([first], drafted[:1], call.extend(past, verify, 1))
     one = call([token], none, past)
-    two = call([token], draft_hidden[:1], past)
+    two = call([token], drafted[:1], past)
     return {
         "split_logits": float(np.abs(verify["logits"][1] - plain["logits"][0]).max()),
         "split_keys": call.max_key_diff(verify, 1, plain, 0),

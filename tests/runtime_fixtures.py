@@ -151,6 +151,31 @@ def artifact(kind: str, tmp_path_factory) -> Pair:
     return pair
 
 
+def proposing_artifact(kind: str, tmp_path_factory, every: int = 2) -> Pair:
+    """`kind`'s pair with a proposal vocabulary (every `every`-th id, plus the mask id), so its draft
+    graph ends in the proposal head (`runtime.manifest.draft_proposes`); built once per session."""
+    key = f"{kind}-proposing-{every}"
+    if key in _ARTIFACTS:
+        return _ARTIFACTS[key]
+    import json
+    import shutil
+
+    from dflash_export.build import build
+
+    base = artifact(kind, tmp_path_factory)
+    root = tmp_path_factory.mktemp(f"rt_art_{key}")
+    draft = root / "draft"
+    shutil.copytree(base.draft_dir, draft)
+    vocab_size = lm_head_matrix(base.target_dir).shape[0]
+    ids = sorted({*range(0, vocab_size, every), base.mask_id})
+    (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": ids}))
+    build(str(base.target_dir), str(draft), root / "artifact", max_seq_len=base.max_seq_len, quiet=True)
+    pair = Pair(kind=key, target_dir=base.target_dir, draft_dir=draft, artifact=root / "artifact",
+                block_size=base.block_size, mask_id=base.mask_id, max_seq_len=base.max_seq_len)
+    _ARTIFACTS[key] = pair
+    return pair
+
+
 # ---- reference computations (Hugging Face, numpy) -----------------------------------------------
 def lm_head_matrix(target_dir: Path) -> np.ndarray:
     """The target's `[V, d]` LM head (the embedding table when tied), fp32, from its safetensors."""

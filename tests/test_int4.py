@@ -170,9 +170,10 @@ def test_int4_speculative_equals_plain_with_accepted_blocks(tmp_path_factory, tm
 
 def test_int4_proposal_head_ranks_proposals_only(tmp_path_factory, tmp_path):
     """--proposal-head int4 on an fp32 artifact with a proposal vocabulary: only the proposal head rows
-    become INT4 (one DequantizeLinear; block: the largest power of two <= 128 dividing the hidden
-    size), `check` passes against a reference ranking with the same dequantized rows, and output
-    equals plain decoding with accepted blocks (the full-precision head verifies)."""
+    (at the end of the draft graph, which proposes) become INT4 (one DequantizeLinear; block: the
+    largest power of two <= 128 dividing the hidden size), the target graph has none, `check` passes
+    against a reference ranking with the same dequantized rows, and output equals plain decoding with
+    accepted blocks (the full-precision head verifies)."""
     import json
     import shutil
 
@@ -187,9 +188,9 @@ def test_int4_proposal_head_ranks_proposals_only(tmp_path_factory, tmp_path):
     hidden = manifest["target"]["hidden_size"]
     block = max(b for b in (16, 32, 64, 128) if hidden % b == 0)
     assert manifest["proposal_head"] == {"format": "int4", "method": "rtn", "block": block} and "quantization" not in manifest
-    model = onnx.load(str(art / "target.onnx"))
-    dqs = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
-    assert [d.input[0] for d in dqs] == ["draft_head.int4"]
+    dqs = {g: [n.input[0] for n in onnx.load(str(art / f"{g}.onnx")).graph.node if n.op_type == "DequantizeLinear"]
+           for g in ("target", "draft")}
+    assert dqs == {"target": [], "draft": ["draft_head.int4"]}
     rep = run_check(art)
     assert rep.passed, [r for r in rep.results if not r.passed]
     sess = runtime.load(art)

@@ -149,6 +149,8 @@ def test_build_int4_fp16_streamed_replicated_is_the_full_trace(llama_pair, tmp_p
     assert ("model.layers.5.mlp.down_proj.weight", True) in reads
     full, replicated = tmp_path / "full" / "target.onnx", tmp_path / "replicated" / "target.onnx"
     assert_same_graph(full, replicated)
-    # per layer: packed q/k/v, packed gate/up, o_proj, down_proj; plus the proposal head rows
-    assert sum(n.op_type == "DequantizeLinear" for n in onnx.load(str(replicated)).graph.node) == 6 * 4 + 1
+    # per layer: packed q/k/v, packed gate/up, o_proj, down_proj (the proposal head rows are the draft's)
+    assert sum(n.op_type == "DequantizeLinear" for n in onnx.load(str(replicated)).graph.node) == 6 * 4
+    draft = onnx.load(str(tmp_path / "replicated" / "draft.onnx"), load_external_data=False)
+    assert "draft_head.int4" in {i for n in draft.graph.node if n.op_type == "DequantizeLinear" for i in n.input}
     run_both(full, replicated, tiny_models.VOCAB)
