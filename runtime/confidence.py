@@ -70,18 +70,26 @@ class ConfidenceTrim:
         tokens = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(q))])  # L = 0..rows
         cost = self.verify_s * cost_scale / max(plain_step_s, 1e-9)
         cost[0] = 1.0  # a plain call after the draft is one plain step (its draft call is already paid)
-        value = tokens - cost[: rows + 1]
-        value[: min(least, rows)] = -np.inf
-        best, shape = float(value.max()), (int(np.argmax(value)), 0)
         alts = min(self.alternatives, probs.shape[1] - 1)
-        if alts and rows:
-            extra = np.cumsum(np.clip(self.calibration * probs[0, 1:alts + 1], 0.0, 1.0))
-            for length in range(1, rows + 1):
-                for a in range(1, min(alts, len(cost) - 1 - length) + 1):
-                    v = tokens[length] + extra[a - 1] - cost[length + a]
-                    if v > best:
-                        best, shape = v, (length, a)
+        extra = np.cumsum(np.clip(self.calibration * probs[0, 1:alts + 1], 0.0, 1.0)) if alts and rows else []
+        shape = self._best(tokens, cost, extra, rows, 0)
+        if shape[0] < least <= rows:
+            shape = self._best(tokens, cost, extra, rows, least)
         self.first_prob = float(probs[0, 0]) if shape[0] else None
+        return shape
+
+    @staticmethod
+    def _best(tokens, cost, extra, rows: int, least: int) -> tuple[int, int]:
+        """The shape (L >= least) with the most expected tokens net of cost."""
+        value = tokens - cost[: rows + 1]
+        value[:least] = -np.inf
+        length = int(np.argmax(value))
+        best, shape = float(value[length]), (length, 0)
+        for length in range(max(least, 1), rows + 1):
+            for a in range(1, min(len(extra), len(cost) - 1 - length) + 1):
+                v = tokens[length] + extra[a - 1] - cost[length + a]
+                if v > best:
+                    best, shape = v, (length, a)
         return shape
 
     def observe(self, first_accepted: bool) -> None:

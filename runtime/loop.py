@@ -172,7 +172,8 @@ class DecodeLoop:
             n_prop, tree = self._shape(self.policy.trim(tree or n_prop, probs))
             if n_prop:
                 s.write_proposals(table[:n_prop, 0] if tree is None else tree.ids_from(table))
-        self.draft_s += time.perf_counter() - t0
+        self.step_draft_s = time.perf_counter() - t0
+        self.draft_s += self.step_draft_s
         return n_prop, tree
 
     def _step(self, n_prop: int, tree: VerifyTree | None = None) -> tuple[list[int], int, list[int], int, VerifyTree | None]:
@@ -277,13 +278,13 @@ class DecodeLoop:
             limit = min(self.b - 1, max_new - len(self.out) - 1)  # never verify more than can be committed
             n_prop, tree = self._shape(self.policy.proposals(limit) if self.anchor_valid else 0)
             t_step, catch_up, drafted = clock(), n_prop > 0 and self.s.context.pending > self.b, n_prop > 0
-            self.first_rank = None
+            self.first_rank, self.step_draft_s = None, 0.0
             committed, acc, proposals, n_prop, tree = self._step(n_prop, tree)
             chunk = self._commit(committed)
             # a draft call that caught up on many context rows (the prompt, a long plain run) is not
             # the step cost the policy's curve models: flagged (a probe's full cost still counts)
             self.policy.observe(n_prop, acc, clock() - t_step, catch_up=catch_up, tree=tree, first_rank=self.first_rank,
-                                drafted=drafted)
+                                drafted=drafted, draft_seconds=self.step_draft_s)
             if n_prop > 0:
                 self.acceptance.append(acc + 1)
             if self.opts.record_steps:

@@ -64,14 +64,15 @@ class Policy(ABC):
         return choice
 
     def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False,
-                tree: VerifyTree | None = None, first_rank: int | None = None, drafted: bool = False) -> None:
+                tree: VerifyTree | None = None, first_rank: int | None = None, drafted: bool = False,
+                draft_seconds: float = 0.0) -> None:
         """The step verified `verified` proposals, accepted `accepted` of them and took `seconds`
         (draft call, target call and the loop's host work). `catch_up`: the draft call first read
         many context rows (the prompt, a run of plain steps), so the step cost more than the
         verify length alone does. `tree`: the verify tree the step ran (None: a chain, also where a
         tree choice ran as its chain), and `first_rank` the draft's rank of its accepted first
         proposal (None: none accepted). `drafted`: a draft call ran (also where `trim` then chose
-        to verify nothing)."""
+        to verify nothing), taking `draft_seconds` of the step."""
 
 
 class FixedLength(Policy):
@@ -251,6 +252,7 @@ class AdaptiveLength(Policy):
             self.trimmer = ConfidenceTrim(self._verify_s, self.alternatives)
             self.draft_rows = 2
             self.drafted_prior_steps = 2.0  # what the model's prior rate is worth, in drafted steps
+            self.draft_mean_s = self._draft_s  # running mean of a drafted step's draft time (no catch-up)
             self.drafted_tokens = self.drafted_seconds = 0.0  # decayed sums over drafted steps
         self.start()
 
@@ -351,14 +353,15 @@ class AdaptiveLength(Policy):
         return verify_tree(length, alternatives) if alternatives else length
 
     def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False,
-                tree: VerifyTree | None = None, first_rank: int | None = None, drafted: bool = False) -> None:
+                tree: VerifyTree | None = None, first_rank: int | None = None, drafted: bool = False,
+                draft_seconds: float = 0.0) -> None:
         if self.probing and seconds > 0:  # net of the tokens it committed beyond a plain step's one
             extra = seconds - (1 + accepted) * self.plain_scale * float(self._step_s[0])
             last = extra if self.probe_extra_s is None else self.probe_extra_s
             self.probe_extra_s = last + self.probe_smoothing * (extra - last)
         drafted = drafted or verified > 0
         if self.trimmer is not None and drafted:
-            self._observe_drafted(verified, accepted, seconds, catch_up, tree, first_rank)
+            self._observe_drafted(verified, accepted, seconds, catch_up, draft_seconds, first_rank)
         if catch_up or (drafted and not verified):  # not a step cost the curve models
             seconds = 0.0
         predicted = float(self._step_s[min(verified, len(self._step_s) - 1)])
@@ -378,14 +381,17 @@ class AdaptiveLength(Policy):
             self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
             self.probing = False
 
-    def _observe_drafted(self, verified: int, accepted: int, seconds: float, catch_up: bool,
-                         tree: VerifyTree | None, first_rank: int | None, decay: float = 0.95) -> None:
-        """Confidence mode: a drafted step's tokens and time join the drafted rate (a catch-up step at
-        its predicted time: its extra context rows are the plain steps' debt, priced in the probe
-        gap), and its first proposal's outcome the trimmer's calibration."""
-        nodes = tree.size if tree is not None else verified
+    def _observe_drafted(self, verified: int, accepted: int, seconds: float, catch_up: bool, draft_seconds: float,
+                         first_rank: int | None, decay: float = 0.95) -> None:
+        """Confidence mode: a drafted step's committed tokens and time join the drafted rate, and its
+        first proposal's outcome the trimmer's calibration. Both rates are measured in the same loop
+        (no cost model between them: a model's error of a few percent decides break-even cases the
+        wrong way). A catch-up step's draft call read the rows of the plain steps before it: it counts
+        at the usual draft time instead (a running mean), as that extra is the plain steps' debt."""
         if catch_up or seconds <= 0:
-            seconds = self.spec_scale * (self._draft_s + float(self._verify_s[min(nodes, len(self._verify_s) - 1)]))
+            seconds = max(seconds - draft_seconds, 0.0) + self.draft_mean_s
+        elif draft_seconds > 0:
+            self.draft_mean_s += self.smoothing * (draft_seconds - self.draft_mean_s)
         self.drafted_tokens = decay * self.drafted_tokens + 1 + accepted
         self.drafted_seconds = decay * self.drafted_seconds + seconds
         if verified:

@@ -193,11 +193,20 @@ def test_auto_drafts_where_drafted_steps_pay_and_trims_after():
 
 
 def test_auto_measures_drafted_steps_and_stops_drafting_when_they_lose():
-    """Drafted steps that commit one token in 45 ms lose to 30 ms plain steps: after a few, plain."""
+    """Drafted steps whose proposals are all unlikely commit one token in a draft call and a plain call
+    (45 ms measured): they lose to 30 ms plain steps, and after a few auto stops drafting. A catch-up
+    step counts at the usual draft time, not its own long one."""
     policy = _confident_policy(0.6)
     assert policy.proposals(15) > 0
     for _ in range(12):
+        assert policy.trim(2, np.array([[0.05, 0, 0, 0], [0.05, 0, 0, 0]])) == 0
         policy.observe(0, 0, 0.045, drafted=True)  # trimmed to a plain call after the draft
+    assert policy.drafted_tokens == pytest.approx(sum(0.95 ** k for k in range(12)))
+    assert policy.drafted_seconds == pytest.approx(0.045 * sum(0.95 ** k for k in range(12)))
+    assert policy.draft_mean_s == pytest.approx(0.008)  # no draft times reported: the measured cost's
+    before = policy.drafted_seconds
+    policy.observe(1, 1, 0.300, catch_up=True, drafted=True, draft_seconds=0.270)  # read 200 context rows
+    assert policy.drafted_seconds == pytest.approx(0.95 * before + 0.030 + 0.008)
     assert policy.drafted_rate(15) * 0.030 < 1.0
     assert policy.plain_scale == 1.0 and policy.spec_scale == 1.0  # no curve models such a step
     assert policy.proposals(15) == 0
@@ -207,5 +216,8 @@ def test_probes_run_the_trimmed_draft_and_end_after_one_drafted_step():
     policy = _confident_policy(0.02)
     steps = [policy.proposals(15) for _ in range(4)]
     assert steps == [0, 0, 0, 2] and policy.probing  # the probe drafts draft_rows rows
-    policy.observe(0, 0, 0.045, drafted=True)
+    # a probe verifies at least one proposal, so the calibration learns even from a draft it wrote off
+    assert policy.trim(2, np.array([[0.05, 0, 0, 0], [0.9, 0, 0, 0]])) == 1
+    policy.observe(1, 0, 0.045, drafted=True)
     assert not policy.probing and policy.probe_gap == 8
+    assert policy.trimmer.calibration < 1.0  # the forced proposal (0.05) was rejected
