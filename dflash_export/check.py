@@ -62,7 +62,8 @@ from runtime.errors import DFlashError
 
 from .check_cases import Case, load_reference, reference_cases, run_module, save_reference
 
-ID_OUTPUTS = ("next_ids", "proposal_ids")
+# (a proposing draft's candidate ids too: compared where their rank is clear, `check_cases._rank_margins`)
+ID_OUTPUTS = ("next_ids", "proposal_ids", "draft_top_ids")
 # Outputs that are a lookup of an id output (compared on the rows where the ids agree).
 ID_DEPENDENT = {"next_embeddings": "next_ids"}
 
@@ -181,7 +182,8 @@ def _runner_classes():
             if graph == "target" and feed_dict["uniform"].size == 0 and not be.greedy_without_uniforms:
                 # a greedy case recorded without uniforms, on an engine that needs them (same result)
                 feed_dict = OrderedDict(feed_dict)
-                feed_dict["uniform"] = np.zeros(feed_dict["draft_hidden"].shape[0] + 1, np.float32)
+                proposals = feed_dict["proposal_ids" if "proposal_ids" in feed_dict else "draft_hidden"]
+                feed_dict["uniform"] = np.zeros(proposals.shape[0] + 1, np.float32)
             shapes = {n: tuple(a.shape) for n, a in feed_dict.items()}
             outs = output_shapes(self.manifest, graph, shapes)
             out_dtype = {t["name"]: np.dtype(t["dtype"]) for t in self.manifest["io"][graph]["outputs"]}

@@ -20,7 +20,7 @@ from .row_exact import needs_row_padding
 from . import call_costs
 from .graph_calls import MAX_BLOCK_SIZE, GraphCalls
 from .loop import CachedContext, DecodeLoop
-from .manifest import DTYPES, load_manifest
+from .manifest import DTYPES, load_manifest, proposal_ranks
 from .options import GENERATION_OPTION_NAMES, GenerationOptions
 from .prompt_encoding import PromptEncoding
 from .results import GenerationResult, StreamChunk
@@ -127,7 +127,12 @@ class Session(PromptEncoding, GraphCalls):
         if not self.verifies_trees:
             raise DFlashError(f'verify_len "{verify_len}" needs a target graph that verifies trees; this one '
                               "verifies chains only (a hybrid target, or built before verify trees: rebuild it)")
-        return parse_tree(verify_len)
+        tree = parse_tree(verify_len)
+        if self.draft_proposes and tree.alternatives >= proposal_ranks(self.manifest):
+            k = proposal_ranks(self.manifest)
+            raise DFlashError(f'verify_len "{verify_len}" asks for {tree.alternatives} alternatives, but this draft ranks '
+                              f"only {k} candidates (a proposal vocabulary of {k} ids); use at most {k - 1}")
+        return tree
 
     def close(self) -> None:
         """Release the backend's graphs and device memory; the session cannot generate afterwards."""

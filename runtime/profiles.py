@@ -120,7 +120,8 @@ def dim_ranges(manifest: dict, max_block_size: int | None = None) -> dict[str, l
       (E = EXTEND_ROWS; the loop splits longer runs, see :func:`call_row_limit`).
     - draft "draft_step": C = accepted + 1 (or, catching up after plain steps or on a reused prompt,
       up to E rows) in [1, max(mb, E)], B in [2, mb], Pc in [1, S-1].
-    - both draft profiles: R (`proposal_rows`, the hidden rows returned) in [1, mb-1], opt b-1.
+    - both draft profiles: R (`proposal_rows`, the rows returned: hidden rows or candidate rows) in
+      [1, mb-1], opt b-1.
 
     Hybrid targets (`manifest["target"]["max_call_rows"]` = R_max, 64): prefill and extend take
     T <= R_max, verify N <= R_max - 1 and U <= R_max (so T + N <= R_max at every profile corner), and
@@ -152,7 +153,7 @@ def dim_ranges(manifest: dict, max_block_size: int | None = None) -> dict[str, l
         r = int(call_rows)
         pending = {"prefill": (0, 0, 0), "verify": _clamp(0, max(1, b // 2), r), "extend": _clamp(0, r, r)}
         target = [(name, {**dims, "pending_rows": pending[name]}) for name, dims in target]
-    rows = _clamp(1, b - 1, mb - 1)  # draft_hidden rows returned (graphs with `proposal_rows`)
+    rows = _clamp(1, b - 1, mb - 1)  # rows returned (graphs with `proposal_rows`)
     return {
         "target": target,
         "draft": [

@@ -346,7 +346,7 @@ class AdaptiveLength(Policy):
         rows = len(probs)
         plain_s = self.plain_scale * float(self._step_s[0])
         length, alternatives = self.trimmer.choose(probs, plain_s, self.spec_scale, least=int(self.probing))
-        if length >= rows:
+        if length >= rows >= self.draft_rows:  # used every row it asked for (not a limit's cut)
             self.draft_rows = min(self.draft_rows + 1, len(self.acceptance.trials))
         elif length < rows - 1:
             self.draft_rows = max(self.draft_rows - 1, 1)

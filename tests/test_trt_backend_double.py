@@ -488,20 +488,29 @@ def test_check_runs_engines_through_the_backend(engines, doubles):
     assert rep.passed and rep.precision == "fp32" and len(rep.results) == 36
 
 
-def test_accepted_blocks_through_the_double(tmp_path_factory, doubles):
+@pytest.mark.parametrize("proposing", [False, True], ids=["hidden-rows", "proposing-draft"])
+def test_accepted_blocks_through_the_double(tmp_path_factory, doubles, proposing):
     """A pair that accepts whole blocks (the context-free pair) through the TensorRT path: the engines'
-    verify profile, the scratch bindings and the one-read ids commit every accepted proposal."""
+    verify profile, the scratch bindings and the one-read ids commit every accepted proposal; also
+    where the draft ends in the proposal head (its [R, 4] outputs, the target's `proposal_ids`)."""
     import runtime
     import runtime_fixtures as rf
     from dflash_export.engine import build_engines
 
-    pair = rf.artifact("ctxfree", tmp_path_factory)
+    pair = rf.proposing_artifact("ctxfree", tmp_path_factory) if proposing else rf.artifact("ctxfree", tmp_path_factory)
     out = tmp_path_factory.mktemp("trt_double_blocks") / "artifact"
     shutil.copytree(pair.artifact, out)
     build_engines(out, precision="fp32", trt=FakeTensorRT("10.3.0.30"), gpu=GPU, quiet=True)
     m = pair.mask_id
     with runtime.load(out, backend="trt") as sess:
+        assert sess.draft_proposes == proposing
         res = sess.generate([5, 7, m], max_new_tokens=14, stop_token_ids=[], verify_len="all")
     assert res.output_ids == [m] * 14
     assert res.acceptance_lengths == rf.expected_acceptance(14, pair.block_size) and max(res.acceptance_lengths) == pair.block_size
     assert not doubles["cuda"].blocks  # closed: every device buffer freed
+    if proposing:  # check through the engines: greedy cases get uniforms (TensorRT needs them), ids by rank margin
+        from dflash_export.check import run_check
+
+        rep = run_check(out, backend="trt")
+        assert rep.passed and {(r.case, r.output) for r in rep.results} >= {("draft_step", "draft_top_ids"),
+                                                                            ("verify", "next_ids")}
