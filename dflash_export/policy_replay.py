@@ -14,6 +14,10 @@ what a loaded machine shows them.
 The oracle is the best any verify-length policy could do on the trace (dynamic programming over
 positions, ignoring the draft's catch-up after plain steps): an upper bound on the speedup.
 
+The traces hold acceptance, not the draft's probabilities, so `auto` here chooses before the draft
+call, as the runtime does for drafts without a proposal vocabulary; the confidence rule
+(`runtime.confidence`) is measured by `scripts/auto_vs_plain.py` instead.
+
 Run it: `python scripts/policy_replay.py ARTIFACT --limit 4` (see that script).
 """
 
