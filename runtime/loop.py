@@ -8,8 +8,9 @@ dflash-facts section 5):
 2. Each step: the draft fills the block `[last committed, MASK x (B - 1)]`; ONE target call takes
    the last committed token plus the proposals and verifies them (where the draft ends in the
    proposal head, the policy first sees its confidence and may verify fewer; else the target's
-   proposal head turns the draft's hidden states into the proposals); the longest prefix where proposal j equals posterior j is
-   accepted, plus the bonus token posterior[acc] (acc + 1 tokens per step).
+   proposal head turns the draft's hidden states into the proposals); the longest prefix where
+   proposal j equals posterior j is accepted, plus the bonus token posterior[acc] (acc + 1 tokens
+   per step).
 3. Rollback is a length update: both caches are static buffers and the rows past the committed
    length are simply overwritten next step.
 
