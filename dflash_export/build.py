@@ -25,7 +25,7 @@ from . import __version__
 from .checkpoint import TargetSpec, load_target_spec, safetensors_files
 from .draft_spec import DraftSpec, load_draft_spec, parse_draft_config
 from .sources import SourceHashes, random_draft_config, resolve_draft, resolve_target
-from .dense_target import streaming_rewrite
+from .dense_target import head_name, streaming_rewrite
 from .families import target_family
 from .quantize import QuantConfig, draft_quant_plan, quantization_record
 from .weights import WeightSource, bind_weights, empty_module
@@ -171,10 +171,9 @@ def _attach_proposal_head(dmod, dreaders: dict, tspec: TargetSpec, dspec: DraftS
     from .draft_model import ProposingDraft
     from .weights import placeholder
 
-    head_name = "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
     vocab = torch.tensor(list(dspec.draft_vocab), dtype=torch.int64)
     rows = placeholder((len(vocab), tspec.arch.hidden_size), dtype)
-    dreaders["draft_head"] = lambda: torch.index_select(tsource.read_as(head_name, dtype), 0, vocab)
+    dreaders["draft_head"] = lambda: torch.index_select(tsource.read_as(head_name(tspec), dtype), 0, vocab)
     if qconfig is not None and qconfig.lm_head:
         config = QuantConfig("rtn", qconfig.block, lm_head=True)
     else:
@@ -298,8 +297,7 @@ def build(
             tok_info = _save_tokenizer(tspec.path, tmp / "tokenizer")
             manifest = _manifest(tspec, dspec, name, max_seq_len, dtype, checks, tok_info, tmp, hashes.result())
             if qconfig is not None:
-                head_name = "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
-                manifest["quantization"] = {**quantization_record(qconfig, exported.quantized, dtype, head_name),
+                manifest["quantization"] = {**quantization_record(qconfig, exported.quantized, dtype, head_name(tspec)),
                                             **exported.quant_extra, **({"draft": dquant} if dquant else {})}
             head = exported.proposal_head or (head_config if proposal_head == "int4" else None)
             if head is not None:

@@ -80,7 +80,8 @@ def check_weights(tspec: TargetSpec, tap_layers, source: WeightSource) -> None:
                        tied=empty.lm_head is None)
 
 
-def _head_name(tspec: TargetSpec) -> str:
+def head_name(tspec: TargetSpec) -> str:
+    """The checkpoint name of the LM head matrix (the embedding table's when tied)."""
     return "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
 
 
@@ -93,7 +94,7 @@ def check_options(tspec: TargetSpec, tap_layers, source: WeightSource, qconfig, 
             calibration prompts or a tokenizer that does not load.
     """
     if qconfig is not None:
-        quantized_names(source.names(), source.shapes, qconfig, _head_name(tspec))
+        quantized_names(source.names(), source.shapes, qconfig, head_name(tspec))
     if qconfig is not None and qconfig.method == "awq":
         from .awq import check_calibration_source
 
@@ -156,7 +157,7 @@ def export_for_build(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource,
     read as its initializer is written, INT4-quantized on the way when `qconfig`)."""
     from .export import export_target
 
-    qnames = quantized_names(tsource.names(), tsource.shapes, qconfig, _head_name(tspec)) if qconfig else []
+    qnames = quantized_names(tsource.names(), tsource.shapes, qconfig, head_name(tspec)) if qconfig else []
     quant_extra = {}
     if qconfig is not None and qconfig.method == "awq":
         tsource, quant_extra = _awq_source(tspec, dspec, tsource, path.parent, torch_dtype, qconfig, quiet)

@@ -47,9 +47,9 @@ class CallCosts:
 
     def verify_s(self, n: np.ndarray) -> np.ndarray:
         """Seconds of the target call verifying each count in `n` once the draft call ran (n > 0: the
-        line through the measured verify parts, as :meth:`step_s`; n = 0: a plain step). Without
-        verify measurements (costs cached by an older runtime), the step minus the 1-proposal step's
-        excess over a plain step's."""
+        line through the measured verify parts, as :meth:`step_s`; n = 0: a plain step). Costs given
+        without verify measurements take the step minus the 1-proposal step's excess over a plain
+        step's."""
         n = np.asarray(n, np.float64)
         if not self.verify_ms:
             return np.where(n > 0, self.step_s(n) - (self.step_s(np.ones(1))[0] - self.step_ms[0] / 1000.0),

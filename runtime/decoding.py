@@ -20,7 +20,7 @@ from .row_exact import needs_row_padding
 from . import call_costs
 from .graph_calls import MAX_BLOCK_SIZE, GraphCalls
 from .loop import CachedContext, DecodeLoop
-from .manifest import DTYPES, load_manifest, proposal_ranks
+from .manifest import DTYPES, load_manifest
 from .options import GENERATION_OPTION_NAMES, GenerationOptions
 from .prompt_encoding import PromptEncoding
 from .results import GenerationResult, StreamChunk
@@ -128,8 +128,8 @@ class Session(PromptEncoding, GraphCalls):
             raise DFlashError(f'verify_len "{verify_len}" needs a target graph that verifies trees; this one '
                               "verifies chains only (a hybrid target, or built before verify trees: rebuild it)")
         tree = parse_tree(verify_len)
-        if self.draft_proposes and tree.alternatives >= proposal_ranks(self.manifest):
-            k = proposal_ranks(self.manifest)
+        if self.draft_proposes and tree.alternatives >= self.proposal_ranks:
+            k = self.proposal_ranks
             raise DFlashError(f'verify_len "{verify_len}" asks for {tree.alternatives} alternatives, but this draft ranks '
                               f"only {k} candidates (a proposal vocabulary of {k} ids); use at most {k - 1}")
         return tree

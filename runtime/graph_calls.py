@@ -67,8 +67,9 @@ class GraphCalls:
         # the target's proposal head ranks
         self.draft_proposes = draft_proposes(m)
         self.draft_hidden = self.draft_top_ids = self.draft_top_probs = None
+        self.proposal_ranks = proposal_ranks(m) if self.draft_proposes else None  # candidates per draft row
         if self.draft_proposes:
-            ranks = proposal_ranks(m)
+            ranks = self.proposal_ranks
             self.draft_top_ids, self.draft_top_probs = be.alloc(np.int64, mb, (ranks,)), be.alloc(np.float32, mb, (ranks,))
         else:
             self.draft_hidden = be.alloc(self.dtype, mb, (hidden,))
