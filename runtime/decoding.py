@@ -115,7 +115,7 @@ class Session(PromptEncoding, GraphCalls):
                     TRAINED_ALTERNATIVE_PRIOR if trained else UNTRAINED_ALTERNATIVE_PRIOR))
                 self.auto[block_size] = AdaptiveLength(self.call_costs, estimate,
                                                        alternatives=TREE_RANKS - 1 if self.verifies_trees else 0,
-                                                       confidence=self.draft_proposes)
+                                                       confidence=self.draft_proposes, lookup=self.draft_proposes)
             return self.auto[block_size]
         if isinstance(verify_len, str) and "+" in verify_len:
             tree = self._requested_tree(verify_len)

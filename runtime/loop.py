@@ -28,6 +28,7 @@ from typing import Iterator
 import numpy as np
 
 from .options import GenerationOptions
+from .lookup import NgramLookup
 from .results import GenerationResult, StreamChunk, accepted_prefix, cut_at_stop
 from .sampling import HostSampler
 from .speculation import Policy
@@ -99,6 +100,8 @@ class DecodeLoop:
         self.steps: list[dict] = []
         self.anchor_row = 0  # next_embeddings row holding the embedding of the last committed token
         self.anchor_valid = True  # False when a host sample is not the token whose embedding that row holds
+        # the request's text so far, indexed for lookup continuations (where the target takes proposal ids)
+        self.lookup = NgramLookup(prompt) if policy.uses_lookup and session.draft_proposes else None
         self.finish_reason = "length"
         self.result: GenerationResult | None = None
 
@@ -177,12 +180,27 @@ class DecodeLoop:
         self.draft_s += self.step_draft_s
         return n_prop, tree
 
-    def _step(self, n_prop: int, tree: VerifyTree | None = None) -> tuple[list[int], int, list[int], int, VerifyTree | None]:
+    def _choose(self, limit: int) -> tuple[int, VerifyTree | None, list[int] | None]:
+        """This step's (proposals, tree, lookup ids): the policy's choice, or a lookup continuation
+        (`runtime.lookup`, then the ids to verify) where the policy takes one instead."""
+        choice = self.policy.proposals(limit) if self.anchor_valid else 0
+        if self.lookup is not None and limit > 0:
+            found = self.lookup.propose(limit)
+            n = self.policy.lookup(limit, len(found), choice) if found else 0
+            if n:
+                return n, None, found[:n]
+        return (*self._shape(choice), None)
+
+    def _step(self, n_prop: int, tree: VerifyTree | None = None,
+              lookup_ids: list[int] | None = None) -> tuple[list[int], int, list[int], int, VerifyTree | None]:
         """One draft (if n_prop > 0) + target call verifying a chain of `n_prop` proposals, or `tree`
-        (then n_prop = tree.size). Returns (committed ids, accepted, proposals, and the proposals and
-        tree verified: fewer where the policy trimmed them after the draft call)."""
+        (then n_prop = tree.size), or the chain `lookup_ids` (no draft call). Returns (committed ids,
+        accepted, proposals, and the proposals and tree verified: fewer where the policy trimmed
+        them after the draft call)."""
         s, be, ctx = self.s, self.s.backend, self.s.context
-        if n_prop > 0:  # the draft reads all context since its last call, then fills the block
+        if lookup_ids is not None:
+            s.write_proposals(np.asarray(lookup_ids, np.int64))
+        elif n_prop > 0:  # the draft reads all context since its last call, then fills the block
             n_prop, tree = self._draft(n_prop, tree)
         be.write(s.input_ids.rows(0, 1), np.array([self.out[-1]], np.int64))
         self._write_uniforms(n_prop, tree)
@@ -273,23 +291,29 @@ class DecodeLoop:
         first, reused = self._prefill()
         t_prefill = clock()
         chunk = self._commit([first])
+        if self.lookup is not None:
+            self.lookup.extend(chunk.token_ids)
         yield chunk
         max_new = self.opts.max_new_tokens
         while self.finish_reason != "stop" and len(self.out) < max_new:
             limit = min(self.b - 1, max_new - len(self.out) - 1)  # never verify more than can be committed
-            n_prop, tree = self._shape(self.policy.proposals(limit) if self.anchor_valid else 0)
-            t_step, catch_up, drafted = clock(), n_prop > 0 and self.s.context.pending > self.b, n_prop > 0
+            n_prop, tree, lookup_ids = self._choose(limit)
+            drafted = n_prop > 0 and lookup_ids is None
+            t_step, catch_up = clock(), drafted and self.s.context.pending > self.b
             self.first_rank, self.step_draft_s = None, 0.0
-            committed, acc, proposals, n_prop, tree = self._step(n_prop, tree)
+            committed, acc, proposals, n_prop, tree = self._step(n_prop, tree, lookup_ids)
             chunk = self._commit(committed)
+            if self.lookup is not None:
+                self.lookup.extend(chunk.token_ids)
             # a draft call that caught up on many context rows (the prompt, a long plain run) is not
             # the step cost the policy's curve models: flagged (a probe's full cost still counts)
             self.policy.observe(n_prop, acc, clock() - t_step, catch_up=catch_up, tree=tree, first_rank=self.first_rank,
-                                drafted=drafted, draft_seconds=self.step_draft_s)
+                                drafted=drafted, draft_seconds=self.step_draft_s, lookup=lookup_ids is not None)
             if n_prop > 0:
                 self.acceptance.append(acc + 1)
             if self.opts.record_steps:
-                self.steps.append({"proposed": [int(t) for t in proposals], "accepted": acc, "committed": chunk.token_ids})
+                self.steps.append({"proposed": [int(t) for t in proposals], "accepted": acc, "committed": chunk.token_ids,
+                                   "lookup": lookup_ids is not None})
             yield chunk
         tail = self._finish_text()
         if tail:

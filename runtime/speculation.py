@@ -27,6 +27,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from .confidence import ConfidenceTrim
+from .lookup import LOOKUP_PRIOR, LookupLength
 from .tree import VerifyTree, verify_tree
 
 # Prior acceptance of the first proposal. Trained: the shipped SmolLM2 draft's first-position
@@ -56,6 +57,15 @@ class Policy(ABC):
         """Proposals to verify this step, 0..`limit` (`limit` = what the block and the remaining
         token budget allow; 0 means only a plain step is possible)."""
 
+    uses_lookup = False  # whether `lookup` may return more than 0 (the loop then keeps an n-gram index)
+
+    def lookup(self, limit: int, available: int, choice: int | VerifyTree) -> int:
+        """Where the request's own text offers `available` >= 1 tokens that followed its last n-gram
+        before (`runtime.lookup.NgramLookup`): how many of them to verify this step instead of
+        `choice` (what :meth:`proposals` returned), without a draft call; 0 keeps `choice`. This
+        default never does (explicit verify lengths, plain decoding)."""
+        return 0
+
     def trim(self, choice: int | VerifyTree, probs: np.ndarray) -> int | VerifyTree:
         """After the draft call, where the draft proposes (`Session.draft_proposes`): what to verify
         given the draft's probabilities `probs` (fp32 `[R, K]`: its top-K candidates for block
@@ -65,14 +75,15 @@ class Policy(ABC):
 
     def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False,
                 tree: VerifyTree | None = None, first_rank: int | None = None, drafted: bool = False,
-                draft_seconds: float = 0.0) -> None:
+                draft_seconds: float = 0.0, lookup: bool = False) -> None:
         """The step verified `verified` proposals, accepted `accepted` of them and took `seconds`
         (draft call, target call and the loop's host work). `catch_up`: the draft call first read
         many context rows (the prompt, a run of plain steps), so the step cost more than the
         verify length alone does. `tree`: the verify tree the step ran (None: a chain, also where a
         tree choice ran as its chain), and `first_rank` the draft's rank of its accepted first
         proposal (None: none accepted). `drafted`: a draft call ran (also where `trim` then chose
-        to verify nothing), taking `draft_seconds` of the step."""
+        to verify nothing), taking `draft_seconds` of the step. `lookup`: the proposals were a lookup
+        continuation (:meth:`lookup`), not the draft's."""
 
 
 class FixedLength(Policy):
@@ -220,17 +231,24 @@ class AdaptiveLength(Policy):
     plain decoding's, with the same margin and probes. The draft computes `draft_rows` rows, one
     more than the last step verified when it used them all, one fewer when it used two fewer.
 
+    With `lookup` (confidence mode: a target that takes proposal ids), a step may instead verify a
+    continuation of the request's own text (`runtime.lookup`) without calling the draft: the length
+    with the most expected tokens per second (its own running acceptance by position, the measured
+    target-call costs), taken where it beats plain decoding by the margin, or the drafted rate where
+    the draft would run. Probes stay draft steps. Setting `uses_lookup = False` turns this off.
+
     Args:
         costs: step costs measured for this artifact on this device.
         acceptance: the session's running acceptance estimate.
         confidence: choose the verify shape from the draft's probabilities (`trim`).
+        lookup: also verify n-gram lookup continuations (needs `confidence`).
     """
 
     name = "auto"
 
     def __init__(self, costs, acceptance: AcceptanceEstimate, probe_gap: int = 4, max_probe_gap: int = 128,
                  scale_smoothing: float = 0.2, probe_smoothing: float = 0.5, margin: float = 1.03,
-                 probe_budget: float = 0.02, alternatives: int = 0, confidence: bool = False):
+                 probe_budget: float = 0.02, alternatives: int = 0, confidence: bool = False, lookup: bool = False):
         self.costs = costs
         self.alternatives = min(int(alternatives), len(acceptance.alternative_prior))
         self.margin = margin  # speculate only when it is predicted this much faster: estimates are noisy
@@ -254,6 +272,10 @@ class AdaptiveLength(Policy):
             self.drafted_prior_steps = 2.0  # what the model's prior rate is worth, in drafted steps
             self.draft_mean_s = self._draft_s  # running mean of a drafted step's draft time (no catch-up)
             self.drafted_tokens = self.drafted_seconds = 0.0  # decayed sums over drafted steps
+        self.lookups = None
+        if confidence and lookup:
+            self.lookups = LookupLength(self._verify_s, AcceptanceEstimate(LOOKUP_PRIOR, len(acceptance.trials)))
+        self.uses_lookup = self.lookups is not None
         self.start()
 
     def start(self) -> None:
@@ -261,6 +283,8 @@ class AdaptiveLength(Policy):
             self.drafted_tokens *= 0.5
             self.drafted_seconds *= 0.5
         self.acceptance.forget(0.5)
+        if self.lookups is not None:
+            self.lookups.start()
         self.probe_gap = max(self.first_probe_gap, self.probe_gap // 2)
         self.plain_run, self.probing = 0, False
 
@@ -340,6 +364,15 @@ class AdaptiveLength(Policy):
         self.plain_run, self.probing = 0, True
         return 1 if self.trimmer is None else min(limit, self.draft_rows)
 
+    def lookup(self, limit: int, available: int, choice: int | VerifyTree) -> int:
+        if self.lookups is None or not self.uses_lookup or self.probing:
+            return 0
+        if choice:  # the draft would run: the lookup must beat what drafted steps commit per second
+            threshold = self.drafted_rate(limit)
+        else:
+            threshold = self.margin / (self.plain_scale * float(self._step_s[0]))
+        return self.lookups.choose(min(available, limit), self.plain_scale, threshold)
+
     def trim(self, choice: int | VerifyTree, probs: np.ndarray) -> int | VerifyTree:
         if self.trimmer is None:
             return choice
@@ -354,7 +387,10 @@ class AdaptiveLength(Policy):
 
     def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False,
                 tree: VerifyTree | None = None, first_rank: int | None = None, drafted: bool = False,
-                draft_seconds: float = 0.0) -> None:
+                draft_seconds: float = 0.0, lookup: bool = False) -> None:
+        if lookup:  # its own acceptance only: the draft's estimates and the step-cost scales stay
+            self.lookups.observe(verified, accepted)
+            return
         if self.probing and seconds > 0:  # net of the tokens it committed beyond a plain step's one
             extra = seconds - (1 + accepted) * self.plain_scale * float(self._step_s[0])
             last = extra if self.probe_extra_s is None else self.probe_extra_s

@@ -11,6 +11,9 @@ neighbour on this shared machine slowed down (about +-10% on a 1.5 s run), which
 Prints, per category and overall, the median of the prompts' ratios, "total" (summed median plain
 time / summed median auto time) and a 90% bootstrap interval of the median over prompts, and checks
 auto == plain ids.
+
+`--control` runs plain decoding in both arms (an A/A run): its ratios show how far this machine's noise
+alone moves a category's median, the floor under any "never below x" reading of the real run.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=10, help="prompts per category")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of plain + auto per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--control", action="store_true", help="plain decoding in both arms (A/A: the noise floor)")
     args = ap.parse_args()
     from runtime.call_costs import COSTS_ENV
 
@@ -65,7 +69,7 @@ def main() -> int:
         for rnd in range(args.repeats):
             for kind in (("plain", "auto") if (i + rnd) % 2 == 0 else ("auto", "plain")):
                 r = sess.generate(ids, max_new_tokens=args.max_new_tokens, reuse_prefix=False,
-                                  block_size=1 if kind == "plain" else None)
+                                  block_size=1 if kind == "plain" or args.control else None)
                 n = len(r.output_ids) - 1
                 times[kind].append(n / r.decode_tokens_per_s if n >= 1 else 0.0)
                 if kind == "plain":

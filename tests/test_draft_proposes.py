@@ -125,6 +125,7 @@ def test_auto_verifies_confident_blocks(ctxfree, monkeypatch):
     policy = sess.policy(ctxfree.block_size)
     assert policy.trimmer is not None
     policy.smoothing = policy.probe_smoothing = 0.0  # keep the fixed costs: the tiny graphs take microseconds
+    policy.uses_lookup = False  # the draft's own path (its repeated output would be verified by lookups)
     m = ctxfree.mask_id
     prompt = [5, 7, m]
     n = ctxfree.max_seq_len - len(prompt)
