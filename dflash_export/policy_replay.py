@@ -16,7 +16,8 @@ positions, ignoring the draft's catch-up after plain steps): an upper bound on t
 
 The traces hold acceptance, not the draft's probabilities, so `auto` here chooses before the draft
 call, as the runtime does for drafts without a proposal vocabulary; the confidence rule
-(`runtime.confidence`) is measured by `scripts/auto_vs_plain.py` instead.
+(`runtime.confidence`) and lookup proposals (`runtime.lookup`, never asked for here) are measured by
+`scripts/auto_vs_plain.py` instead.
 
 Run it: `python scripts/policy_replay.py ARTIFACT --limit 4` (see that script).
 """

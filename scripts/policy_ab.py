@@ -1,12 +1,13 @@
-"""Auto with and without the confidence rule against plain decoding, interleaved in one process.
+"""Auto with and without lookups and the confidence rule against plain decoding, interleaved in one process.
 
     python scripts/policy_ab.py ARTIFACT --limit 4 --rounds 2
 
 For a draft that proposes (`runtime.manifest.draft_proposes`), default `generate` chooses the verify
-shape after the draft call from the draft's probabilities (`runtime.confidence`). This script runs,
-per held-out prompt (models/prompts/eval.jsonl, `--limit` per category) and round, plain decoding,
-that policy ("confidence") and the policy that chooses before the draft call ("before-draft", as for
-drafts without a proposal vocabulary), in an order that rotates prompt by prompt, all on one Session
+shape after the draft call from the draft's probabilities (`runtime.confidence`) and verifies lookup
+continuations of the request's own text where they pay (`runtime.lookup`). This script runs, per
+held-out prompt (models/prompts/eval.jsonl, `--limit` per category) and round, plain decoding, that
+policy ("auto"), the same without lookups ("confidence") and the policy that chooses before the draft
+call ("before-draft", as for drafts without a proposal vocabulary), in an order that rotates prompt by prompt, all on one Session
 (the same cost measurement, the same warm caches). It prints, per policy, plain time / policy time:
 the median over prompts (each prompt's median over rounds), the ratio of total times and the median
 per category. Same-process interleaving removes most of this machine's drift between separate runs.
@@ -43,11 +44,13 @@ def main(argv=None) -> int:
     prompts = [row for rows in by_category.values() for row in rows[: args.limit]]
     sess = runtime.load(args.artifact)
     if not sess.draft_proposes:
-        print(f"{args.artifact}: its draft does not propose; both policies would be the same", file=sys.stderr)
+        print(f"{args.artifact}: its draft does not propose; the policies would be the same", file=sys.stderr)
         return 2
     sess.generate("warm up", chat=True, max_new_tokens=8)  # measures the step costs, creates auto
     b = sess.block_size
-    policies = {"confidence": sess.auto[b], "before-draft": AdaptiveLength(
+    policies = {"auto": sess.auto[b], "confidence": AdaptiveLength(
+        sess.call_costs, AcceptanceEstimate(TRAINED_DRAFT_PRIOR, b - 1, alternative_prior=TRAINED_ALTERNATIVE_PRIOR),
+        alternatives=3 if sess.verifies_trees else 0, confidence=True), "before-draft": AdaptiveLength(
         sess.call_costs, AcceptanceEstimate(TRAINED_DRAFT_PRIOR, b - 1, alternative_prior=TRAINED_ALTERNATIVE_PRIOR),
         alternatives=3 if sess.verifies_trees else 0)}
     names = ["plain", *policies]
