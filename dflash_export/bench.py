@@ -99,9 +99,12 @@ def parse_policies(text: str, block_size: int) -> list[str]:
 
 
 def positional_acceptance(steps: list[dict]) -> list[float]:
-    """P(proposal j accepted | proposals 0..j-1 accepted), j = 0.., from `record_steps` steps."""
+    """P(proposal j accepted | proposals 0..j-1 accepted), j = 0.., from `record_steps` steps: the
+    draft's, so lookup steps (`runtime.lookup`) are left out."""
     reached, accepted = Counter(), Counter()
     for s in steps:
+        if s.get("lookup"):
+            continue
         n = len(s["proposed"])
         for j in range(min(s["accepted"] + 1, n)):
             reached[j] += 1
@@ -214,6 +217,7 @@ def _bench_prompt(sess, p: dict, ids: list[int], args, b: int, policies: list[st
             "lossless_match": res.output_ids == plain.output_ids,
             "acceptance_lengths": res.acceptance_lengths,
             "tau": res.tau,
+            "lookup_steps": res.lookup_steps,
             "verify_lens": [len(s["proposed"]) for s in res.steps],
             "positional_acceptance": positional_acceptance(res.steps),
             "speedup": res.decode_tokens_per_s / plain.decode_tokens_per_s if plain.decode_tokens_per_s else 0.0,
@@ -282,6 +286,7 @@ def _aggregate(subset: list[dict], policies: list[str]) -> dict:
             "speedup": rate / plain_rate if plain_rate else 0.0,
             "tau": float(np.mean(acc)) if acc else 1.0,
             "plain_step_fraction": lens.count(0) / len(lens) if lens else 0.0,
+            "lookup_step_fraction": sum(x["lookup_steps"] for x in runs) / len(lens) if lens else 0.0,
             "mean_verify_len": float(np.mean(lens)) if lens else 0.0,
             "draft_fraction": sum(x["draft_s"] for x in runs) / t if t else 0.0,
             "verify_fraction": sum(x["verify_s"] for x in runs) / t if t else 0.0,

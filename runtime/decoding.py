@@ -230,8 +230,9 @@ class Session(PromptEncoding, GraphCalls):
             verify_len: proposals verified per step. None or "auto" (default): chosen each step from
                 this device's measured call costs and the running acceptance by block position, 0 (a
                 plain step without a draft call) when speculation would not pay (`runtime.speculation`;
-                the first call on a device measures the costs in well under a second and caches them).
-                "all" verifies every proposal (block_size - 1); an integer 1..block_size-1 exactly that
+                the first call on a device measures the costs in well under a second and caches them);
+                where the draft proposes, auto also verifies continuations of the request's own text
+                without a draft call where they pay (`runtime.lookup`). "all" verifies every proposal (block_size - 1); an integer 1..block_size-1 exactly that
                 many; "L+A" a verify tree every step: L top-1 proposals plus the draft's next A
                 candidates (1..3) for the first position (`runtime.tree`; auto also considers these
                 trees where the target graph takes them). The draft always fills the whole block it

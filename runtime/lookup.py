@@ -83,22 +83,39 @@ class LookupLength:
             length: the most a step verifies), prior `LOOKUP_PRIOR`.
     """
 
-    def __init__(self, verify_s: np.ndarray, acceptance):
+    def __init__(self, verify_s: np.ndarray, acceptance, smoothing: float = 0.2, decline_decay: float = 0.99):
         self.verify_s = np.asarray(verify_s, np.float64)
         self.acceptance = acceptance
+        self.smoothing, self.decline_decay = float(smoothing), float(decline_decay)
+        self.time_scale = 1.0  # running observed / predicted time of lookup steps (their host work too)
 
     def choose(self, available: int, scale: float, threshold: float) -> int:
-        """Tokens to verify out of `available`, with call times scaled by `scale` (the load now)."""
+        """Tokens to verify out of the `available` a lookup offers, with call times scaled by `scale`
+        (the load now) and by the observed/predicted time of past lookup steps (`observe`).
+
+        Declining an offered continuation decays the evidence by `decline_decay` toward the prior:
+        only lookup steps bring new evidence, so without it a few early rejections (about 8) would
+        rule lookups out for the rest of the request however repetitive it became. With it, where
+        every lookup fails, about one offer in 11 is still verified (one token: on SmolLM2 INT4 a
+        loss of 0.11 of a plain step each), and once they are accepted again lookups are back
+        within 3 offers (`tests/test_lookup.py`)."""
         n = min(int(available), len(self.verify_s) - 1, len(self.acceptance.trials))
         if n <= 0:
             return 0
-        rate = self.acceptance.expected_tokens(n)[1:] / (scale * self.verify_s[1:n + 1])
+        rate = self.acceptance.expected_tokens(n)[1:] / (scale * self.time_scale * self.verify_s[1:n + 1])
         best = int(np.argmax(rate))
-        return best + 1 if rate[best] > threshold else 0
+        if rate[best] > threshold:
+            return best + 1
+        self.acceptance.forget(self.decline_decay)
+        return 0
 
-    def observe(self, verified: int, accepted: int) -> None:
-        """A lookup step verified `verified` tokens and accepted the first `accepted`."""
+    def observe(self, verified: int, accepted: int, seconds: float = 0.0, predicted: float = 0.0) -> None:
+        """A lookup step verified `verified` tokens, accepted the first `accepted` and took `seconds`
+        where the load-scaled cost curve predicted `predicted` (either 0: no timing)."""
         self.acceptance.observe(verified, accepted)
+        if seconds > 0 and predicted > 0:  # a spike moves the scale at most 2x at a time
+            ratio = min(max(seconds / predicted, 0.5 * self.time_scale), 2.0 * self.time_scale)
+            self.time_scale += self.smoothing * (ratio - self.time_scale)
 
     def start(self) -> None:
         """A new request: its own text decides, the last one's counts for half."""

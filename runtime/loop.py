@@ -8,7 +8,9 @@ dflash-facts section 5):
 2. Each step: the draft fills the block `[last committed, MASK x (B - 1)]`; ONE target call takes
    the last committed token plus the proposals and verifies them (where the draft ends in the
    proposal head, the policy first sees its confidence and may verify fewer; else the target's
-   proposal head turns the draft's hidden states into the proposals); the longest prefix where
+   proposal head turns the draft's hidden states into the proposals). Or, under the adaptive
+   policy, no draft call: the target verifies a continuation of the request's own text
+   (`runtime.lookup`) as the proposals. The longest prefix where
    proposal j equals posterior j is accepted, plus the bonus token posterior[acc] (acc + 1 tokens
    per step).
 3. Rollback is a length update: both caches are static buffers and the rows past the committed
@@ -100,8 +102,7 @@ class DecodeLoop:
         self.steps: list[dict] = []
         self.anchor_row = 0  # next_embeddings row holding the embedding of the last committed token
         self.anchor_valid = True  # False when a host sample is not the token whose embedding that row holds
-        # the request's text so far, indexed for lookup continuations (where the target takes proposal ids)
-        self.lookup = NgramLookup(prompt) if policy.uses_lookup and session.draft_proposes else None
+        self.ngrams: NgramLookup | None = None  # the request's text, indexed for lookups (built in run)
         self.finish_reason = "length"
         self.result: GenerationResult | None = None
 
@@ -184,11 +185,12 @@ class DecodeLoop:
         """This step's (proposals, tree, lookup ids): the policy's choice, or a lookup continuation
         (`runtime.lookup`, then the ids to verify) where the policy takes one instead."""
         choice = self.policy.proposals(limit) if self.anchor_valid else 0
-        if self.lookup is not None and limit > 0:
-            found = self.lookup.propose(limit)
+        if self.ngrams is not None and limit > 0:
+            found = self.ngrams.propose(limit)
             n = self.policy.lookup(limit, len(found), choice) if found else 0
             if n:
-                return n, None, found[:n]
+                ids = found[:n]
+                return len(ids), None, ids
         return (*self._shape(choice), None)
 
     def _step(self, n_prop: int, tree: VerifyTree | None = None,
@@ -287,12 +289,15 @@ class DecodeLoop:
         """Prefill, then decode until a stop or max_new_tokens; yields each step's chunk."""
         clock = time.perf_counter
         self.draft_s = self.verify_s = 0.0
+        self.lookup_steps = 0
         t_start = clock()
+        if self.policy.uses_lookup and self.s.draft_proposes:  # (indexing counts as prefill time)
+            self.ngrams = NgramLookup(self.prompt)
         first, reused = self._prefill()
         t_prefill = clock()
         chunk = self._commit([first])
-        if self.lookup is not None:
-            self.lookup.extend(chunk.token_ids)
+        if self.ngrams is not None:
+            self.ngrams.extend(chunk.token_ids)
         yield chunk
         max_new = self.opts.max_new_tokens
         while self.finish_reason != "stop" and len(self.out) < max_new:
@@ -303,14 +308,15 @@ class DecodeLoop:
             self.first_rank, self.step_draft_s = None, 0.0
             committed, acc, proposals, n_prop, tree = self._step(n_prop, tree, lookup_ids)
             chunk = self._commit(committed)
-            if self.lookup is not None:
-                self.lookup.extend(chunk.token_ids)
+            if self.ngrams is not None:
+                self.ngrams.extend(chunk.token_ids)
             # a draft call that caught up on many context rows (the prompt, a long plain run) is not
             # the step cost the policy's curve models: flagged (a probe's full cost still counts)
             self.policy.observe(n_prop, acc, clock() - t_step, catch_up=catch_up, tree=tree, first_rank=self.first_rank,
                                 drafted=drafted, draft_seconds=self.step_draft_s, lookup=lookup_ids is not None)
             if n_prop > 0:
                 self.acceptance.append(acc + 1)
+                self.lookup_steps += lookup_ids is not None
             if self.opts.record_steps:
                 self.steps.append({"proposed": [int(t) for t in proposals], "accepted": acc, "committed": chunk.token_ids,
                                    "lookup": lookup_ids is not None})
@@ -329,6 +335,7 @@ class DecodeLoop:
             text=self.reply if self.text is not None else None,
             finish_reason=self.finish_reason,
             acceptance_lengths=self.acceptance,
+            lookup_steps=self.lookup_steps,
             tokens_per_s=len(out) / total if total > 0 else 0.0,
             decode_tokens_per_s=(len(out) - 1) / decode if decode > 0 and len(out) > 1 else 0.0,
             prefill_s=t_prefill - t_start,

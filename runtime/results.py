@@ -32,7 +32,9 @@ class GenerationResult:
         text: the decoded reply (special tokens skipped; cut before a stop string).
         finish_reason: "stop" (a stop token or stop string) or "length" (max_new_tokens reached).
         acceptance_lengths: acc + 1 per speculative step (dflash-facts section 5; a stop token may
-            cut the committed run shorter on the last step).
+            cut the committed run shorter on the last step), lookup steps included.
+        lookup_steps: how many of those steps verified a lookup continuation of the request's own
+            text (`runtime.lookup`) instead of the draft's proposals.
         tokens_per_s: new tokens / wall time including prefill (seconds).
         decode_tokens_per_s: tokens after the first / time after prefill.
         prefill_s, draft_s, verify_s, host_s: wall time split (seconds); prefill_s is the time to the
@@ -61,6 +63,7 @@ class GenerationResult:
     policy: str = "fixed"
     prompt_tokens: int = 0
     reused_tokens: int = 0
+    lookup_steps: int = 0
 
     @property
     def tau(self) -> float:
@@ -84,6 +87,7 @@ class GenerationResult:
             "policy": self.policy,
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens,
+            "lookup_steps": self.lookup_steps,
         }
         if with_steps:
             out["steps"] = self.steps

@@ -61,7 +61,8 @@ class Policy(ABC):
 
     def lookup(self, limit: int, available: int, choice: int | VerifyTree) -> int:
         """Where the request's own text offers `available` >= 1 tokens that followed its last n-gram
-        before (`runtime.lookup.NgramLookup`): how many of them to verify this step instead of
+        before (`runtime.lookup.NgramLookup`, which repeats a loop to fill `limit`, so usually
+        `available` = `limit`): how many of them to verify this step instead of
         `choice` (what :meth:`proposals` returned), without a draft call; 0 keeps `choice`. This
         default never does (explicit verify lengths, plain decoding)."""
         return 0
@@ -388,8 +389,9 @@ class AdaptiveLength(Policy):
     def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False,
                 tree: VerifyTree | None = None, first_rank: int | None = None, drafted: bool = False,
                 draft_seconds: float = 0.0, lookup: bool = False) -> None:
-        if lookup:  # its own acceptance only: the draft's estimates and the step-cost scales stay
-            self.lookups.observe(verified, accepted)
+        if lookup:  # its own acceptance and timing only: the draft's estimates and the step-cost scales stay
+            n = min(verified, len(self._verify_s) - 1)
+            self.lookups.observe(verified, accepted, seconds, self.plain_scale * float(self._verify_s[n]))
             return
         if self.probing and seconds > 0:  # net of the tokens it committed beyond a plain step's one
             extra = seconds - (1 + accepted) * self.plain_scale * float(self._step_s[0])

@@ -74,6 +74,46 @@ def test_lookup_length_maximises_tokens_per_second():
     assert LookupLength(verify_s, _sure(0.1)).choose(7, 1.0, plain_rate) == 0  # 1.1 / 34 ms < 1 / 30 ms
 
 
+def test_rejected_lookups_are_retried_and_recover():
+    """Only lookup steps bring evidence, so declining an offer decays it toward the prior: where every
+    lookup fails a few offers are still tried, and lookups are back soon after the text repeats."""
+    verify_s = np.array([30, 34, 36, 38, 40, 42, 44, 46]) / 1000
+    length = LookupLength(verify_s, AcceptanceEstimate(LOOKUP_PRIOR, 7))
+    threshold = 1.03 / 0.030
+    rejected = 0
+    while length.choose(7, 1.0, threshold):
+        length.observe(3, 0)
+        rejected += 1
+    assert rejected == 8
+    tried = 0
+    for _ in range(1000):
+        n = length.choose(7, 1.0, threshold)
+        if n:
+            assert n == 1  # a retry verifies the cheapest length
+            length.observe(n, 0)
+            tried += 1
+    assert tried == 89  # about one offer in 11
+    offers = 0
+    while length.choose(7, 1.0, threshold) < 2:  # now every lookup is accepted
+        offers += 1
+        n = length.choose(7, 1.0, threshold)
+        if n:
+            length.observe(n, n)
+    assert offers <= 3
+
+
+def test_lookup_timing_scales_its_costs():
+    """A lookup step that took twice its predicted time moves the lookup's own time scale by the
+    smoothing (0.2): 1.0 -> 1.2, and a 10x spike by at most 2x the scale per step."""
+    length = LookupLength(np.array([30, 34, 36]) / 1000, AcceptanceEstimate(LOOKUP_PRIOR, 2))
+    length.observe(1, 1, seconds=0.068, predicted=0.034)
+    assert length.time_scale == pytest.approx(1.2)
+    length.observe(1, 1, seconds=0.34, predicted=0.034)
+    assert length.time_scale == pytest.approx(1.2 + 0.2 * (2.4 - 1.2))
+    length.observe(1, 1)  # untimed: the scale stays
+    assert length.time_scale == pytest.approx(1.44)
+
+
 def test_auto_looks_up_where_it_would_not_draft():
     policy = AdaptiveLength(COSTS, AcceptanceEstimate(0.02, 15), confidence=True, lookup=True)
     assert policy.uses_lookup and policy.lookups.acceptance.prior == LOOKUP_PRIOR
@@ -121,6 +161,7 @@ def test_lookup_steps_commit_the_repeated_text_without_draft_calls(ctxfree, monk
     auto = sess.generate(prompt, max_new_tokens=n, stop_token_ids=[], record_steps=True)
     assert auto.output_ids == plain.output_ids
     lookups = [s for s in auto.steps if s["lookup"]]
+    assert auto.lookup_steps == len(lookups)
     assert len(lookups) >= 5 and sum(s["accepted"] for s in lookups) >= 2 * len(lookups)
     drafted = [s for s in auto.steps if s["proposed"] and not s["lookup"]]
     assert len(draft_calls) <= len(drafted) + 1  # (+1: a probe's catch-up may take two calls)
@@ -167,3 +208,22 @@ def test_sampled_lookups_keep_the_sampled_output(ctxfree, monkeypatch):
     auto = sess.generate(prompt, record_steps=True, **kw)
     assert auto.output_ids == plain.output_ids
     assert sum(s["accepted"] for s in auto.steps if s["lookup"]) > 0
+
+
+def test_lookups_with_host_sampling_and_a_reused_prefix(ctxfree, monkeypatch):
+    """top_k sampling (the host samples each verified row) with lookups equals the seeded plain
+    sample, and a second turn that extends the first (its cached rows reused) equals plain too."""
+    _fixed_costs(monkeypatch)
+    sess = runtime.load(ctxfree.artifact)
+    monkeypatch.setattr(sess.policy(ctxfree.block_size), "drafted_rate", lambda limit: 0.0)
+    prompt = [5, 7, ctxfree.mask_id]
+    kw = dict(max_new_tokens=12, stop_token_ids=[], temperature=0.9, top_k=5, seed=2)
+    plain = sess.generate(prompt, block_size=1, **kw)
+    auto = sess.generate(prompt, record_steps=True, **kw)
+    assert auto.output_ids == plain.output_ids
+    assert sum(s["accepted"] for s in auto.steps if s["lookup"]) > 0
+    second = prompt + auto.output_ids + [9]
+    turn = sess.generate(second, max_new_tokens=10, stop_token_ids=[])  # reuses the first turn's rows
+    assert turn.reused_tokens > 0
+    assert turn.output_ids == sess.generate(second, max_new_tokens=10, stop_token_ids=[], block_size=1,
+                                            reuse_prefix=False).output_ids
