@@ -15,7 +15,6 @@ import pytest
 import runtime
 import runtime_fixtures as rf
 from runtime import call_costs
-from runtime.call_costs import CallCosts
 from runtime.confidence import ConfidenceTrim
 from runtime.errors import DFlashError
 from runtime.manifest import draft_proposes, load_manifest, proposal_ranks
@@ -23,8 +22,7 @@ from runtime.speculation import UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, Adapt
 from runtime.tree import VerifyTree
 
 PROMPTS = ([5, 6, 7], [1, 40, 33, 12, 90, 7, 61, 18], [3])
-# CPU-like costs: plain 30 ms; draft + verify n: 40 + 2n ms, of which the verify is 32 + 2n ms (draft 8 ms)
-COSTS = CallCosts({0: 30.0, 1: 42.0, 3: 46.0, 7: 54.0, 15: 70.0}, 128, {1: 34.0, 3: 38.0, 7: 46.0, 15: 62.0})
+COSTS = rf.proposing_costs()  # plain 30 ms; draft + verify n: 40 + 2n ms (verify 32 + 2n)
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,10 @@ import pytest
 import runtime
 import runtime_fixtures as rf
 from runtime import call_costs
-from runtime.call_costs import CallCosts
 from runtime.lookup import LOOKUP_PRIOR, LookupLength, NgramLookup
 from runtime.speculation import UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength
 
-# plain 30 ms; draft + verify n: 40 + 2n ms, of which the verify is 32 + 2n ms
-COSTS = CallCosts({0: 30.0, 1: 42.0, 3: 46.0, 7: 54.0, 15: 70.0}, 128, {1: 34.0, 3: 38.0, 7: 46.0, 15: 62.0})
+COSTS = rf.proposing_costs()  # plain 30 ms; draft + verify n: 40 + 2n ms (verify 32 + 2n)
 
 
 @pytest.fixture(scope="module")
