@@ -90,8 +90,9 @@ def cmd_generate(args) -> int:
         print(json.dumps(res.to_dict(with_steps=args.steps)))
         return 0
     print(res.text if res.text is not None else res.output_ids)
-    print(f"\n[{len(res.output_ids)} tokens, finish={res.finish_reason}, tau={res.tau:.2f} "
-          f"({res.lookup_steps} of {len(res.acceptance_lengths)} speculative steps were lookups), "
+    steps = len(res.acceptance_lengths)
+    lookups = f" ({res.lookup_steps} of {steps} speculative steps were lookups)" if steps else ""
+    print(f"\n[{len(res.output_ids)} tokens, finish={res.finish_reason}, tau={res.tau:.2f}{lookups}, "
           f"{res.tokens_per_s:.1f} tok/s, draft {'trained' if trained else 'UNTRAINED'}]", file=sys.stderr)
     if args.steps:
         for i, s in enumerate(res.steps):
