@@ -28,6 +28,20 @@ DEFAULT_EVAL = Path(__file__).resolve().parent.parent / "models" / "prompts" / "
 DEFAULT_PAST_LENGTHS = (128, 512, 1024, 2000)
 
 
+def eval_prompts(path: Path, limit: int | None) -> list[str]:
+    """Prompt texts of the eval set, at most `limit` per category, in file order."""
+    out, seen = [], {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        cat = row.get("category", "")
+        if limit is None or seen.get(cat, 0) < limit:
+            seen[cat] = seen.get(cat, 0) + 1
+            out.append(row["prompt"])
+    return out
+
+
 def verify_cost_curve(sess, past_len: int = 256, reps: int = 7) -> dict:
     """Wall time (ms) of one target call verifying n proposals (n = 0..block_size-1) at a fixed past
     length, and of one draft call returning all block_size - 1 rows (`draft_ms`) and one row

@@ -26,7 +26,7 @@ from .checkpoint import TargetSpec, load_target_spec, safetensors_files
 from .draft_spec import DraftSpec, load_draft_spec, parse_draft_config
 from .sources import SourceHashes, random_draft_config, resolve_draft, resolve_target
 from .dense_target import head_name, streaming_rewrite
-from .families import target_family
+from .families import draft_proposes, target_family
 from .quantize import QuantConfig, draft_quant_plan, quantization_record
 from .weights import WeightSource, bind_weights, empty_module
 
@@ -171,9 +171,14 @@ def _attach_proposal_head(dmod, dreaders: dict, tspec: TargetSpec, dspec: DraftS
     from .draft_model import ProposingDraft
     from .weights import placeholder
 
-    vocab = torch.tensor(list(dspec.draft_vocab), dtype=torch.int64)
-    rows = placeholder((len(vocab), tspec.arch.hidden_size), dtype)
-    dreaders["draft_head"] = lambda: torch.index_select(tsource.read_as(head_name(tspec), dtype), 0, vocab)
+    if dspec.draft_vocab is None:  # the whole head (an INT4 LM head: `families.draft_proposes`)
+        vocab = None
+        rows = placeholder((tspec.vocab_size, tspec.arch.hidden_size), dtype)
+        dreaders["draft_head"] = lambda: tsource.read_as(head_name(tspec), dtype)
+    else:
+        vocab = torch.tensor(list(dspec.draft_vocab), dtype=torch.int64)
+        rows = placeholder((len(vocab), tspec.arch.hidden_size), dtype)
+        dreaders["draft_head"] = lambda: torch.index_select(tsource.read_as(head_name(tspec), dtype), 0, vocab)
     if qconfig is not None and qconfig.lm_head:
         config = QuantConfig("rtn", qconfig.block, lm_head=True)
     else:
@@ -279,7 +284,7 @@ def build(
             dmod, dreaders = draft_export_module(dspec, dsource, torch_dtype)
             dquant = draft_quant_plan(dspec, dsource.shapes, qconfig) if qconfig is not None else None
             head_config = None
-            if family.DRAFT_PROPOSES and dspec.draft_vocab is not None:
+            if draft_proposes(family.DRAFT_PROPOSES, dspec, qconfig):
                 dmod, head_config = _attach_proposal_head(dmod, dreaders, tspec, dspec, tsource, torch_dtype, qconfig,
                                                           proposal_head)
             rewrite = (dquant or head_config) and streaming_rewrite(

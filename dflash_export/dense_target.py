@@ -21,7 +21,7 @@ from .checkpoint import (
     safetensors_files,
 )
 from .draft_spec import DraftSpec
-from .families import ExportedTarget
+from .families import ExportedTarget, draft_proposes
 from .modules import TargetForExport, cast_for_export
 from .quantize import QuantConfig, proposal_head_block, quantized_names, rewrite_int4
 from .weights import WeightSource, bind_weights, check_weight_names, empty_module, load_module_weights
@@ -109,7 +109,7 @@ def manifest_fields(tspec: TargetSpec) -> dict:
 
 
 # This family's target takes proposal ids from a draft that ends in the proposal head (`build`: when
-# the draft has a proposal vocabulary; `draft_model.ProposingDraft`).
+# the draft has a proposal vocabulary or the LM head is INT4: `families.draft_proposes`).
 DRAFT_PROPOSES = True
 
 
@@ -162,7 +162,7 @@ def export_for_build(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource,
     if qconfig is not None and qconfig.method == "awq":
         tsource, quant_extra = _awq_source(tspec, dspec, tsource, path.parent, torch_dtype, qconfig, quiet)
     tmod, treaders = target_export_module(tspec, dspec, tsource, torch_dtype,
-                                          draft_proposes=DRAFT_PROPOSES and dspec.draft_vocab is not None)
+                                          draft_proposes=draft_proposes(DRAFT_PROPOSES, dspec, qconfig))
     head_config = proposal_head_config(proposal_head, "draft_head" in treaders, qconfig, tspec.arch.hidden_size)
     rewrite = streaming_rewrite(treaders, tsource, torch_dtype, qconfig, qnames, head_config)
     export_target(tmod, path, treaders, progress=not quiet, rewrite=rewrite)

@@ -158,11 +158,12 @@ class ProposingDraft(DraftWithRows):
     @classmethod
     def with_head(cls, draft: DFlashDraft, vocab, rows: torch.Tensor) -> "ProposingDraft":
         """A view of `draft` (its parameters shared, `draft` left as it was) with the proposal head:
-        `vocab` the proposal vocabulary (target ids, `[V']`) and `rows` the LM head's rows for it
-        `[V', d]` (a placeholder when streamed: then the reader writes them as `draft_head`)."""
+        `vocab` the proposal vocabulary (target ids, `[V']`; None: all V ids) and `rows` the LM head's
+        rows for it `[V', d]` (a placeholder when streamed: then the reader writes them as `draft_head`)."""
         view = copy.copy(draft)
         view.__class__ = cls
         view._buffers = dict(draft._buffers)
-        view.register_buffer("draft_vocab", torch.tensor(list(vocab), dtype=torch.int64), persistent=False)
+        view.register_buffer("draft_vocab", None if vocab is None else torch.tensor(list(vocab), dtype=torch.int64),
+                             persistent=False)
         view.register_buffer("draft_head", rows, persistent=False)
         return view

@@ -30,7 +30,7 @@ import torch
 from runtime.errors import DFlashError
 
 from .checkpoint import TargetSpec, read_eos_token_ids, refuse_quantized, safetensors_files
-from .families import ExportedTarget
+from .families import ExportedTarget, draft_proposes
 from .gated_delta import MAX_ROWS
 from .hybrid_spec import HybridSpec, hybrid_kind, parse_hybrid_config
 from .modules import TargetForExport
@@ -42,7 +42,9 @@ EXPORT_TITLE = "weights are read as they are written"  # build's progress line f
 NORM_WEIGHT_OFFSET = 1.0
 
 
-DRAFT_PROPOSES = False  # the hybrid target still ranks the draft's hidden rows itself (chains only)
+# A draft with a proposal vocabulary returns hidden rows the hybrid target ranks itself (chains only);
+# with an INT4 LM head the draft ends in the proposal head (`families.draft_proposes`).
+DRAFT_PROPOSES = False
 
 
 def read_target(model_dir: Path, cfg: dict) -> TargetSpec | None:
@@ -80,7 +82,6 @@ class HybridDFlashTarget(Qwen35TargetForExport):
     """
 
     forward = TargetForExport.chain_forward  # a recurrent state cannot verify a tree: chains only
-    draft_proposes = False  # the target ranks the draft's hidden rows (module docstring)
     head = TargetForExport.head
     _outputs = TargetForExport._outputs
     propose = TargetForExport.propose
@@ -90,8 +91,9 @@ class HybridDFlashTarget(Qwen35TargetForExport):
     freeze_draft_head = TargetForExport.freeze_draft_head
 
     def __init__(self, spec: TargetSpec | HybridSpec, tap_layers: tuple[int, ...], dtype: torch.dtype = torch.float32,
-                 draft_vocab=None):
+                 draft_vocab=None, draft_proposes: bool = False):
         super().__init__(spec if isinstance(spec, HybridSpec) else spec.hybrid, tap_layers)
+        self.draft_proposes = draft_proposes  # takes proposal ids, else ranks the draft's hidden rows
         vocab = None if draft_vocab is None else torch.tensor(list(draft_vocab), dtype=torch.int64)
         self.register_buffer("draft_vocab", vocab, persistent=False)
         self.register_buffer("draft_head", None, persistent=False)
@@ -100,8 +102,8 @@ class HybridDFlashTarget(Qwen35TargetForExport):
 
 def io_names(module: HybridDFlashTarget) -> tuple[list[str], list[str]]:
     """Input and output names of the hybrid DFlash target graph, in positional order."""
-    ins = ["input_ids", "draft_hidden", "temperature", "uniform"]
-    outs = ["next_ids", "proposal_ids", "next_embeddings", "logits", "taps"]
+    ins = ["input_ids", "proposal_ids" if module.draft_proposes else "draft_hidden", "temperature", "uniform"]
+    outs = ["next_ids", *([] if module.draft_proposes else ["proposal_ids"]), "next_embeddings", "logits", "taps"]
     for i, kind in enumerate(module.spec.layer_types):
         cin, cout = cache_names(kind, i)
         ins, outs = ins + cin, outs + cout
@@ -126,7 +128,8 @@ def export_inputs(module: HybridDFlashTarget) -> tuple:
                        torch.randn(pp, s.conv_dim, dtype=dt), torch.randn(pp, s.num_v_heads, dtype=dt),
                        torch.randn(pp, s.num_v_heads, dtype=dt)]
             dyn += [None, None, {0: Pp}, {0: Pp}, {0: Pp}]
-    args = (torch.randint(0, s.vocab_size, (t,)), torch.randn(n, s.hidden_size, dtype=dt),
+    proposals = torch.randint(0, s.vocab_size, (n,)) if module.draft_proposes else torch.randn(n, s.hidden_size, dtype=dt)
+    args = (torch.randint(0, s.vocab_size, (t,)), proposals,
             torch.zeros(1, dtype=torch.float32), torch.rand(n + 1, dtype=torch.float32), *caches)
     T = torch.export.Dim("new_tokens", min=1, max=MAX_ROWS)
     N = torch.export.Dim("proposals", min=0, max=MAX_ROWS - 1)
@@ -143,7 +146,8 @@ def replication_layout(module: HybridDFlashTarget):
     spec = module.spec
 
     def make_template(kinds, taps):
-        return HybridDFlashTarget(replace(spec, layer_types=tuple(kinds)), taps, module.compute_dtype)
+        return HybridDFlashTarget(replace(spec, layer_types=tuple(kinds)), taps, module.compute_dtype,
+                                  draft_proposes=module.draft_proposes)
 
     return Layout(kinds=tuple(spec.layer_types), cache_names=cache_names, make_template=make_template,
                   export_inputs=export_inputs, io_names=io_names, folded=folded_constants, whole=_derived_in_graph)
@@ -232,7 +236,8 @@ def export_for_build(tspec: TargetSpec, dspec, source, path: Path, dtype: torch.
     from .export import export_target
 
     text = source.renamed(text_weight_name)
-    module, readers = target_export_module(tspec, dspec, text, dtype, HybridDFlashTarget, _derived_in_graph)
+    module, readers = target_export_module(tspec, dspec, text, dtype, HybridDFlashTarget, _derived_in_graph,
+                                           draft_proposes(DRAFT_PROPOSES, dspec, qconfig))
     names = _quantized_names(module, qconfig) if qconfig is not None else []
     head_config = proposal_head_config(proposal_head, "draft_head" in readers, qconfig, tspec.hybrid.hidden_size)
     rewrite = streaming_rewrite(readers, text, dtype, qconfig, names, head_config)
@@ -260,7 +265,11 @@ def reference_target(tspec: TargetSpec, dspec, source, manifest: dict, vocab) ->
     graph_dtype = {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]]
     if manifest.get("quantization"):  # the model the INT4 graph computes: its dequantized weights
         text = dequantized_source(text, manifest["quantization"], graph_dtype)
-    tmod = empty_module(lambda: HybridReference(tspec, tuple(dspec.target_layer_ids), torch.float32, vocab)).eval()
+    from runtime.manifest import draft_proposes as graph_proposes
+
+    proposes = graph_proposes(manifest)
+    tmod = empty_module(lambda: HybridReference(tspec, tuple(dspec.target_layer_ids), torch.float32,
+                                                None if proposes else vocab, proposes)).eval()
     set_head_transforms(tmod, manifest, graph_dtype)  # an INT4 LM head / proposal rows as the graph has them
     load_module_weights(tmod, text, f"target {tspec.path}")
     tmod.model.embed_tokens.register_forward_hook(lambda module, args, out: out.to(torch.float32))

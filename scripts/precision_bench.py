@@ -12,31 +12,16 @@ and each artifact's speed relative to the first. Same greedy prompts for all, to
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-def eval_prompts(path: Path, limit: int | None) -> list[str]:
-    """Prompt texts of the eval set, at most `limit` per category, in file order."""
-    out, seen = [], {}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        cat = row.get("category", "")
-        if limit is None or seen.get(cat, 0) < limit:
-            seen[cat] = seen.get(cat, 0) + 1
-            out.append(row["prompt"])
-    return out
 
 
 def main(argv=None) -> int:
     import runtime
+    from dflash_export.bench import eval_prompts
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifacts", nargs="+", type=Path)

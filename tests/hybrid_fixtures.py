@@ -80,10 +80,11 @@ def streamed_build(target: Path, out: Path) -> tuple[dict, list]:
 
 
 def oracle_draft(sess, reference: list[int], wrong: float) -> None:
-    """Replace the session's draft call: its hidden rows make the target's (tied) head propose the
-    reference continuation (the wanted token's embedding row, scaled), except that a seeded fraction
-    `wrong` of the proposals is another token, so blocks are accepted whole and rejected part-way."""
-    table = embedding_table(sess).astype(np.float32)
+    """Replace the session's draft call: it proposes the reference continuation (a proposing draft's
+    top-1 ids; else hidden rows that make the target's tied head propose it: the wanted token's
+    embedding row, scaled), except that a seeded fraction `wrong` of the proposals is another token,
+    so blocks are accepted whole and rejected part-way."""
+    table = None if sess.draft_proposes else embedding_table(sess).astype(np.float32)
     rng = np.random.default_rng(0)
 
     def run_draft(n_context, past, block_size, taps_row=0, rows=None):
@@ -94,8 +95,15 @@ def oracle_draft(sess, reference: list[int], wrong: float) -> None:
             token = reference[pos] if pos < len(reference) else 0
             if rng.random() < wrong:
                 token = (token + 1) % VOCAB
-            rows.append(table[token] * 20.0)
-        sess.backend.write(sess.draft_hidden.rows(0, block_size - 1), np.stack(rows).astype(sess.dtype))
+            rows.append(token)
+        n, ids = block_size - 1, np.array(rows, dtype=np.int64)
+        if sess.draft_proposes:
+            ranks = sess.proposal_ranks
+            top = (ids[:, None] + np.arange(ranks, dtype=np.int64)) % VOCAB  # rank 0 the wanted token
+            sess.backend.write(sess.draft_top_ids.rows(0, n), top)
+            sess.backend.write(sess.draft_top_probs.rows(0, n), np.tile(np.float32(0.9) ** np.arange(1, ranks + 1), (n, 1)))
+        else:
+            sess.backend.write(sess.draft_hidden.rows(0, n), (table[ids] * 20.0).astype(sess.dtype))
     sess.run_draft = run_draft
 
 

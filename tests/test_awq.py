@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tiny_models
+from int4_fusion import assert_int4_fused
 from dflash_export import awq
 from dflash_export.build import build
 from dflash_export.check import run_check
@@ -77,6 +78,7 @@ def test_awq_build_passes_check_with_its_stored_scales(tmp_path):
     # the same graph form as RTN: 4 INT4 GEMMs a layer, no extra operator for the scales
     model = onnx.load(str(art / "target.onnx"), load_external_data=False)
     assert sum(n.op_type == "DequantizeLinear" for n in model.graph.node) == 3 * 4
+    assert assert_int4_fused(art, tmp_path)["target"] == 3 * 4
     rep = run_check(art)  # the reference rebuilds the scaled, dequantized weights from the stored scales
     assert rep.passed and max(r.max_abs for r in rep.results if r.max_abs is not None) < 1e-4
     assert "dequantized INT4 weights (AWQ-scaled, block 16)" in rep.reference and "accuracy level 1" in rep.reference

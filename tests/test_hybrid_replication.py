@@ -19,6 +19,7 @@ from dflash_export.build import build
 from dflash_export.export import ReplicationWarning
 from graph_compare import assert_same_graph, run_both
 from hybrid_fixtures import CONFIG, VOCAB
+from int4_fusion import assert_int4_fused
 
 # the first attention layer is not the template's (layer 1): lengths read from its caches are remapped
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention"] * 2
@@ -76,3 +77,4 @@ def test_replicated_hybrid_build_is_the_full_trace(six_layer_hybrid, tmp_path, m
     folded = [t.name for t in graph.initializer if t.name.startswith("model.layers.5/")]
     assert folded, "the copies compute their own folded constants"
     run_both(full, replicated, VOCAB)
+    assert_int4_fused(tmp_path / "replicated", tmp_path)  # fp16 INT4 hybrid: all in MatMulNBits

@@ -18,7 +18,9 @@ from dflash_export.build import build
 from dflash_export.check import run_check
 from dflash_export.export import check_graph
 from dflash_export.quantize import dequantize, pack_int4, quantize_rtn, unpack_int4
+from int4_fusion import assert_int4_fused
 from runtime.errors import DFlashError
+from runtime.manifest import draft_proposes
 
 LINEARS = 7  # q, k, v, o, gate, up, down per decoder layer
 GEMMS = 4  # per layer in the graph: q+k+v and gate+up are packed (graph_passes.py)
@@ -52,10 +54,12 @@ def test_int4_graph_form_and_parity_with_dequantized_modules(pairs, tmp_path, ki
     inits = {i.name: i for i in model.graph.initializer}
     dqs = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
     gemms = [n for n in model.graph.node if n.op_type == "Gemm"]
-    # the head feeds two GEMMs (the logits and the proposals): one DequantizeLinear each on shared INT4 values
-    assert len(dqs) == 3 * GEMMS + 2 * lm_head
+    # an INT4 head is used once per graph (onnxruntime fuses only a DequantizeLinear whose INT4 values have
+    # one consumer): the target's logits; the draft ends in its own proposal head (the target takes ids)
+    assert len(dqs) == 3 * GEMMS + lm_head
     assert manifest["graph_checks"]["target"] == {**manifest["graph_checks"]["target"], "opset": 21,
-                                                  "int4_weights": 3 * GEMMS + 2 * lm_head}
+                                                  "int4_weights": 3 * GEMMS + lm_head}
+    assert draft_proposes(manifest) == lm_head
     assert [g.input[1] for g in gemms] == ([] if lm_head else [head, head])
     assert (head in inits) == (not lm_head or kind == "qwen3_tied")  # a tied table stays for the token lookups
     users = {i: n for n in model.graph.node for i in n.input}
@@ -76,8 +80,10 @@ def test_int4_graph_form_and_parity_with_dequantized_modules(pairs, tmp_path, ki
     assert q["draft"] == {"method": "rtn", "block": 16, "tensors": want}
     ddqs = [n for n in onnx.load(str(art / "draft.onnx")).graph.node if n.op_type == "DequantizeLinear"]
     packed = f"{last}mlp.gate_proj.weight+{last}mlp.up_proj.weight"
-    assert sorted(d.input[0] for d in ddqs) == sorted(f"{n}.int4" for n in [want[0], want[1], want[4], packed])
-    assert manifest["graph_checks"]["draft"]["int4_weights"] == 4
+    assert sorted(d.input[0] for d in ddqs) == sorted([f"{n}.int4" for n in [want[0], want[1], want[4], packed]]
+                                                      + ["draft_head.int4"] * lm_head)
+    assert manifest["graph_checks"]["draft"]["int4_weights"] == 4 + lm_head
+    assert_int4_fused(art, tmp_path)
     rep = run_check(art)  # the tight tolerance of the graph dtype: the graph computes its dequantized model
     assert rep.passed, [r for r in rep.results if not r.passed]
     if dtype == "fp32":

@@ -20,6 +20,7 @@ from dflash_export import layer_replication, replication_graph
 from dflash_export import weights as weights_mod
 from dflash_export.build import build
 from dflash_export.export import ReplicationWarning, export_target
+from int4_fusion import assert_int4_fused
 
 @pytest.fixture(scope="module")
 def five_layers(tmp_path_factory):
@@ -154,3 +155,4 @@ def test_build_int4_fp16_streamed_replicated_is_the_full_trace(llama_pair, tmp_p
     draft = onnx.load(str(tmp_path / "replicated" / "draft.onnx"), load_external_data=False)
     assert "draft_head.int4" in {i for n in draft.graph.node if n.op_type == "DequantizeLinear" for i in n.input}
     run_both(full, replicated, tiny_models.VOCAB)
+    assert_int4_fused(tmp_path / "replicated", tmp_path)  # fp16 INT4 target and draft: all in MatMulNBits

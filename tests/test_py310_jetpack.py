@@ -37,8 +37,8 @@ def py310_env(tmp_path_factory):
     venv = tmp_path_factory.mktemp("py310") / "venv"
     subprocess.run([py, "-m", "venv", str(venv)], check=True)
     pip = subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "-q", "numpy", "onnxruntime==1.23.2", "tokenizers", "jinja2",
-         "starlette>=0.40", "uvicorn>=0.30"],  # the runtime and its serve extra, as pyproject.toml lists them
+        [str(venv / "bin" / "pip"), "install", "-q", "numpy", "onnxruntime==1.23.2", "onnx", "tokenizers", "jinja2",
+         "starlette>=0.40", "uvicorn>=0.30"],  # the runtime and its serve extra (+ onnx to read optimized graphs)
         capture_output=True, text=True, timeout=600,
     )
     if pip.returncode != 0:
@@ -108,3 +108,24 @@ def test_server_on_python310_onnxruntime_1_23(py310_env, tmp_path_factory):
         proc.send_signal(signal.SIGINT)
         code = proc.wait(30)
     assert code == 130
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_int4_weights_fuse_on_onnxruntime_1_23(py310_env, tmp_path_factory, dtype):
+    """onnxruntime 1.23.2 (JetPack 6's newest wheel) turns every INT4 weight of both graphs into
+    MatMulNBits, with the options the runtime loads them with (fp32 and fp16 graphs, INT4 LM head)."""
+    from dflash_export.build import build
+
+    pair = rf.artifact("qwen3", tmp_path_factory)
+    out = tmp_path_factory.mktemp(f"int4_{dtype}") / "art"
+    build(str(pair.target_dir), str(pair.draft_dir), out, max_seq_len=64, dtype=dtype, quiet=True, quant="int4",
+          quant_block=16, quant_lm_head=True)
+    script = ("import json, sys, tempfile\nfrom int4_fusion import optimized_ops\n"
+              "print(json.dumps({g: optimized_ops(sys.argv[1], g, tempfile.mkdtemp()) for g in ('target', 'draft')}))\n")
+    root = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=f"{root.parent}{os.pathsep}{root}")
+    proc = subprocess.run([str(py310_env), "-c", script, str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-1500:]}"
+    ops = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [ops[g].get("DequantizeLinear", 0) for g in ("target", "draft")] == [0, 0], ops
+    assert ops["target"]["MatMulNBits"] > 0 and ops["draft"]["MatMulNBits"] > 0

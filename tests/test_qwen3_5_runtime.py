@@ -16,6 +16,8 @@ import runtime
 from dflash_export.build import build
 
 import runtime_fixtures as rf
+from int4_fusion import assert_int4_fused
+from runtime.manifest import draft_proposes
 from dflash_export.cli import main
 from hybrid_fixtures import CONFIG, VOCAB, oracle_draft
 from runtime.errors import DFlashError
@@ -236,6 +238,7 @@ def test_fp16_int4_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_pat
                          disabled_optimizers=disabled_optimizers(m))
     ops = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
     assert ops.count("MatMulNBits") >= 3 * 4 + 4 and "DequantizeLinear" not in ops
+    assert_int4_fused(out, tmp_path)  # and the draft's INT4 last layer
     sess = runtime.load(out)
     prompt = [5, 17, 33, 8, 61, 2, 99, 14]
     kw = dict(max_new_tokens=30, stop_token_ids=[], reuse_prefix=False)
@@ -265,6 +268,8 @@ def test_int4_lm_head_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_
               proposal_head="int4", quiet=True)
     q = m["quantization"]
     assert q["lm_head"] is True and q["head"] in q["tensors"]
+    assert draft_proposes(m)  # the INT4 head is used once per graph: the draft ranks its own proposals
+    assert_int4_fused(out, tmp_path)
     assert run_check(out).passed
     sess = runtime.load(out)
     prompt = [5, 17, 33, 8, 61, 2, 99, 14]
