@@ -110,10 +110,11 @@ def test_server_on_python310_onnxruntime_1_23(py310_env, tmp_path_factory):
     assert code == 130
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", ["fp32"])
 def test_int4_weights_fuse_on_onnxruntime_1_23(py310_env, tmp_path_factory, dtype):
     """onnxruntime 1.23.2 (JetPack 6's newest wheel) turns every INT4 weight of both graphs into
-    MatMulNBits, with the options the runtime loads them with (fp32 and fp16 graphs, INT4 LM head)."""
+    MatMulNBits, with the options the runtime loads them with (fp32 graphs, INT4 LM head). fp16
+    graphs do not fuse on 1.23.2's CPU provider (they do on 1.32): docs/performance.md."""
     from dflash_export.build import build
 
     pair = rf.artifact("qwen3", tmp_path_factory)
