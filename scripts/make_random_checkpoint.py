@@ -145,19 +145,39 @@ def qwen3_config(hidden, layers, heads, kv_heads, head_dim, intermediate, tie, v
     }
 
 
-def copy_tokenizer(source: str, out: Path) -> list[str]:
-    """Copy the tokenizer files of `source` ("embedded": the embedded SmolLM2's, else a Hugging Face
-    directory) into `out`; returns the names copied. Raises SystemExit when there is none."""
-    import shutil
-
+def tokenizer_source(source: str, vocab: int) -> Path:
+    """The directory to copy tokenizer files from: "embedded" (the embedded SmolLM2's) or a Hugging
+    Face directory, checked before any weight is written. Raises SystemExit when it has no readable
+    tokenizer, or one with more ids than the checkpoint's `vocab`."""
     if source == "embedded":
         from dflash_export.sources import embedded_target_dir
+        from runtime.errors import DFlashError
 
-        src = embedded_target_dir()
+        try:
+            src = embedded_target_dir()
+        except DFlashError as exc:
+            raise SystemExit(f"make_random_checkpoint: {exc}") from None
     else:
         src = Path(source)
     if not (src / "tokenizer.json").is_file():
-        raise SystemExit(f"make_random_checkpoint: no tokenizer.json in {src}")
+        raise SystemExit(f"make_random_checkpoint: no tokenizer.json in {src}; pass --tokenizer embedded or a "
+                         "Hugging Face directory that has one")
+    from tokenizers import Tokenizer
+
+    try:
+        size = Tokenizer.from_file(str(src / "tokenizer.json")).get_vocab_size()
+    except Exception as exc:  # tokenizers raises its own untyped errors
+        raise SystemExit(f"make_random_checkpoint: {src / 'tokenizer.json'} cannot be read ({exc})") from None
+    if size > vocab:
+        raise SystemExit(f"make_random_checkpoint: the tokenizer has {size} ids but --vocab is {vocab}; "
+                         f"pass --vocab {size} or more")
+    return src
+
+
+def copy_tokenizer(src: Path, out: Path) -> list[str]:
+    """Copy the tokenizer and chat-template files of `src` into `out`; returns the names copied."""
+    import shutil
+
     copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
     for name in copied:
         shutil.copyfile(src / name, out / name)
@@ -186,14 +206,25 @@ def main(argv=None) -> int:
             p.error(f"--shape custom needs {', '.join('--' + m.replace('_', '-') for m in missing)}")
     else:
         dims = SHAPES[args.shape]
-    if args.out.exists() and any(args.out.iterdir()):
-        p.error(f"{args.out} exists and is not empty; choose a new directory")
+    bad = [f"--{k.replace('_', '-')} {v}" for k, v in dims.items() if k != "tie" and v < 1]
+    bad += [f"--vocab {args.vocab}"] * (args.vocab < 1) + [f"--shard-gib {args.shard_gib}"] * (args.shard_gib <= 0)
+    if bad:
+        p.error(f"{', '.join(bad)}: sizes must be positive")
+    if dims["heads"] % dims["kv_heads"]:
+        p.error(f"--heads {dims['heads']} is not a multiple of --kv-heads {dims['kv_heads']}")
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        p.error(f"{args.out} exists and is not an empty directory; choose a new directory")
+    tok_src = tokenizer_source(args.tokenizer, args.vocab) if args.tokenizer else None
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        p.error(f"cannot create {args.out} ({exc.strerror or exc}); choose a writable directory")
     t0 = time.perf_counter()
     shapes = tensor_shapes(**dims, vocab=args.vocab)
     total = write_checkpoint(args.out, shapes, args.dtype, args.seed, args.shard_gib,
                              qwen3_config(**dims, vocab=args.vocab, dtype=args.dtype))
-    if args.tokenizer:
-        copy_tokenizer(args.tokenizer, args.out)
+    if tok_src is not None:
+        copy_tokenizer(tok_src, args.out)
     params = sum(_numel(s) for s in shapes.values())
     print(f"wrote {args.out}: {params / 1e9:.2f}B parameters, {total / (1 << 30):.2f} GiB {args.dtype}, "
           f"in {time.perf_counter() - t0:.0f}s", file=sys.stderr)

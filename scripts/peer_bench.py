@@ -40,16 +40,17 @@ def worker_run(python: str, kind: str, model: Path, prompts_file: Path, n_new: i
     proc = subprocess.run([python, str(WORKER), kind, str(model), str(prompts_file), str(n_new), str(threads)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        return (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]
+        return (proc.stderr.strip().splitlines() or ["failed"])[-1][:400]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def encode_prompts(artifact: Path, texts: list[str]) -> list[list[int]]:
     """The chat-templated ids of `texts` by the artifact's tokenizer, without loading its graphs."""
     from runtime.errors import DFlashError
+    from runtime.manifest import load_manifest
     from runtime.tokenizer import ChatTokenizer
 
-    manifest = json.loads((artifact / "manifest.json").read_text())
+    manifest = load_manifest(artifact)  # DFlashError for a missing or damaged artifact
     tok_json = artifact / "tokenizer" / "tokenizer.json"
     if not tok_json.is_file():
         raise DFlashError(f"{artifact} has no tokenizer; build it from a checkpoint with one (make_random_checkpoint --tokenizer)")
@@ -73,11 +74,22 @@ def positive(text: str) -> int:
     return value
 
 
+def at_least_two(text: str) -> int:
+    """argparse type: an integer >= 2."""
+    value = positive(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 (got {value})")
+    return value
+
+
 def parse_artifacts(specs: list[str]) -> dict[str, str]:
     """LABEL=DIR (or DIR, labelled by its name) -> {label: dir}; a repeated label is an error."""
     ours: dict[str, str] = {}
     for spec in specs:
-        label, path = spec.split("=", 1) if "=" in spec else (Path(spec).name, spec)
+        head, sep, tail = spec.partition("=")
+        if sep and not head:
+            raise SystemExit(f"peer_bench: {spec!r} has an empty label; write LABEL=DIR or just DIR")
+        label, path = (head, tail) if sep and head and "/" not in head else (Path(spec).name, spec)
         if label in ours:
             raise SystemExit(f"peer_bench: label {label!r} is given twice; label each artifact once (LABEL=DIR)")
         ours[label] = path
@@ -151,16 +163,26 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "peers", help="where peer models are built")
     p.add_argument("--prompts", type=Path, default=ROOT / "models" / "prompts" / "eval.jsonl")
     p.add_argument("--limit", type=positive, default=1, help="prompts per category (default 1)")
-    p.add_argument("--max-new-tokens", type=positive, default=96)
+    p.add_argument("--max-new-tokens", type=at_least_two, default=96,
+                   help="new tokens per prompt (>= 2: the first comes from the prefill and is not timed)")
     p.add_argument("--repeats", type=positive, default=2)
     args = p.parse_args(argv)
     ours = {label: Path(d) for label, d in parse_artifacts(args.artifacts).items()}
     if not args.prompts.is_file():
         raise SystemExit(f"peer_bench: no prompt file {args.prompts}")
     try:
-        prompts = encode_prompts(next(iter(ours.values())), eval_prompts(args.prompts, args.limit))
+        from runtime.manifest import load_manifest
+
+        for artifact in ours.values():  # every artifact is checked before anything is built or run
+            load_manifest(artifact)
+        texts = eval_prompts(args.prompts, args.limit)
+        prompts = encode_prompts(next(iter(ours.values())), texts)
     except DFlashError as exc:
         raise SystemExit(f"peer_bench: {exc}") from None
+    except (ValueError, KeyError, AttributeError, TypeError) as exc:
+        raise SystemExit(f"peer_bench: {args.prompts} is not a JSONL file of {{\"prompt\": ...}} rows ({exc!r})") from None
+    if not prompts:
+        raise SystemExit(f"peer_bench: {args.prompts} holds no prompts")
     threads = os.cpu_count() or 1
     peers = peer_models(args)
     runs = {label: (sys.executable, "ours", d) for label, d in ours.items()}
@@ -182,7 +204,7 @@ def main(argv=None) -> int:
                     rates[label] += got["rates"]
                     memory.setdefault(label, got)
     print_table(args, prompts, threads, ours, rates, memory, notes)
-    return 0
+    return 0 if all(rates[label] for label in ours) else 1  # one of our artifacts could not run
 
 
 def print_table(args, prompts, threads, ours, rates, memory, notes) -> None:
@@ -192,6 +214,7 @@ def print_table(args, prompts, threads, ours, rates, memory, notes) -> None:
           f"{threads} threads, one runtime loaded at a time")
     first = next(iter(ours))
     base = statistics.median(rates[first]) if rates.get(first) else float("nan")
+    base = base or float("nan")
     print(f"{'runtime':<34}{'decode tok/s':>14}{'vs ' + first:>12}{'RSS load':>10}{'RSS gen':>9}")
     for label in [*rates, *[k for k in notes if k not in rates]]:
         name = f"ours {label}" if label in ours else label
