@@ -26,11 +26,14 @@ demo: venv
 	# (the first generate on this machine measures its step costs, about a second, and caches them)
 	$(BIN)/python -m dflash_export generate $(ART) --chat --prompt "$(PROMPT)" --max-new-tokens 96
 
+# lint-imports checks the import contracts of pyproject.toml ([tool.importlinter]); -n 2: one worker per core
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q -n 2
 
 test-fast: venv
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q -n 2 -m "not slow"
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache

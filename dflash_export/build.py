@@ -21,14 +21,21 @@ import numpy as np
 from runtime.errors import DFlashError
 from runtime.manifest import MANIFEST_FORMAT, MANIFEST_VERSION
 
-from . import __version__
-from .checkpoint import TargetSpec, load_target_spec, safetensors_files
-from .draft_spec import DraftSpec, load_draft_spec, parse_draft_config
-from .sources import SourceHashes, random_draft_config, resolve_draft, resolve_target
-from .dense_target import head_name, streaming_rewrite
-from .families import draft_proposes, target_family
-from .quantize import QuantConfig, draft_quant_plan, quantization_record
-from .weights import WeightSource, bind_weights, empty_module
+from dflash_export import __version__
+from dflash_export.checkpoint.target import TargetSpec, safetensors_files
+from dflash_export.families.registry import load_target_spec
+from dflash_export.checkpoint.draft import DraftSpec, load_draft_spec, parse_draft_config
+from dflash_export.checkpoint.sources import SourceHashes, random_draft_config, resolve_draft, resolve_target
+from dflash_export.families.dense import head_name, streaming_rewrite
+from dflash_export.families.registry import draft_proposes, target_family
+from dflash_export.quant.int4 import QuantConfig, draft_quant_plan, quantization_record
+from dflash_export.checkpoint.weights import WeightSource, bind_weights, empty_module
+from dflash_export.checkpoint.weights import placeholder
+from dflash_export.export.checks import check_graph
+from dflash_export.export.graphs import export_draft
+from dflash_export.families.dense import proposal_head_config
+from dflash_export.nn.draft import DFlashDraft, ProposingDraft
+from dflash_export.nn.layers import cast_for_export, rope_inv_freq
 
 
 @dataclass
@@ -100,7 +107,6 @@ def random_draft_state(spec: DraftSpec, seed: int = 0) -> dict:
     """Deterministic random-init weights for an untrained draft (normal(0, 0.02), unit norms)."""
     import torch
 
-    from .draft_model import DFlashDraft
 
     gen = torch.Generator().manual_seed(seed)
     module = empty_module(lambda: DFlashDraft(spec))  # names and shapes only, in state-dict order
@@ -132,7 +138,6 @@ def prepare_pair(target: str | None, draft: str | None) -> tuple[TargetSpec, Dra
         dstate = random_draft_state(dspec)
     else:
         dspec, dstate = load_draft_spec(draft_dir, tspec)
-    from .modules import rope_inv_freq
 
     for arch, family, what in ((tspec.arch, tspec.family, "target"), (dspec.arch, "qwen3", "draft")):
         try:
@@ -150,8 +155,6 @@ def draft_export_module(dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
     Returns:
         (DFlashDraft, {initializer name: reader}) for `export.export_draft`.
     """
-    from .draft_model import DFlashDraft
-    from .modules import cast_for_export
 
     module = empty_module(lambda: DFlashDraft(dspec, dtype)).eval()
     cast_for_export(module, dtype)
@@ -167,9 +170,6 @@ def _attach_proposal_head(dmod, dreaders: dict, tspec: TargetSpec, dspec: DraftS
     --proposal-head int4."""
     import torch
 
-    from .dense_target import proposal_head_config
-    from .draft_model import ProposingDraft
-    from .weights import placeholder
 
     if dspec.draft_vocab is None:  # the whole head (an INT4 LM head: `families.draft_proposes`)
         vocab = None
@@ -234,7 +234,6 @@ def build(
     """
     import torch
 
-    from .export import check_graph, export_draft
 
     if dtype not in ("fp32", "fp16"):
         raise DFlashError(f"--dtype must be fp32 or fp16 (got {dtype!r})")

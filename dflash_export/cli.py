@@ -12,18 +12,18 @@ import sys
 from pathlib import Path
 
 from runtime.errors import DFlashError
-from runtime.generate_cli import add_generate_arguments
+from runtime.cli.generate import add_generate_arguments
 
 # Each module has `register(subparsers)` adding its subcommand(s) with `set_defaults(func=...)`,
 # where func(args) returns an exit status and raises DFlashError for user errors.
-SUBCOMMAND_MODULES = ("dflash_export.check", "dflash_export.engine", "dflash_export.train", "dflash_export.bench")
+SUBCOMMAND_MODULES = ("dflash_export.check.parity", "dflash_export.trt.engine", "dflash_export.train.run", "dflash_export.eval.bench")
 
 
 def cmd_build(args) -> int:
-    from .build import build
+    from dflash_export.build import build
 
     if args.engine == "trt":
-        from .engine import require_tensorrt
+        from dflash_export.trt.engine import require_tensorrt
 
         require_tensorrt(precision=args.precision, dtype=args.dtype)  # fail at once, before a long export, when TensorRT or a GPU is missing
     manifest = build(args.target, args.draft, Path(args.out), max_seq_len=args.max_seq_len, dtype=args.dtype,
@@ -31,7 +31,7 @@ def cmd_build(args) -> int:
                      quant_method=args.quant_method, quant_lm_head=args.quant_lm_head,
                      proposal_head=args.proposal_head)
     if args.engine == "trt":
-        from .engine import build_engines
+        from dflash_export.trt.engine import build_engines
 
         manifest = build_engines(Path(args.out), precision=args.precision)
     print(build_summary(manifest, Path(args.out)))

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from .decoding import GenerationResult, Session
-from .errors import DFlashError
+from runtime.session import GenerationResult, Session
+from runtime.errors import DFlashError
 
 __all__ = ["load", "generate", "Session", "GenerationResult", "DFlashError"]
 

@@ -14,9 +14,9 @@ import ipaddress
 import os
 import sys
 
-from .errors import DFlashError
-from .generate_cli import add_generate_arguments
-from .manifest import load_manifest
+from runtime.errors import DFlashError
+from runtime.cli.generate import add_generate_arguments
+from runtime.manifest import load_manifest
 
 API_KEY_ENV = "DFLASH_EXPORT_API_KEY"  # the key without putting it on the command line (visible in ps)
 BACKENDS = ("ort", "ort-cuda", "trt")
@@ -69,8 +69,8 @@ def cmd_serve(args) -> int:
     import runtime
 
     try:
-        from .serve_run import listen_socket, uvicorn_server
-        from .server import create_app
+        from runtime.serve.run import listen_socket, uvicorn_server
+        from runtime.serve.app import create_app
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] not in SERVER_LIBRARIES:
             raise
@@ -131,8 +131,8 @@ def cmd_chat(args) -> int:
     """Load the artifact and chat on stdin/stdout."""
     import runtime
 
-    from .chat_cli import run_chat
-    from .options import GenerationOptions
+    from runtime.cli.chat import run_chat
+    from runtime.options import GenerationOptions
 
     verify_len = args.verify_len
     if verify_len is not None and verify_len.lstrip("-").isdigit():

@@ -10,7 +10,7 @@ dflash-facts section 5):
    proposal head, the policy first sees its confidence and may verify fewer; else the target's
    proposal head turns the draft's hidden states into the proposals). Or, under the adaptive
    policy, no draft call: the target verifies a continuation of the request's own text
-   (`runtime.lookup`) as the proposals. The longest prefix where
+   (`runtime.speculation.lookup`) as the proposals. The longest prefix where
    proposal j equals posterior j is accepted, plus the bonus token posterior[acc] (acc + 1 tokens
    per step).
 3. Rollback is a length update: both caches are static buffers and the rows past the committed
@@ -24,48 +24,19 @@ system prompt), and a stream closed half-way leaves it consistent.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 
-from .options import GenerationOptions
-from .lookup import NgramLookup
-from .results import GenerationResult, StreamChunk, accepted_prefix, cut_at_stop
-from .sampling import HostSampler
-from .speculation import Policy
-from .tree import VerifyTree
-from .text_stream import IncrementalText, StopStrings
+from runtime.options import GenerationOptions
+from runtime.speculation.lookup import NgramLookup
+from runtime.results import GenerationResult, StreamChunk, accepted_prefix, cut_at_stop
+from runtime.speculation.sampling import HostSampler
+from runtime.speculation.policy import Policy
+from runtime.graphs.tree import VerifyTree
+from runtime.text.incremental import IncrementalText, StopStrings
 
 
-@dataclass
-class CachedContext:
-    """The committed sequence the Session's caches hold.
-
-    Attributes:
-        ids: tokens whose K/V are target cache rows [0, len(ids)) (the last committed token is not
-            among them: it is the next step's input).
-        draft_len: rows of the draft's context cache (the features of ids[:draft_len]); the tap features
-            of ids[draft_len:] wait in the `taps` buffer's rows [0, len(ids) - draft_len).
-    """
-
-    ids: list[int] = field(default_factory=list)
-    draft_len: int = 0
-
-    @property
-    def pending(self) -> int:
-        """Tap rows the draft has not read yet."""
-        return len(self.ids) - self.draft_len
-
-    def keep_prefix(self, prompt: list[int]) -> int:
-        """Keep the rows of the longest common prefix with `prompt`, leaving at least its last token
-        to prefill (its logits give the first new token). Returns the rows kept (`[]`: none)."""
-        n, limit = 0, max(min(len(self.ids), len(prompt) - 1), 0)
-        while n < limit and self.ids[n] == prompt[n]:
-            n += 1
-        del self.ids[n:]
-        self.draft_len = min(self.draft_len, n)  # a shorter draft cache re-reads the taps the prefill writes
-        return n
 
 
 class DecodeLoop:
@@ -183,7 +154,7 @@ class DecodeLoop:
 
     def _choose(self, limit: int) -> tuple[int, VerifyTree | None, list[int] | None]:
         """This step's (proposals, tree, lookup ids): the policy's choice, or a lookup continuation
-        (`runtime.lookup`, then the ids to verify) where the policy takes one instead."""
+        (`runtime.speculation.lookup`, then the ids to verify) where the policy takes one instead."""
         choice = self.policy.proposals(limit) if self.anchor_valid else 0
         if self.ngrams is not None and limit > 0:
             found = self.ngrams.propose(limit)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DFlashError
+from runtime.errors import DFlashError
 
 MANIFEST_FORMAT = "dflash_export.artifact"
 MANIFEST_VERSION = 1
@@ -103,7 +103,7 @@ def greedy_form_exported(manifest: dict[str, Any]) -> bool:
 
 def tree_inputs_exported(manifest: dict[str, Any]) -> bool:
     """Whether the target graph takes a verify tree (`tree_depth`, `tree_rank`, `tree_bias`:
-    `runtime.tree`); graphs exported before that, and hybrid targets, verify chains only."""
+    `runtime.graphs.tree`); graphs exported before that, and hybrid targets, verify chains only."""
     inputs = manifest.get("io", {}).get("target", {}).get("inputs", [])
     return any(i["name"] == "tree_depth" for i in inputs)
 
@@ -116,7 +116,7 @@ def draft_rows_exported(manifest: dict[str, Any]) -> bool:
 
 
 # What a draft graph ending in the proposal head returns instead of `draft_hidden`: int64 `[R, K]`
-# candidate ids and fp32 `[R, K]` their probabilities (`dflash_export.modules.proposal_table`).
+# candidate ids and fp32 `[R, K]` their probabilities (`dflash_export.nn.layers.proposal_table`).
 DRAFT_PROPOSAL_OUTPUTS = ("draft_top_ids", "draft_top_probs")
 
 
@@ -143,7 +143,7 @@ def layer_types(section: dict[str, Any]) -> list[str]:
 
 
 def is_hybrid(manifest: dict[str, Any]) -> bool:
-    """Whether the target has Gated DeltaNet layers (`runtime.recurrent`)."""
+    """Whether the target has Gated DeltaNet layers (`runtime.graphs.recurrent`)."""
     return "linear_attention" in layer_types(manifest["target"])
 
 
@@ -162,3 +162,28 @@ def load_mask_embedding(path: Path, hidden: int) -> np.ndarray:
             f"{path.name} holds a {row.dtype} array of shape {row.shape}, expected float [{hidden}]; rebuild the artifact"
         )
     return row
+
+
+# names of the graph's per-layer inputs and outputs (`gdn_io_names`)
+STATE_INPUTS = ("conv_state", "recurrent_state")
+
+
+STATE_OUTPUTS = ("conv_state_out", "recurrent_state_out")
+
+
+ROW_KINDS = ("qkv", "a", "b")
+
+
+def gdn_io_names(layer: int) -> tuple[list[str], list[str]]:
+    """Input and output names of Gated DeltaNet layer `layer` in a hybrid target graph, in order."""
+    inputs = [f"{k}_{layer}" for k in STATE_INPUTS] + [f"pending_{k}_{layer}" for k in ROW_KINDS]
+    outputs = [f"{k}_{layer}" for k in STATE_OUTPUTS] + [f"{k}_{layer}" for k in ROW_KINDS]
+    return inputs, outputs
+
+
+# The target graph's inputs that describe a verify tree (after `uniform`, before the caches).
+TREE_INPUTS = ("tree_depth", "tree_rank", "tree_bias")
+
+
+# A target taking proposal ids (the draft ranked them) needs only the tree's shape: no ranks.
+TREE_SHAPE_INPUTS = ("tree_depth", "tree_bias")

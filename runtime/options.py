@@ -12,11 +12,12 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import DFlashError
-from .tree import parse_tree
+from runtime.errors import DFlashError
+from runtime.graphs.tree import parse_tree
 
 # Longest stop string accepted (characters): they are matched on the decoded text, and a streamed
 # reply holds back that many characters until it knows they do not start a stop string.
+DEFAULT_MAX_TOKENS = 512  # chat and server: when a request names no max_tokens: what fits, but at most this many
 MAX_STOP_CHARS = 256
 MAX_STOP_STRINGS = 16
 # Temperatures below this decode greedily (the T -> 0 limit of sampling): logits / T would overflow
@@ -86,7 +87,7 @@ class GenerationOptions:
         if self.block_size is not None:
             set_("block_size", as_int(self.block_size, "block_size"))
         v = self.verify_len
-        if isinstance(v, str) and "+" in v:  # a fixed verify tree, "L+A" (`runtime.tree`)
+        if isinstance(v, str) and "+" in v:  # a fixed verify tree, "L+A" (`runtime.graphs.tree`)
             try:
                 parse_tree(v)
             except ValueError as e:
@@ -106,7 +107,6 @@ class GenerationOptions:
         """Sampling with top_p / top_k runs on the host from the target's logits (the graph samples
         temperature alone; greedy decoding ignores both, as they never remove the argmax)."""
         return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0)
-
 
 
 # the keyword arguments Session.generate / stream / chat accept as options

@@ -34,14 +34,14 @@ class GenerationResult:
         acceptance_lengths: acc + 1 per speculative step (dflash-facts section 5; a stop token may
             cut the committed run shorter on the last step), lookup steps included.
         lookup_steps: how many of those steps verified a lookup continuation of the request's own
-            text (`runtime.lookup`) instead of the draft's proposals.
+            text (`runtime.speculation.lookup`) instead of the draft's proposals.
         tokens_per_s: new tokens / wall time including prefill (seconds).
         decode_tokens_per_s: tokens after the first / time after prefill.
         prefill_s, draft_s, verify_s, host_s: wall time split (seconds); prefill_s is the time to the
             first token, host_s the decode time spent outside the two graphs.
         steps: per step, when requested: {"proposed": [...], "accepted": int, "committed": [...],
             "lookup": bool} ("proposed" is empty on plain steps; "lookup": the proposals were a
-            continuation of the request's own text, `runtime.lookup`, verified without a draft call).
+            continuation of the request's own text, `runtime.speculation.lookup`, verified without a draft call).
         policy: the speculation policy that chose the verify lengths ("auto", "fixed" or "fixed-tree";
             a tree's steps run as its top-1 chain under top_k / top_p and on chain-only artifacts).
         prompt_tokens: the prompt's length in tokens.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from typing import Iterator
 
-from .loop import DecodeLoop
-from .results import GenerationResult, StreamChunk
+from runtime.loop import DecodeLoop
+from runtime.results import GenerationResult, StreamChunk
 
 
 class GenerationStream:

@@ -53,12 +53,12 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--control", action="store_true", help="plain decoding in both arms (A/A: the noise floor)")
     args = ap.parse_args()
-    from runtime.call_costs import COSTS_ENV
+    from runtime.graphs.costs import COSTS_ENV
 
     os.environ[COSTS_ENV] = tempfile.mkdtemp(prefix="dflash-costs-")  # a device seen for the first time
     import runtime
-    from dflash_export.bench import DEFAULT_EVAL
-    from dflash_export.train_data import first_per_category, read_prompts
+    from dflash_export.eval.bench import DEFAULT_EVAL
+    from dflash_export.train.data import first_per_category, read_prompts
 
     sess = runtime.load(args.artifact)
     prompts = first_per_category(read_prompts(DEFAULT_EVAL), args.limit)

@@ -58,9 +58,9 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_export.checkpoint import load_target_spec
-    from dflash_export.sources import resolve_target
-    from dflash_export.train_data import first_per_category, read_prompts
+    from dflash_export.families.registry import load_target_spec
+    from dflash_export.checkpoint.sources import resolve_target
+    from dflash_export.train.data import first_per_category, read_prompts
     from torch_tau import _load_draft
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash_export import gated_delta as gd  # noqa: E402
+from dflash_export.nn import gated_delta as gd  # noqa: E402
 
 MIB = 1 << 20
 

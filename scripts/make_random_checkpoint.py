@@ -150,7 +150,7 @@ def tokenizer_source(source: str, vocab: int) -> Path:
     Face directory, checked before any weight is written. Raises SystemExit when it has no readable
     tokenizer, or one with more ids than the checkpoint's `vocab`."""
     if source == "embedded":
-        from dflash_export.sources import embedded_target_dir
+        from dflash_export.checkpoint.sources import embedded_target_dir
         from runtime.errors import DFlashError
 
         try:

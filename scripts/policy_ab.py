@@ -3,8 +3,8 @@
     python scripts/policy_ab.py ARTIFACT --limit 4 --rounds 2
 
 For a draft that proposes (`runtime.manifest.draft_proposes`), default `generate` chooses the verify
-shape after the draft call from the draft's probabilities (`runtime.confidence`) and verifies lookup
-continuations of the request's own text where they pay (`runtime.lookup`). This script runs, per
+shape after the draft call from the draft's probabilities (`runtime.speculation.confidence`) and verifies lookup
+continuations of the request's own text where they pay (`runtime.speculation.lookup`). This script runs, per
 held-out prompt (models/prompts/eval.jsonl, `--limit` per category) and round, plain decoding, that
 policy ("auto"), the same without lookups ("confidence") and the policy that chooses before the draft
 call ("before-draft", as for drafts without a proposal vocabulary), in an order that rotates prompt by prompt, all on one Session
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     args = p.parse_args(argv)
     import runtime
-    from runtime.speculation import TRAINED_ALTERNATIVE_PRIOR, TRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength
+    from runtime.speculation.policy import TRAINED_ALTERNATIVE_PRIOR, TRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength
 
     by_category: dict[str, list[dict]] = {}
     for line in (ROOT / "models" / "prompts" / "eval.jsonl").read_text().splitlines():

@@ -1,4 +1,4 @@
-"""Compare speculation policies on recorded acceptance traces (`dflash_export.policy_replay`).
+"""Compare speculation policies on recorded acceptance traces (`dflash_export.eval.replay`).
 
     python scripts/policy_replay.py ARTIFACT --limit 4 --save traces.json   # record + replay
     python scripts/policy_replay.py --load traces.json                      # replay again (policy tuning)
@@ -18,14 +18,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_export import policy_replay as pr  # noqa: E402
+from dflash_export.eval import replay as pr  # noqa: E402
 
 
 def record(args) -> tuple[list, pr.StepCostModel, int, float]:
     import runtime
-    from dflash_export.bench import DEFAULT_EVAL
-    from dflash_export.train_data import first_per_category, read_prompts
-    from runtime.speculation import TRAINED_DRAFT_PRIOR, UNTRAINED_DRAFT_PRIOR
+    from dflash_export.eval.bench import DEFAULT_EVAL
+    from dflash_export.train.data import first_per_category, read_prompts
+    from runtime.speculation.policy import TRAINED_DRAFT_PRIOR, UNTRAINED_DRAFT_PRIOR
 
     sess = runtime.load(args.artifact)
     prompts = first_per_category(read_prompts(Path(args.prompts or DEFAULT_EVAL)), args.limit)

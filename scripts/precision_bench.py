@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main(argv=None) -> int:
     import runtime
-    from dflash_export.bench import eval_prompts
+    from dflash_export.eval.bench import eval_prompts
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifacts", nargs="+", type=Path)

@@ -3,7 +3,7 @@
     python scripts/quant_drift.py REFERENCE_ART QUANTIZED_ART... [--limit 2] [--max-new-tokens 64]
                                   [--int4-accuracy-level 1|4]
 
-The measurement is `dflash_export.drift` (also `check DIR --drift-reference REF`): held-out prompts
+The measurement is `dflash_export.check.drift` (also `check DIR --drift-reference REF`): held-out prompts
 (models/prompts/eval.jsonl, `--limit` per category), the reference's greedy continuation, then every
 artifact teacher-forced over it one token per call; top-1 agreement with the reference and mean
 KL(reference || artifact) in nats. Quantized artifacts run as the runtime runs them by default (INT4:
@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 def main(argv=None) -> int:
     import runtime
-    from dflash_export.drift import DEFAULT_PROMPTS, measure_drift, prompt_ids
+    from dflash_export.check.drift import DEFAULT_PROMPTS, measure_drift, prompt_ids
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("reference", help="full-precision artifact (the drift is measured from it)")

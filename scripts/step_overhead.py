@@ -116,8 +116,8 @@ def spin_child(artifact: str, n: int, past: int, spin: bool, reps: int = 20) -> 
     import json
 
     import runtime
-    from runtime.call_costs import timed_step
-    from runtime.ort_backend import OrtBackend
+    from runtime.graphs.costs import timed_step
+    from runtime.backends.ort import OrtBackend
 
     sess = runtime.load(artifact)
     if spin:  # the old setting: the target's threads spin, the draft's do not

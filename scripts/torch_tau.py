@@ -1,6 +1,6 @@
 """Acceptance length (tau) of drafts with the PyTorch loop, no export: compare checkpoints quickly.
 
-Runs greedy DFlash decoding (`dflash_export.torch_loop`, Hugging Face target + PyTorch draft) over the
+Runs greedy DFlash decoding (`dflash_export.eval.torch_loop`, Hugging Face target + PyTorch draft) over the
 first N prompts per category of a prompt file and prints tau overall and per category for each draft.
 A draft is a released-format directory or a `train_state/state.safetensors` of a `train-draft` run
 (layers, taps, block size and mask id then come from the options).
@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def _load_draft(path: Path, tspec, args):
     from safetensors.torch import load_file
 
-    from dflash_export.draft_spec import load_draft_spec, parse_draft_config
-    from dflash_export.draft_model import DFlashDraft
-    from dflash_export.modules import load_weights
-    from dflash_export.train_setup import draft_config
+    from dflash_export.checkpoint.draft import load_draft_spec, parse_draft_config
+    from dflash_export.nn.draft import DFlashDraft
+    from dflash_export.nn.layers import load_weights
+    from dflash_export.train.setup import draft_config
 
     if path.is_dir():
         spec, state = load_draft_spec(path, tspec)
@@ -43,10 +43,10 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_export.checkpoint import load_target_spec
-    from dflash_export.sources import resolve_target
-    from dflash_export.torch_loop import torch_spec_generate
-    from dflash_export.train_data import read_prompts
+    from dflash_export.families.registry import load_target_spec
+    from dflash_export.checkpoint.sources import resolve_target
+    from dflash_export.eval.torch_loop import torch_spec_generate
+    from dflash_export.train.data import read_prompts
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("drafts", nargs="+", type=Path)

@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> int:
     import torch
 
-    from dflash_export.checkpoint import AttentionSpec
-    from dflash_export.draft_spec import DraftSpec
-    from dflash_export.draft_model import DFlashDraft
-    from dflash_export.train_loss import autocast_dtype, block_loss
+    from dflash_export.checkpoint.target import AttentionSpec
+    from dflash_export.checkpoint.draft import DraftSpec
+    from dflash_export.nn.draft import DFlashDraft
+    from dflash_export.train.loss import autocast_dtype, block_loss
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3, help="timed steps per setting (after one warm-up step)")

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> int:
     import runtime
-    from dflash_export.bench import verify_cost_curve
+    from dflash_export.eval.bench import verify_cost_curve
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("artifacts", nargs="+")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-# The suite never reads or writes the user's cache of measured step costs (runtime.call_costs).
+# The suite never reads or writes the user's cache of measured step costs (runtime.graphs.costs).
 os.environ["DFLASH_EXPORT_CALL_COSTS"] = tempfile.mkdtemp(prefix="dflash-test-costs-")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,7 +34,7 @@ TARGET_TAPS = (0, 1, 3)
 class TinyTarget:
     kind: str
     hf_dir: Path
-    spec: object  # dflash_export.checkpoint.TargetSpec
+    spec: object  # dflash_export.checkpoint.target.TargetSpec
     state: dict
     module: object  # TargetForExport, fp32, eval
     taps: tuple[int, ...]
@@ -44,7 +44,7 @@ class TinyTarget:
     @property
     def onnx_path(self) -> Path:
         if self._onnx is None:
-            from dflash_export.export import export_target
+            from dflash_export.export.graphs import export_target
 
             path = self._onnx_dir / "target.onnx"
             export_target(self.module, path)
@@ -66,7 +66,7 @@ class TinyDraft:
     @property
     def onnx_path(self) -> Path:
         if self._onnx is None:
-            from dflash_export.export import export_draft
+            from dflash_export.export.graphs import export_draft
 
             path = self._onnx_dir / "draft.onnx"
             export_draft(self.module, path)
@@ -87,8 +87,9 @@ class TinyFactory:
             import torch
 
             import tiny_models
-            from dflash_export.checkpoint import load_state_dict, load_target_spec
-            from dflash_export.modules import TargetForExport, load_weights
+            from dflash_export.checkpoint.target import load_state_dict
+            from dflash_export.families.registry import load_target_spec
+            from dflash_export.nn.layers import TargetForExport, load_weights
 
             root = self._tmp.mktemp(f"target_{kind}")
             hf_dir = tiny_models.make_target(root / "hf", **TARGET_KINDS[kind])
@@ -107,9 +108,9 @@ class TinyFactory:
             import torch
 
             import tiny_models
-            from dflash_export.draft_spec import load_draft_spec
-            from dflash_export.draft_model import DFlashDraft
-            from dflash_export.modules import load_weights
+            from dflash_export.checkpoint.draft import load_draft_spec
+            from dflash_export.nn.draft import DFlashDraft
+            from dflash_export.nn.layers import load_weights
 
             target = self.target("qwen3")
             root = self._tmp.mktemp(f"draft_{kind}")
@@ -128,7 +129,6 @@ class TinyFactory:
 def tiny(tmp_path_factory) -> TinyFactory:
     """Session cache of tiny targets/drafts and their exported graphs (each built at most once)."""
     return TinyFactory(tmp_path_factory)
-
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from runtime.tree import TREE_INPUTS, VerifyTree, chain_inputs, tree_inputs
+from runtime.graphs.tree import VerifyTree, chain_inputs, tree_inputs
+from runtime.manifest import TREE_INPUTS
 
 # the exporter's numbered constants (their numbers follow the node count), and replication's copies of the
 # constants the optimizer folded from a layer's weights (`model.layers.i/select_11`)

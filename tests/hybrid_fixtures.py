@@ -56,7 +56,7 @@ def streamed_build(target: Path, out: Path) -> tuple[dict, list]:
     from collections import Counter
     from unittest import mock
 
-    from dflash_export import weights
+    from dflash_export.checkpoint import weights
     from dflash_export.build import build
 
     reads, streamed = Counter(), []
@@ -74,7 +74,7 @@ def streamed_build(target: Path, out: Path) -> tuple[dict, list]:
 
     with mock.patch.object(weights, "STREAM_MIN_ELEMENTS", TEST_STREAM_MIN_ELEMENTS), \
             mock.patch.object(weights.WeightSource, "read", counting_read), \
-            mock.patch("dflash_export.dense_target.bind_weights", recording_bind):
+            mock.patch("dflash_export.families.dense.bind_weights", recording_bind):
         build(str(target), None, out, max_seq_len=256, quiet=True)
     return dict(reads), streamed
 

@@ -17,7 +17,7 @@ def optimized_ops(art: Path, graph: str, tmp: Path) -> Counter:
     accuracy level), read back from `SessionOptions.optimized_model_filepath`."""
     import onnxruntime as ort
 
-    from runtime.ort_backend import _optimization_level, default_int4_accuracy_level, disabled_optimizers
+    from runtime.backends.ort import _optimization_level, default_int4_accuracy_level, disabled_optimizers
 
     manifest = json.loads((Path(art) / "manifest.json").read_text())
     opts = ort.SessionOptions()

@@ -36,9 +36,9 @@ EOS = 2
 
 
 def proposing_costs():
-    """CPU-like step costs for policy tests on proposing pairs (`runtime.call_costs.CallCosts`): plain
+    """CPU-like step costs for policy tests on proposing pairs (`runtime.graphs.costs.CallCosts`): plain
     30 ms; draft + verify n: 40 + 2n ms, of which the verify is 32 + 2n ms (draft 8 ms)."""
-    from runtime.call_costs import CallCosts
+    from runtime.graphs.costs import CallCosts
 
     return CallCosts({0: 30.0, 1: 42.0, 3: 46.0, 7: 54.0, 15: 70.0}, 128, {1: 34.0, 3: 38.0, 7: 46.0, 15: 62.0})
 

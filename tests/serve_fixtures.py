@@ -18,8 +18,8 @@ import pytest
 
 import runtime
 import runtime_fixtures as rf
-from runtime.serve_run import ServerThread
-from runtime.server import create_app
+from runtime.serve.run import ServerThread
+from runtime.serve.app import create_app
 
 # turns as "t3 <role word> content t4", then "t5" (the word-level test tokenizer's words)
 CHAT_TEMPLATE = (

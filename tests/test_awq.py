@@ -9,11 +9,11 @@ import torch
 
 import tiny_models
 from int4_fusion import assert_int4_fused
-from dflash_export import awq
+from dflash_export.quant import awq
 from dflash_export.build import build
-from dflash_export.check import run_check
-from dflash_export.quantize import dequantize, quantize_rtn
-from dflash_export.weights import WeightSource
+from dflash_export.check.parity import run_check
+from dflash_export.quant.rtn import dequantize, quantize_rtn
+from dflash_export.checkpoint.weights import WeightSource
 from runtime.errors import DFlashError
 
 
@@ -89,8 +89,8 @@ def test_awq_build_passes_check_with_its_stored_scales(tmp_path):
 
 def test_awq_is_refused_for_hybrids_and_without_prompts(tmp_path, monkeypatch):
     from hybrid_fixtures import CONFIG  # noqa: F401 (the hybrid family needs transformers' Qwen3.5)
-    from dflash_export.qwen3_5_target import check_options
-    from dflash_export.quantize import QuantConfig
+    from dflash_export.families.qwen3_5 import check_options
+    from dflash_export.quant.int4 import QuantConfig
 
     with pytest.raises(DFlashError, match=r"--quant-method awq supports dense Llama / Qwen3 targets only"):
         check_options(None, (), None, QuantConfig(method="awq", block=16), "full")

@@ -497,7 +497,6 @@ def test_text_prompt_with_tokenizer(qwen, qwen_ref):
     assert res.output_ids == qwen_ref([5, 6, 7])[:4]
 
 
-
 # ---- 2c. the draft computes only the rows a step verifies ---------------------------------------
 def test_draft_rows_follow_the_verified_proposals(qwen):
     """The draft call returns as many `draft_hidden` rows as the step verifies (its last layer cut to
@@ -539,8 +538,8 @@ def test_an_artifact_whose_draft_returns_every_row_still_runs(qwen, qwen_ref, tm
     import torch
 
     from dflash_export.build import _io_spec, draft_export_module, prepare_pair
-    from dflash_export.export import _export
-    from dflash_export.weights import WeightSource
+    from dflash_export.export.graphs import _export
+    from dflash_export.checkpoint.weights import WeightSource
 
     art = tmp_path / "old"
     shutil.copytree(qwen.artifact, art)

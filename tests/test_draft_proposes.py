@@ -3,7 +3,7 @@
 Where the draft has a proposal vocabulary, `build` moves the proposal head (the LM head's rows of that
 vocabulary) from the target graph into the draft graph: the draft returns its top candidates and
 their probabilities, and the target takes the proposal ids. The policy arithmetic
-(`runtime.confidence`, `AdaptiveLength(confidence=True)`) runs on fixed costs and hand-made
+(`runtime.speculation.confidence`, `AdaptiveLength(confidence=True)`) runs on fixed costs and hand-made
 probabilities; the graphs on the tiny pairs.
 """
 
@@ -14,12 +14,12 @@ import pytest
 
 import runtime
 import runtime_fixtures as rf
-from runtime import call_costs
-from runtime.confidence import ConfidenceTrim
+from runtime.graphs import costs as call_costs
+from runtime.speculation.confidence import ConfidenceTrim
 from runtime.errors import DFlashError
 from runtime.manifest import draft_proposes, load_manifest, proposal_ranks
-from runtime.speculation import UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength
-from runtime.tree import VerifyTree
+from runtime.speculation.policy import UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength
+from runtime.graphs.tree import VerifyTree
 
 PROMPTS = ([5, 6, 7], [1, 40, 33, 12, 90, 7, 61, 18], [3])
 COSTS = rf.proposing_costs()  # plain 30 ms; draft + verify n: 40 + 2n ms (verify 32 + 2n)
@@ -66,7 +66,7 @@ def test_the_proposal_head_moves_into_the_draft(qwen, tmp_path):
 def test_check_compares_the_draft_candidates(qwen):
     """`check` compares the draft's candidate ids (where their ranks are clear) and probabilities with
     the PyTorch draft scored by the target's proposal rows."""
-    from dflash_export.check import run_check
+    from dflash_export.check.parity import run_check
 
     report = run_check(qwen.artifact)
     rows = {(r.case, r.output): r for r in report.results}

@@ -25,10 +25,10 @@ def _no_tensorrt(monkeypatch):
 
 
 def _no_gpu(monkeypatch):
-    import runtime.trt_backend as tb
+    import runtime.backends.trt as tb
 
     monkeypatch.setattr(tb, "gpu_info", lambda: (None, "no NVIDIA driver (libcuda.so.1 not found)"))
-    import dflash_export.engine as eng
+    import dflash_export.trt.engine as eng
 
     monkeypatch.setattr(eng, "gpu_info", tb.gpu_info)
 
@@ -54,7 +54,7 @@ def _minimal_artifact(path: Path, trt_section: dict | None = None) -> Path:
 
 
 def test_require_tensorrt_names_both_missing_pieces(monkeypatch):
-    from dflash_export.engine import require_tensorrt
+    from dflash_export.trt.engine import require_tensorrt
 
     _no_tensorrt(monkeypatch)
     _no_gpu(monkeypatch)
@@ -66,7 +66,7 @@ def test_require_tensorrt_names_both_missing_pieces(monkeypatch):
 
 
 def test_require_tensorrt_placeholder_package(monkeypatch):
-    from dflash_export.engine import require_tensorrt
+    from dflash_export.trt.engine import require_tensorrt
 
     monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt"))  # PyPI's placeholder has no Builder
     _no_gpu(monkeypatch)
@@ -75,7 +75,7 @@ def test_require_tensorrt_placeholder_package(monkeypatch):
 
 
 def test_require_tensorrt_gpu_only_missing(monkeypatch):
-    import dflash_export.engine as eng
+    import dflash_export.trt.engine as eng
 
     fake = types.SimpleNamespace(__version__="10.3.0.30")
     monkeypatch.setattr(eng, "import_tensorrt", lambda: fake)
@@ -126,7 +126,7 @@ def test_real_machine_without_tensorrt_fails_fast(tmp_path):
 
 
 def test_precision_plan_table():
-    from dflash_export.engine import precision_plan
+    from dflash_export.trt.engine import precision_plan
 
     assert precision_plan("10.3.0.30", "fp16", "fp16") == {"strongly_typed": True, "flag": None, "pin_fp32": False, "tf32": False}
     assert precision_plan("11.0.0", "fp16", "fp16")["strongly_typed"]
@@ -158,13 +158,13 @@ def test_fp32_onnx_values_finds_fc_and_norms(tmp_path):
 
     nodes = [
         node("Gemm", "linear", ["", "fc", "linear"], ["DFlashDraft", "torch.nn.modules.linear.Linear"]),
-        node("Pow", "pow_1", ["", "hidden_norm", "pow_1"], ["DFlashDraft", "dflash_export.modules.RMSNorm"]),
+        node("Pow", "pow_1", ["", "hidden_norm", "pow_1"], ["DFlashDraft", "dflash_export.nn.layers.RMSNorm"]),
         node("Gemm", "linear_1", ["", "layers.0.self_attn.q_proj", "linear_1"], ["DFlashDraft", "torch.nn.modules.linear.Linear"]),
     ]
     x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
     graph = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("linear_1", onnx.TensorProto.FLOAT, [1])])
     onnx.save(helper.make_model(graph), tmp_path / "m.onnx")
-    from dflash_export.engine import fp32_onnx_values
+    from dflash_export.trt.engine import fp32_onnx_values
 
     assert fp32_onnx_values(tmp_path / "m.onnx") == {"linear", "pow_1"}
 
@@ -183,7 +183,7 @@ def test_trt_backend_errors_without_engines_or_tensorrt(monkeypatch, tmp_path):
 
 def test_trt_backend_without_gpu(monkeypatch, tmp_path):
     import runtime
-    import runtime.trt_backend as tb
+    import runtime.backends.trt as tb
 
     monkeypatch.setattr(tb, "import_tensorrt", lambda: types.SimpleNamespace(__version__="10.3.0.30"))
     _no_gpu(monkeypatch)
@@ -212,7 +212,7 @@ def test_unknown_backend_lists_the_choices(tmp_path):
 
 
 def test_gpu_probe_never_raises():
-    from runtime.trt_backend import gpu_info
+    from runtime.backends.trt import gpu_info
 
     info, why = gpu_info()
     assert (info is None and why) or (set(info) == {"name", "compute_capability"} and not why)
@@ -221,7 +221,7 @@ def test_gpu_probe_never_raises():
 def test_runtime_import_stays_free_of_tensorrt_and_torch():
     import subprocess
 
-    code = ("import sys, runtime, runtime.trt_backend, runtime.ort_cuda_backend, runtime.profiles; "
+    code = ("import sys, runtime, runtime.backends.trt, runtime.backends.ort_cuda, runtime.backends.profiles; "
             "bad = [m for m in ('torch', 'tensorrt', 'polygraphy', 'transformers') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -229,7 +229,7 @@ def test_runtime_import_stays_free_of_tensorrt_and_torch():
 
 
 def test_engine_command_without_tensorrt(monkeypatch, tmp_path, capsys):
-    from dflash_export.engine import main
+    from dflash_export.trt.engine import main
 
     _no_tensorrt(monkeypatch)
     _no_gpu(monkeypatch)

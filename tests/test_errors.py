@@ -167,8 +167,8 @@ def test_draft_vocab_not_a_plain_readable_file(ckpt, tmp_path):
 def test_sliding_attention_draft(ckpt, tmp_path):
     """Drafts may slide (Qwen3.6 drafts; tests/test_sliding_drafts.py): accepted with their window, and a
     sliding layer without `sliding_window` is refused naming the field."""
-    from dflash_export.checkpoint import load_target_spec
-    from dflash_export.draft_spec import load_draft_spec
+    from dflash_export.families.registry import load_target_spec
+    from dflash_export.checkpoint.draft import load_draft_spec
 
     d = edit_config(copy_dir(ckpt / "draft", tmp_path / "d"),
                     lambda c: c.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8))

@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from dflash_export.export import OPSET, check_graph, trt10_supported_ops
+from dflash_export.export.checks import OPSET, check_graph, trt10_supported_ops
 from runtime.errors import DFlashError
 
 

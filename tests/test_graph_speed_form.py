@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 
 import runtime_fixtures as rf
-from runtime.ort_backend import _optimization_level, disabled_optimizers
+from runtime.backends.ort import _optimization_level, disabled_optimizers
 
 
 @pytest.fixture(scope="module")

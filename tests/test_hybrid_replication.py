@@ -12,11 +12,11 @@ import onnx
 import pytest
 
 import tiny_models
-from dflash_export import export as export_mod
-from dflash_export import layer_replication
-from dflash_export import weights as weights_mod
+from dflash_export.export import graphs as export_mod
+from dflash_export.export import replication as layer_replication
+from dflash_export.checkpoint import weights as weights_mod
 from dflash_export.build import build
-from dflash_export.export import ReplicationWarning
+from dflash_export.export.graphs import ReplicationWarning
 from graph_compare import assert_same_graph, run_both
 from hybrid_fixtures import CONFIG, VOCAB
 from int4_fusion import assert_int4_fused

@@ -3,7 +3,6 @@ onnxruntime's MatMulNBits fusion, lossless speculative decoding, and bad input."
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +14,10 @@ import runtime
 import runtime_fixtures as rf
 import tiny_models
 from dflash_export.build import build
-from dflash_export.check import run_check
-from dflash_export.export import check_graph
-from dflash_export.quantize import dequantize, pack_int4, quantize_rtn, unpack_int4
+from dflash_export.check.parity import run_check
+from dflash_export.export.checks import check_graph
+from dflash_export.quant.int4 import pack_int4, unpack_int4
+from dflash_export.quant.rtn import dequantize, quantize_rtn
 from int4_fusion import assert_int4_fused
 from runtime.errors import DFlashError
 from runtime.manifest import draft_proposes
@@ -93,7 +93,7 @@ def test_int4_graph_form_and_parity_with_dequantized_modules(pairs, tmp_path, ki
 def test_onnxruntime_fuses_int4_weights_into_matmulnbits(pairs, tmp_path):
     import onnxruntime as ort
 
-    from runtime.ort_backend import _optimization_level, disabled_optimizers
+    from runtime.backends.ort import _optimization_level, disabled_optimizers
 
     target, draft = pairs["qwen3"]
     manifest = build(str(target), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, quant="int4",
@@ -109,10 +109,9 @@ def test_onnxruntime_fuses_int4_weights_into_matmulnbits(pairs, tmp_path):
     assert ops.count("MatMulNBits") == 3 * GEMMS and "DequantizeLinear" not in ops
     # the attention is split-invariant: a row computes the same floats as row 1 of a verify and as the
     # row of a (padded) plain step, at both accuracy levels; one-row calls differ by fp32 rounding at
-    # most (scripts/int4_split_check.py)
+    # most (`dflash_export.check.row_split`)
     assert manifest["target"]["row_exact"] is True
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from int4_split_check import check
+    from dflash_export.check.row_split import check
 
     for level in (1, 4):
         d = check(tmp_path / "art", level=level, past_len=12, proposals=3)
@@ -123,7 +122,7 @@ def test_onnxruntime_fuses_int4_weights_into_matmulnbits(pairs, tmp_path):
 def test_runtime_defaults_to_int8_activations_only_where_rows_are_exact(pairs, tmp_path):
     """INT4 artifacts with a row-exact target run MatMulNBits at level 4 (int8 activations) by default,
     others at level 1; the one-row probe decides padding, and speculative output equals plain output."""
-    from runtime.row_exact import single_row_calls_match
+    from runtime.graphs.row_exact import single_row_calls_match
 
     target, draft = pairs["qwen3"]
     art = tmp_path / "art"
@@ -322,10 +321,9 @@ def test_a_head_that_rounds_by_row_count_is_not_amplified(pairs, tmp_path):
     the probe compares what feeds int8 kernels (K/V rows, taps), its verdict agrees with a direct one-row
     vs two-row comparison of them at level 4, the logits differ by rounding only, and padded calls are
     exact."""
-    from runtime.row_exact import single_row_calls_match
+    from runtime.graphs.row_exact import single_row_calls_match
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from int4_split_check import check
+    from dflash_export.check.row_split import check
 
     target, draft = pairs["qwen3"]
     art = tmp_path / "art"
@@ -341,13 +339,13 @@ def test_a_head_that_rounds_by_row_count_is_not_amplified(pairs, tmp_path):
 
 
 def test_drift_from_the_full_precision_artifact(pairs, tmp_path, capsys):
-    """`dflash_export.drift`: an artifact against itself has agreement 1 and KL 0 exactly; the INT4 build
+    """`dflash_export.check.drift`: an artifact against itself has agreement 1 and KL 0 exactly; the INT4 build
     of the same target drifts (KL > 0); `check --drift-reference` reports it, and a bad reference fails
     before the check runs."""
     import json
 
     from dflash_export import cli
-    from dflash_export.drift import measure_drift, prompt_ids
+    from dflash_export.check.drift import measure_drift, prompt_ids
 
     target, draft = pairs["qwen3"]
     full, quant = tmp_path / "fp32", tmp_path / "int4"

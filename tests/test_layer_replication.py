@@ -15,18 +15,21 @@ import torch
 
 import tiny_models
 from graph_compare import assert_same_graph, run_both
-from dflash_export import export as export_mod
-from dflash_export import layer_replication, replication_graph
-from dflash_export import weights as weights_mod
+from dflash_export.export import graphs as export_mod
+from dflash_export.export import io as export_io
+from dflash_export.export import replication as layer_replication
+from dflash_export.export import replication_graph
+from dflash_export.checkpoint import weights as weights_mod
 from dflash_export.build import build
-from dflash_export.export import ReplicationWarning, export_target
+from dflash_export.export.graphs import ReplicationWarning, export_target
 from int4_fusion import assert_int4_fused
 
 @pytest.fixture(scope="module")
 def five_layers(tmp_path_factory):
     """A tiny 5-layer Qwen3 (untied) in fp32 with random norm weights (no two initializers equal)."""
-    from dflash_export.checkpoint import load_state_dict, load_target_spec
-    from dflash_export.modules import TargetForExport, load_weights
+    from dflash_export.checkpoint.target import load_state_dict
+    from dflash_export.families.registry import load_target_spec
+    from dflash_export.nn.layers import TargetForExport, load_weights
 
     root = tmp_path_factory.mktemp("replication")
     hf = tiny_models.make_target(root / "hf", layers=5)
@@ -54,7 +57,7 @@ def template_graph(five_layers):
 
     _, _, module = five_layers
     template, readers = layer_replication.template_target(module, {}, layer_replication.dense_layout(module))
-    return ir.serde.serialize_model(export_mod._trace(template, *export_mod._target_inputs(template), readers)), template
+    return ir.serde.serialize_model(export_mod._trace(template, *export_io.target_inputs(template), readers)), template
 
 
 @pytest.mark.parametrize("edit, error", [("attribute", "differs from layer 1"), ("operator", "differs from layer 1"),
@@ -124,7 +127,7 @@ def llama_pair(tmp_path_factory):
 def test_build_int4_fp16_streamed_replicated_is_the_full_trace(llama_pair, tmp_path, monkeypatch):
     """`build --dtype fp16 --quant int4 --proposal-head int4` with every matrix streamed: the graph is the
     full trace's, and weights are read only while the file is written."""
-    from dflash_export.modules import TargetForExport
+    from dflash_export.nn.layers import TargetForExport
 
     target, draft = llama_pair
     monkeypatch.setattr(weights_mod, "STREAM_MIN_ELEMENTS", 1000)

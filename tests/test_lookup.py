@@ -1,6 +1,6 @@
 """Lookup proposals: continuations of the request's own text verified without a draft call.
 
-`runtime.lookup.NgramLookup` finds them, `LookupLength` and `AdaptiveLength.lookup` decide how many
+`runtime.speculation.lookup.NgramLookup` finds them, `LookupLength` and `AdaptiveLength.lookup` decide how many
 a step verifies; the loop writes them as the target's proposal ids (artifacts whose draft proposes).
 The arithmetic runs on fixed costs; the graphs on the tiny proposing pairs.
 """
@@ -12,9 +12,9 @@ import pytest
 
 import runtime
 import runtime_fixtures as rf
-from runtime import call_costs
-from runtime.lookup import LOOKUP_PRIOR, LookupLength, NgramLookup
-from runtime.speculation import UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength
+from runtime.graphs import costs as call_costs
+from runtime.speculation.lookup import LOOKUP_PRIOR, LookupLength, NgramLookup
+from runtime.speculation.policy import UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength
 
 COSTS = rf.proposing_costs()  # plain 30 ms; draft + verify n: 40 + 2n ms (verify 32 + 2n)
 

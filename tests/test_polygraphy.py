@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.tree import VerifyTree, chain_inputs, tree_inputs
+from runtime.graphs.tree import VerifyTree, chain_inputs, tree_inputs
 
 polygraphy = pytest.importorskip("polygraphy")
 from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx  # noqa: E402
@@ -24,8 +24,8 @@ try:  # Polygraphy >= 0.53 deprecates CompareFunc.simple in favour of the class 
 except ImportError:  # pragma: no cover - older Polygraphy
     _Simple = CompareFunc.simple
 
-from dflash_export.draft_model import DraftWithRows  # noqa: E402
-from dflash_export.export import draft_io_names, target_io_names  # noqa: E402
+from dflash_export.nn.draft import DraftWithRows  # noqa: E402
+from dflash_export.export.io import draft_io_names, target_io_names  # noqa: E402
 
 ATOL = 1e-4
 

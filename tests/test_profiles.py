@@ -1,6 +1,6 @@
 """TensorRT optimization profiles cover every shape the decoding loop binds (checked on onnxruntime).
 
-`runtime.profiles.shape_ranges` is the ONE source of the engines' profiles; here every `run` call
+`runtime.backends.profiles.shape_ranges` is the ONE source of the engines' profiles; here every `run` call
 that a real onnxruntime Session makes during `generate` is recorded (by wrapping the backend's
 `run`) and must lie inside one profile of its graph, with output views of exactly the shapes the
 graph produces. Also: the graphs use only TensorRT 10 ONNX operators, and the 256-byte alignment
@@ -63,7 +63,7 @@ def _record(sess) -> list[tuple[str, dict, dict]]:
 
 def test_every_bound_shape_lies_in_a_profile(artifact):
     import runtime
-    from runtime.profiles import call_row_limit, output_shapes, select_profile, shape_ranges
+    from runtime.backends.profiles import call_row_limit, output_shapes, select_profile, shape_ranges
 
     sess = runtime.load(artifact)
     manifest = sess.manifest
@@ -104,7 +104,7 @@ def test_every_bound_shape_lies_in_a_profile(artifact):
 
 
 def test_profiles_are_consistent_boxes(artifact):
-    from runtime.profiles import output_shapes, profiles_from_json, profiles_to_json, shape_ranges
+    from runtime.backends.profiles import output_shapes, profiles_from_json, profiles_to_json, shape_ranges
 
     manifest = json.loads((artifact / "manifest.json").read_text())
     ranges = shape_ranges(manifest)
@@ -124,7 +124,7 @@ def test_profiles_are_consistent_boxes(artifact):
 
 def test_select_profile_refuses_uncovered_shapes(artifact):
     from runtime.errors import DFlashError
-    from runtime.profiles import select_profile, shape_ranges
+    from runtime.backends.profiles import select_profile, shape_ranges
 
     manifest = json.loads((artifact / "manifest.json").read_text())
     prof = shape_ranges(manifest)["target"]
@@ -134,7 +134,7 @@ def test_select_profile_refuses_uncovered_shapes(artifact):
 
 
 def test_graphs_use_only_tensorrt10_operators(artifact):
-    from dflash_export.export import trt10_supported_ops
+    from dflash_export.export.checks import trt10_supported_ops
 
     manifest = json.loads((artifact / "manifest.json").read_text())
     for graph in ("target", "draft"):
@@ -144,7 +144,7 @@ def test_graphs_use_only_tensorrt10_operators(artifact):
 
 
 def test_row_offset_alignment_arithmetic():
-    from runtime.backend import ADDRESS_ALIGNMENT, Buffer, is_aligned
+    from runtime.backends.base import ADDRESS_ALIGNMENT, Buffer, is_aligned
 
     # Qwen3 (8 KV heads x 128, fp16): 2048-byte rows, every row offset is aligned: always in place.
     qwen = Buffer(np.float16, 4096 * 8 * 128, (8, 128))
@@ -184,7 +184,7 @@ def test_hybrid_profiles_bound_rows_per_call(max_block_size):
     row limit found through the first attention layer's past_key_1. (The tiny hybrid artifact through
     the engine builder and backend: tests/test_trt_hybrid_double.py.)"""
     from runtime.errors import DFlashError
-    from runtime.profiles import call_row_limit, select_profile, shape_ranges
+    from runtime.backends.profiles import call_row_limit, select_profile, shape_ranges
 
     m = _hybrid_manifest()
     ranges = shape_ranges(m, max_block_size)

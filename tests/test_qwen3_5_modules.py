@@ -1,4 +1,4 @@
-"""Qwen3.5 hybrid export modules (`dflash_export.qwen3_5`) against transformers' Qwen3_5ForCausalLM.
+"""Qwen3.5 hybrid export modules (`dflash_export.nn.qwen3_5`) against transformers' Qwen3_5ForCausalLM.
 
 A tiny random config (hidden 64, layers [GDN, GDN, GDN, full attention], GQA on both kinds, partial
 RoPE 0.25 of head_dim 32) built in memory: the chunk routine against HF's token-by-token delta rule,
@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_export import gated_delta as gd
-from dflash_export import qwen3_5 as q35
-from dflash_export.modules import load_weights
+from dflash_export.nn import gated_delta as gd
+from dflash_export.nn import qwen3_5 as q35
+from dflash_export.export.graphs import export_hybrid_target
+from dflash_export.nn.layers import load_weights
 
 TAPS = (0, 2, 3)
 VOCAB = 256
@@ -290,14 +291,14 @@ def onnx_case(tmp_path_factory):
     module = q35.Qwen35TargetForExport(q35.HybridSpec.from_config(hf.config.to_dict()), (0, 1)).eval()
     load_weights(module, q35.text_state_dict(hf.state_dict()), "tiny qwen3.5")
     path = tmp_path_factory.mktemp("qwen3_5") / "target.onnx"
-    q35.export_hybrid_target(module, path)
+    export_hybrid_target(module, path)
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     return module, path, ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
 def test_onnx_graph_uses_trt10_ops(onnx_case):
-    from dflash_export.export import OPSET, check_graph, trt10_supported_ops
+    from dflash_export.export.checks import OPSET, check_graph, trt10_supported_ops
 
     info = check_graph(onnx_case[1])
     assert set(info["ops"]) <= trt10_supported_ops() and info["opset"] == OPSET

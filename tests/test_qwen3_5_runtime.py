@@ -169,7 +169,7 @@ def test_sampling_after_a_rejected_proposal_has_the_targets_distribution(hybrid)
 def test_check_passes_on_the_hybrid_artifact(hybrid):
     """`check`: the graphs against the fp32 PyTorch modules, teacher-forced through the caches (the
     verify case folds the prefill's rows as pending rows)."""
-    from dflash_export.check import run_check
+    from dflash_export.check.parity import run_check
 
     _, art = hybrid
     report = run_check(art)
@@ -188,7 +188,7 @@ def test_multimodal_checkpoint_exports_its_text_model(hybrid, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from dflash_export.build import prepare_pair
-    from dflash_export.qwen3_5_target import reference_target
+    from dflash_export.families.qwen3_5 import reference_target
 
     model, art = hybrid
     src = tmp_path / "mm"
@@ -222,8 +222,8 @@ def test_fp16_int4_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_pat
     import onnx
     import onnxruntime as ort
 
-    from dflash_export.check import run_check
-    from runtime.ort_backend import disabled_optimizers
+    from dflash_export.check.parity import run_check
+    from runtime.backends.ort import disabled_optimizers
 
     _, art = hybrid
     out = tmp_path / "int4"
@@ -247,7 +247,7 @@ def test_fp16_int4_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_pat
     spec = sess.generate(prompt, verify_len="all", record_steps=True, **kw)
     assert spec.output_ids == plain and max(s["accepted"] for s in spec.steps if s["proposed"]) >= 2
     # `check --drift-reference`'s teacher forcing prefills a 100-token prompt in calls of at most 64 rows
-    from dflash_export.drift import measure_drift
+    from dflash_export.check.drift import measure_drift
 
     long_prompt = np.random.default_rng(5).integers(0, VOCAB, 100).tolist()
     same, int4 = measure_drift(runtime.load(art), {"same": runtime.load(art), "int4": sess}, [long_prompt], 6)
@@ -260,7 +260,7 @@ def test_int4_lm_head_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_
     against a reference whose head rows are dequantized as the graph's (it fails if they are not: the
     worst logits error of the fp32 head against an INT4 graph is far above the tolerance), and
     speculative == plain on the artifact with blocks accepted."""
-    from dflash_export.check import run_check
+    from dflash_export.check.parity import run_check
 
     _, art = hybrid
     out = tmp_path / "int4_head"
@@ -313,7 +313,7 @@ def test_train_draft_then_bench_on_a_hybrid(hybrid_pair, tmp_path, capsys):
 def test_the_pytorch_loop_refuses_a_hybrid_target(hybrid_pair):
     """torch_loop verifies by cropping Hugging Face's cache, which cannot roll a Gated DeltaNet state back:
     one clear error instead of transformers' IndexError or silently wrong output."""
-    from dflash_export.torch_loop import torch_spec_generate
+    from dflash_export.eval.torch_loop import torch_spec_generate
 
     with pytest.raises(DFlashError, match=r"cannot verify on a hybrid \(Gated DeltaNet\) target"):
         torch_spec_generate(hybrid_pair.model, None, [5, 17, 33], 4, 4, 0, [])
@@ -323,8 +323,8 @@ def test_the_pytorch_loop_refuses_a_hybrid_target(hybrid_pair):
 def test_qwen3_5_names_resolve_to_the_cached_target_and_released_draft(hybrid_pair, tmp_path, monkeypatch, name):
     """`--target Qwen3.5-4B` (and the other hybrid names) finds the target and its released draft in the
     local Hugging Face cache, and the target reads as the hybrid family; a missing draft names its repo."""
-    from dflash_export.checkpoint import load_target_spec
-    from dflash_export.sources import registry, resolve_draft, resolve_target
+    from dflash_export.families.registry import load_target_spec
+    from dflash_export.checkpoint.sources import registry, resolve_draft, resolve_target
 
     entry = registry()[name]
     hub = tmp_path / "hf_home" / "hub"

@@ -23,7 +23,7 @@ def hf_reference():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_export.sources import embedded_target_dir
+    from dflash_export.checkpoint.sources import embedded_target_dir
 
     d = embedded_target_dir()
     tok = AutoTokenizer.from_pretrained(str(d))
@@ -114,9 +114,9 @@ def test_acceptance_equals_the_pytorch_loop_and_tau_holds(smollm2_artifact):
 
     import runtime
     from dflash_export.build import prepare_pair
-    from dflash_export.draft_model import DFlashDraft
-    from dflash_export.modules import load_weights
-    from dflash_export.torch_loop import torch_spec_generate
+    from dflash_export.nn.draft import DFlashDraft
+    from dflash_export.nn.layers import load_weights
+    from dflash_export.eval.torch_loop import torch_spec_generate
 
     sess = runtime.load(smollm2_artifact)
     src = sess.manifest["sources"]

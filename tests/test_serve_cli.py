@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 pytest.register_assert_rewrite("serve_fixtures")  # its helpers assert
 
 import runtime  # noqa: E402
-from runtime.chat_cli import run_chat  # noqa: E402
+from runtime.cli.chat import run_chat  # noqa: E402
 from serve_fixtures import FIXED, MODEL, MSGS, ROOT, ActAfter  # noqa: E402
 
 pytest_plugins = ["serve_fixtures"]  # its fixtures: chat_art, ref, served, client

@@ -18,8 +18,8 @@ openai = pytest.importorskip("openai")
 pytest.register_assert_rewrite("serve_fixtures")  # its helpers assert
 
 import runtime  # noqa: E402
-from runtime.serve_run import ServerThread  # noqa: E402
-from runtime.server import create_app  # noqa: E402
+from runtime.serve.run import ServerThread  # noqa: E402
+from runtime.serve.app import create_app  # noqa: E402
 from serve_fixtures import (FIXED, MODEL, MSGS, PATHS, ActAfter, chat_body, chat_text, comp_body,  # noqa: E402
                             completion_text, expect_error, expect_usage, get, make_client, post)
 

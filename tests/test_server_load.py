@@ -26,9 +26,9 @@ openai = pytest.importorskip("openai")
 pytest.register_assert_rewrite("serve_fixtures")  # its helpers assert
 
 import runtime  # noqa: E402
-from runtime.serve_run import ServerThread  # noqa: E402
-from runtime.server import create_app  # noqa: E402
-from runtime.serve_worker import Job  # noqa: E402
+from runtime.serve.run import ServerThread  # noqa: E402
+from runtime.serve.app import create_app  # noqa: E402
+from runtime.serve.worker import Job  # noqa: E402
 from serve_fixtures import (FIXED, MODEL, MSGS, PATHS, chat_body, chat_text, comp_body, completion_text,  # noqa: E402
                             expect_error, make_client, post)
 
@@ -200,7 +200,7 @@ def test_stopping_the_worker_answers_what_waits_with_503(chat_art):
     every one of them gets a 503 event (not silence)."""
     import asyncio
 
-    from runtime.serve_worker import Worker
+    from runtime.serve.worker import Worker
 
     release = threading.Event()
     with runtime.load(chat_art) as sess:
@@ -254,7 +254,7 @@ def test_shutdown_answers_the_requests_in_flight_with_503(chat_art):
     the stream ends with a 503 shutting_down event and `data: [DONE]`, the waiting ones get a 503 body,
     nothing is cancelled by uvicorn (no 500, no traceback), and it takes well under uvicorn's 3 s grace."""
     logs = _Records()
-    loggers = [logging.getLogger(n) for n in ("uvicorn", "uvicorn.error", "runtime.server")]
+    loggers = [logging.getLogger(n) for n in ("uvicorn", "uvicorn.error", "runtime.serve.app")]
     for lg in loggers:
         lg.addHandler(logs)
     try:

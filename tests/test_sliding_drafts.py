@@ -59,9 +59,9 @@ class Draft:
     def __init__(self, tiny, tmp_path_factory, name, **overrides):
         import json
 
-        from dflash_export.draft_spec import load_draft_spec
-        from dflash_export.draft_model import DFlashDraft
-        from dflash_export.modules import load_weights
+        from dflash_export.checkpoint.draft import load_draft_spec
+        from dflash_export.nn.draft import DFlashDraft
+        from dflash_export.nn.layers import load_weights
 
         self.target = tiny.target("qwen3")
         self.root = tmp_path_factory.mktemp(name)
@@ -75,7 +75,7 @@ class Draft:
     @property
     def onnx_path(self):
         if self._onnx is None:
-            from dflash_export.export import export_draft
+            from dflash_export.export.graphs import export_draft
 
             self._onnx = self.root / "draft.onnx"
             export_draft(self.module, self._onnx)
@@ -137,7 +137,7 @@ def test_full_draft_spec_defaults(tiny):
 
 
 def _parse(tiny, **changes):
-    from dflash_export.draft_spec import parse_draft_config
+    from dflash_export.checkpoint.draft import parse_draft_config
 
     cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -173,7 +173,7 @@ def test_parse_layer_types_as_transformers_derives_them(tiny):
 
 
 def test_target_sliding_layers_still_refused():
-    from dflash_export.checkpoint import check_layer_types
+    from dflash_export.checkpoint.target import check_layer_types
 
     with pytest.raises(DFlashError, match=r"target t uses layer types \['sliding_attention'\]"):
         check_layer_types({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8}, "target t")
@@ -254,7 +254,7 @@ def _session(path):
 
 
 def test_sliding_onnx_matches_module_and_passes_graph_check(sliding):
-    from dflash_export.export import check_graph
+    from dflash_export.export.checks import check_graph
 
     report = check_graph(sliding.onnx_path)  # TensorRT 10 operators, no weight stored twice
     assert "Abs" in report["ops"]
@@ -324,8 +324,8 @@ def test_full_draft_graph_has_no_window(tiny):
 @pytest.mark.parametrize("form", ["rope_parameters", "rope_scaling", "attention_factor"])
 def test_yarn_tables_match_transformers(yarn, form):
     """cos/sin (with YaRN's attention factor) equal transformers' Qwen3RotaryEmbedding, old and new config forms."""
-    from dflash_export.checkpoint import AttentionSpec
-    from dflash_export.modules import rope_cos_sin, rope_inv_freq
+    from dflash_export.checkpoint.target import AttentionSpec
+    from dflash_export.nn.layers import rope_cos_sin, rope_inv_freq
 
     cfg = copy.deepcopy(yarn.config)
     if form == "rope_scaling":
@@ -365,7 +365,7 @@ def test_build_and_generate_with_a_sliding_yarn_draft(yarn, tmp_path):
     inputs are still past K/V per layer), speculative output equals plain and `check` passes."""
     import runtime
     from dflash_export.build import build
-    from dflash_export.check import run_check
+    from dflash_export.check.parity import run_check
 
     art = tmp_path / "art"
     manifest = build(str(yarn.target.hf_dir), str(yarn.root / "hf"), art, max_seq_len=96, quiet=True)

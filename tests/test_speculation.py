@@ -15,10 +15,10 @@ import pytest
 
 import runtime
 import runtime_fixtures as rf
-from runtime import call_costs
-from runtime.call_costs import CallCosts, measurement_points
+from runtime.graphs import costs as call_costs
+from runtime.graphs.costs import CallCosts, measurement_points
 from runtime.errors import DFlashError
-from runtime.speculation import UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength, FixedLength
+from runtime.speculation.policy import UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength, FixedLength
 
 
 @pytest.fixture(scope="session")

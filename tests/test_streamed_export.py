@@ -12,12 +12,12 @@ import torch
 from onnx import helper, numpy_helper
 
 import tiny_models
-from dflash_export import export as export_mod
-from dflash_export import weights as weights_mod
+from dflash_export.export import graphs as export_mod
+from dflash_export.checkpoint import weights as weights_mod
 from dflash_export.build import build
-from dflash_export.export import check_graph
+from dflash_export.export.checks import check_graph
 from runtime.errors import DFlashError
-from runtime.tree import chain_inputs
+from runtime.graphs.tree import chain_inputs
 
 
 def _graph_values(path):
@@ -71,8 +71,8 @@ def test_fp16_graph_keeps_fp32_rope_frequencies_at_long_positions(tiny, tmp_path
     """RoPE inverse frequencies rounded to fp16 turn keys at position 2000 by up to ~0.5 rad; they stay fp32."""
     import onnxruntime as ort
 
-    from dflash_export.export import export_target
-    from dflash_export.modules import TargetForExport, cast_for_export, load_weights, rope_inv_freq
+    from dflash_export.export.graphs import export_target
+    from dflash_export.nn.layers import TargetForExport, cast_for_export, load_weights, rope_inv_freq
 
     t = tiny.target("qwen3")
     module = TargetForExport(t.spec, t.taps, torch.float16).eval()

@@ -16,8 +16,8 @@ import pytest
 import runtime
 import runtime_fixtures as rf
 from runtime import DFlashError
-from runtime.sampling import processed_distribution
-from runtime.text_stream import IncrementalText, StopStrings
+from runtime.speculation.sampling import processed_distribution
+from runtime.text.incremental import IncrementalText, StopStrings
 
 # a template over the word-level test tokenizer: turns as "t3 <role word> content t4", then "t5"
 CHAT_TEMPLATE = (

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.tree import VerifyTree, chain_inputs, tree_inputs
+from runtime.graphs.tree import VerifyTree, chain_inputs, tree_inputs
 
 ATOL = 1e-4
 KINDS = ["qwen3", "qwen3_tied", "llama"]
@@ -246,8 +246,9 @@ def test_draft_vocab_restricts_proposals_only(tiny, tmp_path):
     target verifies (logits, next_ids, K/V) is unchanged, and no full copy of the head is stored."""
     import onnxruntime as ort
 
-    from dflash_export.export import check_graph, export_target
-    from dflash_export.modules import TargetForExport, load_weights
+    from dflash_export.export.checks import check_graph
+    from dflash_export.export.graphs import export_target
+    from dflash_export.nn.layers import TargetForExport, load_weights
 
     t = tiny.target("qwen3_tied")
     vocab = list(range(1, t.spec.vocab_size, 3))

@@ -20,10 +20,10 @@ from tiny_models import make_draft, make_target
 
 @pytest.fixture(scope="module")
 def tiny_draft(tmp_path_factory):
-    from dflash_export.checkpoint import load_target_spec
-    from dflash_export.draft_spec import load_draft_spec
-    from dflash_export.draft_model import DFlashDraft
-    from dflash_export.modules import load_weights
+    from dflash_export.families.registry import load_target_spec
+    from dflash_export.checkpoint.draft import load_draft_spec
+    from dflash_export.nn.draft import DFlashDraft
+    from dflash_export.nn.layers import load_weights
 
     root = tmp_path_factory.mktemp("train")
     t = make_target(root / "t")
@@ -36,7 +36,7 @@ def tiny_draft(tmp_path_factory):
 
 
 def test_blocks_forward_equals_inference_draft(tiny_draft):
-    from dflash_export.train_loss import blocks_forward
+    from dflash_export.train.loss import blocks_forward
 
     draft, tspec = tiny_draft
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def test_blocks_forward_equals_inference_draft(tiny_draft):
 
 def test_block_loss_weights_follow_recipe(tiny_draft):
     """With a uniform-CE stand-in the weighted loss equals the weighted mean of exp(-(k-1)/gamma)."""
-    from dflash_export.train_loss import block_loss
+    from dflash_export.train.loss import block_loss
 
     draft, tspec = tiny_draft
     a = draft.spec.arch
@@ -74,7 +74,7 @@ def test_block_loss_weights_follow_recipe(tiny_draft):
 def test_loss_vocabulary_softmax_equals_restricted_cross_entropy(tiny_draft, monkeypatch):
     """The reduced softmax equals full-head CE with the logits of unseen ids at -inf, and a label
     outside the loss vocabulary is refused rather than silently mapped."""
-    from dflash_export.train_loss import block_loss, loss_vocabulary
+    from dflash_export.train.loss import block_loss, loss_vocabulary
     from runtime.errors import DFlashError
 
     draft, tspec = tiny_draft
@@ -168,7 +168,7 @@ def test_train_draft_cuda_without_gpu_refused(tmp_path, capsys):
     ([{"id": "a#s1", "prompt": "Hi"}], ":1: prompt id 'a#s1' ends like a sampled response's id"),
 ])
 def test_read_prompts_refuses_bad_ids(tmp_path, lines, match):
-    from dflash_export.train_data import read_prompts
+    from dflash_export.train.data import read_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -183,7 +183,7 @@ def test_damaged_data_cache_is_named(tmp_path):
     it), before the target is loaded (the target path here does not even exist)."""
     from safetensors.torch import save_file
 
-    from dflash_export.train_data import generate_dataset
+    from dflash_export.train.data import generate_dataset
 
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -207,7 +207,7 @@ def test_damaged_data_cache_is_named(tmp_path):
 
 def test_shipped_training_prompts_are_disjoint_from_eval():
     """The default training prompt files never contain a held-out evaluation prompt, and ids are unique."""
-    from dflash_export.train_data import DEFAULT_PROMPTS, PROMPTS_DIR, read_prompts
+    from dflash_export.train.data import DEFAULT_PROMPTS, PROMPTS_DIR, read_prompts
 
     evals = {r["prompt"].strip().lower() for r in read_prompts(PROMPTS_DIR / "eval.jsonl")}
     rows = [r for f in DEFAULT_PROMPTS for r in read_prompts(f)]
@@ -229,7 +229,7 @@ def test_duplicate_prompt_ids_across_files_refused(tmp_path, capsys):
 
 
 def test_merge_datasets_shifts_offsets():
-    from dflash_export.train_data import merge_datasets
+    from dflash_export.train.data import merge_datasets
 
     a = {"sequences": [{"id": "a"}, {"id": "b"}], "taps": torch.arange(10.).reshape(5, 2), "offsets": [0, 2, 5], "gen_dtype": "fp32"}
     b = {"sequences": [{"id": "c"}], "taps": torch.arange(6.).reshape(3, 2) + 100, "offsets": [0, 3], "gen_dtype": "bfloat16"}
@@ -244,9 +244,9 @@ def test_merge_datasets_shifts_offsets():
 @pytest.mark.slow
 def test_train_draft_end_to_end_and_resume(tmp_path):
     """A 3-step run on SmolLM2 with 2 prompts: released-format output, valid for build, resumable."""
-    from dflash_export.checkpoint import load_target_spec
-    from dflash_export.draft_spec import load_draft_spec
-    from dflash_export.sources import embedded_target_dir
+    from dflash_export.families.registry import load_target_spec
+    from dflash_export.checkpoint.draft import load_draft_spec
+    from dflash_export.checkpoint.sources import embedded_target_dir
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
@@ -264,7 +264,7 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     assert cfg["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": [1, 27]}
     record = json.loads((out / "training_record.json").read_text())
     assert record["steps"] == 4 and record["num_sequences"] == 2 and math.isfinite(record["final_loss"])
-    from dflash_export.train_loss import autocast_dtype  # --gen-dtype auto: bf16 exactly where the CPU has native bf16
+    from dflash_export.train.loss import autocast_dtype  # --gen-dtype auto: bf16 exactly where the CPU has native bf16
     assert record["gen_dtype"] == ("bfloat16" if autocast_dtype("auto", torch.device("cpu")) else "fp32")
     from safetensors import safe_open  # the data carry their dtype, so a reused cache is reported right
     with safe_open(str(tmp_path / "data" / "taps.safetensors"), "pt") as f:
@@ -291,7 +291,7 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     # the state is one file: its metadata hold step, losses and RNG (state.json is a readable copy)
     from safetensors import safe_open
     with safe_open(str(out / "train_state" / "state.safetensors"), "pt") as f:
-        assert f.metadata()["dflash_export.train_state"] == (out / "train_state" / "state.json").read_text()
+        assert f.metadata()["dflash_export.train.state"] == (out / "train_state" / "state.json").read_text()
     # a resumed run keeps the draft's shape and meaning, and must go past the saved step
     for extra, match in ((["--steps", "7", "--block-size", "8"], "that run used --block-size 16 (this one 8)"),
                          (["--steps", "6"], "that run is already at step 6; pass --steps above it")):
@@ -327,7 +327,7 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     record3 = json.loads((out3 / "training_record.json").read_text())
     assert record3["num_sequences"] == 3 and record3["prompts"] == [str(prompts), str(prompts_c)]
     assert record3["init"] == f"draft {out}" and len(record3["prompts_sha256"]) == 2
-    from dflash_export.checkpoint import file_sha256
+    from dflash_export.checkpoint.target import file_sha256
     assert record3["init_from_sha256"] == {"model.safetensors": file_sha256(out / "model.safetensors")}
     assert json.loads((tmp_path / "data" / "sequences.json").read_text()) == seqs  # untouched
     assert [s["id"] for s in json.loads((tmp_path / "data3" / "sequences.json").read_text())] == ["c"]
@@ -356,8 +356,8 @@ def test_interrupted_generation_resumes_where_it_stopped(tmp_path, monkeypatch):
     run generates only the rest, and the data equal an uninterrupted run's."""
     import transformers
 
-    from dflash_export.sources import embedded_target_dir
-    from dflash_export.train_data import generate_dataset
+    from dflash_export.checkpoint.sources import embedded_target_dir
+    from dflash_export.train.data import generate_dataset
 
     prompts = [{"id": f"p{i}", "category": "chat", "prompt": p} for i, p in enumerate(["Say hi.", "Name a color.", "Count to 3."])]
     args = (embedded_target_dir(), prompts, (1, 27))
@@ -398,7 +398,7 @@ def test_tiny_train_inherits_shape_saves_on_interrupt_and_resumes(tmp_path, tmp_
     overwriting it; --resume continues with the saved shape."""
     import runtime_fixtures as rf
 
-    import dflash_export.train as train_mod
+    import dflash_export.train.run as train_mod
     from dflash_export.cli import main
 
     ck = rf.checkpoints("qwen3", tmp_path_factory)

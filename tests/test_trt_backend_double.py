@@ -302,7 +302,7 @@ class FakeContext:
         return self._output_shapes()[name]
 
     def _output_shapes(self):
-        from runtime.profiles import output_shapes
+        from runtime.backends.profiles import output_shapes
 
         return output_shapes(self._manifest(), self._graph(), {n: self.shapes[n] for n in self.engine.inputs})
 
@@ -332,8 +332,8 @@ class FakeContext:
 # ---- fixtures ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """A copy of the tiny fp32 artifact with fake "engines" built by dflash_export.engine.build_engines."""
-    from dflash_export.engine import build_engines
+    """A copy of the tiny fp32 artifact with fake "engines" built by dflash_export.trt.engine.build_engines."""
+    from dflash_export.trt.engine import build_engines
 
     src = tiny_artifact(tmp_path_factory)
     out = tmp_path_factory.mktemp("trt_double") / "artifact"
@@ -345,8 +345,8 @@ def engines(tmp_path_factory):
 
 @pytest.fixture
 def doubles(monkeypatch):
-    """Route runtime.trt_backend's TensorRT/CUDA/GPU look-ups to the doubles."""
-    import runtime.trt_backend as tb
+    """Route runtime.backends.trt's TensorRT/CUDA/GPU look-ups to the doubles."""
+    import runtime.backends.trt as tb
 
     cuda = FakeCuda()
     FakeContext.cuda = cuda
@@ -361,7 +361,7 @@ def doubles(monkeypatch):
 # ---- tests --------------------------------------------------------------------------------------------
 def test_build_engines_records_profiles_and_device(engines):
     from runtime.manifest import load_manifest
-    from runtime.profiles import profiles_to_json, shape_ranges
+    from runtime.backends.profiles import profiles_to_json, shape_ranges
 
     out, manifest, fake = engines
     assert load_manifest(out) == manifest  # written, atomically, and still a valid manifest
@@ -448,7 +448,7 @@ def test_artifact_without_engines_is_refused(tmp_path_factory, doubles):
 
 
 def test_weakly_typed_fp16_pins_fc_and_norms(tmp_path, tmp_path_factory):
-    from dflash_export.engine import build_engines
+    from dflash_export.trt.engine import build_engines
 
     out = tmp_path / "artifact"
     shutil.copytree(tiny_artifact(tmp_path_factory), out)
@@ -462,7 +462,7 @@ def test_weakly_typed_fp16_pins_fc_and_norms(tmp_path, tmp_path_factory):
 
 
 def test_tensorrt11_refuses_fp32_graphs_for_fp16_and_failed_builds_change_nothing(tmp_path, tmp_path_factory):
-    from dflash_export.engine import build_engines
+    from dflash_export.trt.engine import build_engines
     from runtime.errors import DFlashError
 
     out = tmp_path / "artifact"
@@ -481,7 +481,7 @@ def test_tensorrt11_refuses_fp32_graphs_for_fp16_and_failed_builds_change_nothin
 def test_check_runs_engines_through_the_backend(engines, doubles):
     """`check --backend trt` drives the TrtBackend (here: the double) like the loop does: K/V rows at
     row P = 13 (13 * 192 bytes is not 256-aligned, so through scratch)."""
-    from dflash_export.check import run_check
+    from dflash_export.check.parity import run_check
 
     out, _, _ = engines
     rep = run_check(out, backend="trt")
@@ -495,7 +495,7 @@ def test_accepted_blocks_through_the_double(tmp_path_factory, doubles, proposing
     where the draft ends in the proposal head (its [R, 4] outputs, the target's `proposal_ids`)."""
     import runtime
     import runtime_fixtures as rf
-    from dflash_export.engine import build_engines
+    from dflash_export.trt.engine import build_engines
 
     pair = rf.proposing_artifact("ctxfree", tmp_path_factory) if proposing else rf.artifact("ctxfree", tmp_path_factory)
     out = tmp_path_factory.mktemp("trt_double_blocks") / "artifact"
@@ -509,7 +509,7 @@ def test_accepted_blocks_through_the_double(tmp_path_factory, doubles, proposing
     assert res.acceptance_lengths == rf.expected_acceptance(14, pair.block_size) and max(res.acceptance_lengths) == pair.block_size
     assert not doubles["cuda"].blocks  # closed: every device buffer freed
     if proposing:  # check through the engines: greedy cases get uniforms (TensorRT needs them), ids by rank margin
-        from dflash_export.check import run_check
+        from dflash_export.check.parity import run_check
 
         rep = run_check(out, backend="trt")
         assert rep.passed and {(r.case, r.output) for r in rep.results} >= {("draft_step", "draft_top_ids"),

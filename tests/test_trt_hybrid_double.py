@@ -39,7 +39,7 @@ def hybrid(hybrid_pair, tmp_path_factory):
     """(artifact with fake fp32 engines, its manifest, the FakeTensorRT that built them): a copy of the
     session's tiny random Qwen3.5 artifact (`hybrid_fixtures`, the attention layer is layer 3, so there
     is no past_key_0) with engines built through the double."""
-    from dflash_export.engine import build_engines
+    from dflash_export.trt.engine import build_engines
 
     out = tmp_path_factory.mktemp("trt_hybrid") / "engines"
     shutil.copytree(hybrid_pair.artifact, out)
@@ -50,7 +50,7 @@ def hybrid(hybrid_pair, tmp_path_factory):
 
 def test_hybrid_engines_build_with_state_and_pending_row_profiles(hybrid):
     from runtime.errors import DFlashError
-    from runtime.profiles import call_row_limit, profiles_to_json, shape_ranges
+    from runtime.backends.profiles import call_row_limit, profiles_to_json, shape_ranges
 
     out, manifest, fake = hybrid
     t = manifest["trt"]
@@ -76,7 +76,7 @@ def test_hybrid_engines_build_with_state_and_pending_row_profiles(hybrid):
     assert call_row_limit(ranges["target"], "target") == 64  # found via past_key_3
     # fp32 hybrid graphs make no weakly typed fp16 engines (the delta rule would run in fp16); fp16
     # graphs build strongly typed (the exported fp32 islands and fp32 state IO kept), fp32 as fp32
-    from dflash_export.engine import precision_plan
+    from dflash_export.trt.engine import precision_plan
 
     assert precision_plan("10.3.0.30", "fp16", "fp16", hybrid=True)["strongly_typed"]
     assert precision_plan("10.3.0.30", "fp32", "fp32", hybrid=True)["flag"] is None
@@ -86,7 +86,7 @@ def test_hybrid_engines_build_with_state_and_pending_row_profiles(hybrid):
             precision_plan(version, "fp32", precision, hybrid=True)
     before = (out / "manifest.json").read_bytes()
     with pytest.raises(DFlashError, match=r"hybrid .*--dtype fp16"):
-        from dflash_export.engine import build_engines
+        from dflash_export.trt.engine import build_engines
 
         build_engines(out, precision="fp16", trt=FakeTensorRT("10.3.0.30"), gpu=GPU, quiet=True)
     assert (out / "manifest.json").read_bytes() == before
@@ -94,7 +94,7 @@ def test_hybrid_engines_build_with_state_and_pending_row_profiles(hybrid):
 
 def test_generate_matches_onnxruntime_through_the_double(hybrid, doubles):  # noqa: F811
     import runtime
-    from runtime.profiles import output_shapes, select_profile, shape_ranges
+    from runtime.backends.profiles import output_shapes, select_profile, shape_ranges
 
     out, manifest, _ = hybrid
     ort_sess, trt_sess = runtime.load(out), runtime.load(out, backend="trt")
@@ -166,7 +166,7 @@ def test_shapes_outside_the_profiles_are_refused(hybrid, doubles, monkeypatch): 
     but verify takes T = 1 and prefill/extend N = 0), and the double refuses, as TensorRT does, shapes
     outside the ACTIVE profile even when the backend's own selection is bypassed."""
     import runtime
-    import runtime.trt_backend as tb
+    import runtime.backends.trt as tb
     from runtime.errors import DFlashError
 
     out, _, _ = hybrid
@@ -210,7 +210,7 @@ def test_recurrent_state_dtype_is_checked(hybrid, doubles, monkeypatch):  # noqa
 def test_check_runs_hybrid_engines_through_the_backend(hybrid, doubles):  # noqa: F811
     """`check --backend trt`: the hybrid cases (the verify case folds the prefill's rows as pending
     rows) through the TrtBackend on the double, against the fp32 PyTorch modules."""
-    from dflash_export.check import run_check
+    from dflash_export.check.parity import run_check
 
     out, _, _ = hybrid
     rep = run_check(out, backend="trt")

@@ -1,4 +1,4 @@
-"""Verify trees (`runtime.tree`): their structure and acceptance walk, the policy's choice between
+"""Verify trees (`runtime.graphs.tree`): their structure and acceptance walk, the policy's choice between
 trees, chains and plain steps, and, on SmolLM2 with its shipped draft, tree steps whose output equals
 plain decoding (greedy and sampled) with alternatives accepted."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.call_costs import CallCosts
+from runtime.graphs.costs import CallCosts
 from runtime.errors import DFlashError
 from runtime.options import GenerationOptions
-from runtime.speculation import AcceptanceEstimate, AdaptiveLength
-from runtime.tree import VerifyTree, chain_inputs, parse_tree, tree_bias_of
+from runtime.speculation.policy import AcceptanceEstimate, AdaptiveLength
+from runtime.graphs.tree import VerifyTree, chain_inputs, parse_tree, tree_bias_of
 
 LOW = np.finfo(np.float32).min
 _ROOT = Path(__file__).resolve().parents[1]

@@ -79,8 +79,8 @@ def make_draft(
     """
     from safetensors.torch import save_file
 
-    from dflash_export.checkpoint import load_target_spec
-    from dflash_export.draft_spec import draft_weight_shapes, parse_draft_config
+    from dflash_export.families.registry import load_target_spec
+    from dflash_export.checkpoint.draft import draft_weight_shapes, parse_draft_config
 
     tspec = load_target_spec(target_dir)
     a = tspec.arch
@@ -126,8 +126,8 @@ def make_draft(
 def record_weight_reads(monkeypatch) -> list[tuple[str, bool]]:
     """Record every weight a build reads from its source: (name, read while a graph file was being
     written). Streamed export reads matrices only while writing; this is what tests check it with."""
-    from dflash_export import export as export_mod
-    from dflash_export import weights as weights_mod
+    from dflash_export.export import graphs as export_mod
+    from dflash_export.checkpoint import weights as weights_mod
 
     reads, saving = [], [False]
     original_read, original_save = weights_mod.WeightSource.read_as, export_mod.save_graph

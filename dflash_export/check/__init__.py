@@ -1,0 +1,1 @@
+"""Numerical parity of exported graphs and engines against the PyTorch reference, and quantization drift."""

@@ -1,0 +1,1 @@
+"""Evaluation: `bench`, policy replay on recorded traces and the plain PyTorch DFlash loop."""

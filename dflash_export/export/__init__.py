@@ -1,0 +1,1 @@
+"""ONNX export: tracing, the checks every graph passes, graph passes and layer replication."""

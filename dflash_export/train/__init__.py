@@ -1,0 +1,1 @@
+"""`train-draft`: training a DFlash draft for a target that has none."""

@@ -1,0 +1,1 @@
+"""TensorRT engines built from an exported artifact, on the device."""

@@ -1,0 +1,32 @@
+"""Choosing a backend by name (`load(..., backend=)`); TensorRT and CUDA are imported only when one is loaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from runtime.backends.base import Backend
+from runtime.backends.ort import OrtBackend
+from runtime.backends.ort_cuda import OrtCudaBackend
+from runtime.backends.trt import TrtBackend
+from runtime.errors import DFlashError
+
+
+def make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | None,
+                 int4_accuracy_level: int | None = None) -> Backend:
+    """The backend `name` ("ort", "ort-cuda" or "trt") for an artifact; its modules (and TensorRT or
+    CUDA) are imported only when chosen.
+
+    Raises:
+        DFlashError: an unknown name, or the backend's own load errors.
+    """
+
+    if name == "ort":
+
+        return OrtBackend(artifact_dir, manifest, threads=threads, int4_accuracy_level=int4_accuracy_level)
+    if name == "trt":  # TensorRT and CUDA are imported only here
+
+        return TrtBackend(artifact_dir, manifest)
+    if name == "ort-cuda":
+
+        return OrtCudaBackend(artifact_dir, manifest, threads=threads)
+    raise DFlashError(f"unknown backend {name!r}; available: ort, ort-cuda, trt")

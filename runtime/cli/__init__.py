@@ -1,0 +1,1 @@
+"""Command lines of the runtime: `generate` and `chat` (`serve` lives in runtime.serve)."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: request parsing, replies, the generation worker, running uvicorn."""

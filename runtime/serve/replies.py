@@ -1,0 +1,80 @@
+"""The server's output side: OpenAI response objects and server-sent events (no server library)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from runtime.errors import DFlashError
+from runtime.serve.params import ApiError, ParsedRequest
+
+
+class Reply:
+    """The OpenAI response objects of one request (its id and creation time shared by every chunk)."""
+
+    def __init__(self, req: ParsedRequest, model: str):
+        self.kind, self.model, self.include_usage = req.kind, model, req.include_usage
+        chat = req.kind == "chat"
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.object = "chat.completion" if chat else "text_completion"
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, result) -> dict:
+        """The non-streamed response."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}}
+        else:
+            choice = {"index": 0, "text": result.text}
+        choice.update(logprobs=None, finish_reason=result.finish_reason)
+        return {**self._head(self.object), "choices": [choice], "usage": usage(result)}
+
+    def chunk(self, text: str | None = None, role: bool = False, finish: str | None = None) -> dict:
+        """One streamed chunk: the role (chat's first), a text delta, or the finish reason."""
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta}
+            obj = "chat.completion.chunk"
+        else:
+            choice, obj = {"index": 0, "text": text or ""}, "text_completion"
+        choice.update(logprobs=None, finish_reason=finish)
+        out = {**self._head(obj), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None  # as OpenAI: null on every chunk but the last
+        return out
+
+    def usage_chunk(self, result) -> dict:
+        """The last chunk with `stream_options.include_usage`: no choices, the usage counts."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage(result)}
+
+
+def usage(result) -> dict:
+    """Token counts: the prompt as tokenized (with the chat template), every id generated (a committed
+    stop token included) and, as OpenAI's prompt caching reports it, the prompt tokens whose KV rows
+    were reused from the previous request."""
+    completion = len(result.output_ids)
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": result.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": result.reused_tokens}}
+
+
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event: `data: {json}` and a blank line."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def as_api_error(exc: BaseException) -> ApiError:
+    """What a failure is answered with: its own status (ApiError), 400 for the runtime's user errors,
+    500 for anything else (a bug or a backend failure)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, DFlashError):
+        return ApiError(400, str(exc))
+    return ApiError(500, f"internal server error ({type(exc).__name__}: {exc}); see the server log",
+                    type="server_error")

@@ -1,0 +1,309 @@
+"""A loaded artifact (:class:`Session`): both graphs, their static KV buffers, the tokenizer, and the
+public API: `generate`, `stream` and `chat` (the loop itself is :mod:`runtime.loop`).
+
+Only token ids (and, once per step, one embedding row copied inside the backend) move between the
+graphs and the host; with top_k / top_p, also the logits rows being verified. `block_size=1` runs
+plain autoregressive decoding on the same target graph.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from runtime.backends.select import make_backend
+from runtime.errors import DFlashError
+from runtime.graphs.row_exact import needs_row_padding
+from runtime.graphs import costs as call_costs
+from runtime.backends.profiles import MAX_BLOCK_SIZE
+from runtime.graphs.calls import CachedContext, GraphCalls
+from runtime.loop import DecodeLoop
+from runtime.manifest import DTYPES, load_manifest
+from runtime.options import GENERATION_OPTION_NAMES, GenerationOptions
+from runtime.text.prompts import PromptEncoding
+from runtime.results import GenerationResult, StreamChunk
+from runtime.stream import GenerationStream
+from runtime.speculation.policy import (TRAINED_ALTERNATIVE_PRIOR, TRAINED_DRAFT_PRIOR, UNTRAINED_ALTERNATIVE_PRIOR,
+                          UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength, FixedLength, FixedTree, Policy)
+from runtime.graphs.tree import TREE_RANKS, VerifyTree, parse_tree, verify_tree
+from runtime.text.tokenizer import ChatTokenizer
+
+__all__ = ["Session", "GenerationStream", "GenerationResult", "StreamChunk", "MAX_BLOCK_SIZE"]
+
+class Session(PromptEncoding, GraphCalls):
+    """A loaded artifact: both graphs, static KV buffers and the tokenizer, reusable across calls.
+
+    Args:
+        artifact_dir: directory written by `python -m dflash_export build`.
+        backend: "ort" (onnxruntime), "ort-cuda" (onnxruntime CUDA EP) or "trt" (TensorRT engines).
+        threads: onnxruntime intra-op threads (default: all cores).
+        keep_logits: also write the target's `[1 + N, V]` fp32 logits into `session.logits` on every
+            call (off by default: the loop reads only token ids; onnxruntime then never materialises
+            them in a bound buffer, TensorRT writes them to a scratch buffer).
+        int4_accuracy_level: INT4 artifacts on onnxruntime's CPU backend: 4 (int8 activations, W4A8)
+            or 1 (fp32 compute); default 4 where the target is row-exact, else 1 (see
+            :class:`runtime.backends.ort.OrtBackend`). Ignored elsewhere.
+
+    Use it as a context manager (or call :meth:`close`) to free device memory deterministically.
+    One `generate` runs at a time per Session: a second thread calling it while one runs gets a
+    DFlashError at once (the static buffers belong to the session, not to a call; load one Session per
+    thread, or serialise the calls).
+
+    Buffers (allocated once, at the manifest's `max_seq_len`): per target layer K and V
+    `[max_seq_len, Hkv, D]`, per draft layer context K and V `[max_seq_len, Hkv_d, D_d]`, tap features
+    `[max_seq_len, k * d]`, and block-sized scratch for ids, embeddings and (if kept) logits.
+
+    Raises:
+        DFlashError: a bad artifact or an unavailable backend.
+    """
+
+    def __init__(self, artifact_dir: str | Path, backend: str = "ort", threads: int | None = None,
+                 keep_logits: bool = False, int4_accuracy_level: int | None = None):
+        self.artifact_dir = Path(artifact_dir)
+        self.keep_logits = bool(keep_logits)
+        self.manifest = m = load_manifest(self.artifact_dir)
+        self.backend = make_backend(backend, self.artifact_dir, m, threads, int4_accuracy_level)
+        self.dtype = np.dtype(DTYPES[m["dtype"]])
+        self.max_seq_len = int(m["max_seq_len"])
+        self.block_size = int(m["draft"]["block_size"])
+        self.mask_token_id = int(m["draft"]["mask_token_id"])
+        self.stop_token_ids = tuple(int(t) for t in m.get("stop_token_ids", []))
+        # the default policy's state: call costs (measured or cached on first use) and acceptance
+        # by block position, a running estimate over this session's generations
+        self.call_costs = None
+        self.acceptance_prior = TRAINED_DRAFT_PRIOR if m["draft"].get("trained") else UNTRAINED_DRAFT_PRIOR
+        self.auto: dict[int, AdaptiveLength] = {}  # by block size: what the policy learned lasts the session
+        self.closed = False
+        # Whether one-row target calls run as two rows (decided by the first `policy()`: `runtime.graphs.row_exact`)
+        self.pad_single_rows: bool | None = None
+        self.context = CachedContext()  # what the caches hold: the next request reuses its common prefix
+        # One generate at a time: the static buffers belong to the session, not to a call.
+        self._lock = threading.Lock()
+        self.tokenizer = None
+        tok_json = self.artifact_dir / "tokenizer" / "tokenizer.json"
+        if tok_json.is_file():
+
+            self.tokenizer = ChatTokenizer(tok_json, m.get("chat_template"), m.get("special_tokens", {}))
+        self._allocate()
+
+    def policy(self, block_size: int, verify_len: int | str | None = None) -> Policy:
+        """The speculation policy `generate` uses for these arguments (see its docstring).
+
+        Decides :attr:`pad_single_rows` on first use (`runtime.graphs.row_exact`), then measures (or loads the
+        cached) step costs on first use of the adaptive policy, so costs are timed as steps will run.
+        """
+        if self.pad_single_rows is None:
+            self.pad_single_rows = needs_row_padding(self)
+        if block_size == 1:
+            return FixedLength(0)
+        if verify_len == "all":
+            return FixedLength(block_size - 1)
+        if verify_len is None or verify_len == "auto":
+            if self.call_costs is None:
+                self.set_sampling(0.0)
+                how = "failed"
+                try:
+                    self.call_costs, how = call_costs.load_or_measure(self)
+                finally:
+                    if how != "cached":  # a measurement (even a failed one) wrote over the caches
+                        self.forget_context()
+            if block_size not in self.auto:
+                trained = bool(self.manifest["draft"].get("trained"))
+                estimate = AcceptanceEstimate(self.acceptance_prior, block_size - 1, alternative_prior=(
+                    TRAINED_ALTERNATIVE_PRIOR if trained else UNTRAINED_ALTERNATIVE_PRIOR))
+                self.auto[block_size] = AdaptiveLength(self.call_costs, estimate,
+                                                       alternatives=TREE_RANKS - 1 if self.verifies_trees else 0,
+                                                       confidence=self.draft_proposes, lookup=self.draft_proposes)
+            return self.auto[block_size]
+        if isinstance(verify_len, str) and "+" in verify_len:
+            tree = self._requested_tree(verify_len)
+            return FixedTree(verify_tree(min(tree.length, block_size - 1), tree.alternatives))
+        return FixedLength(min(int(verify_len), block_size - 1))
+
+    def _requested_tree(self, verify_len: str) -> VerifyTree:
+        """The verify tree `verify_len` ("L+A") names. Raises DFlashError where this artifact verifies chains only."""
+        if not self.verifies_trees:
+            raise DFlashError(f'verify_len "{verify_len}" needs a target graph that verifies trees; this one '
+                              "verifies chains only (a hybrid target, or built before verify trees: rebuild it)")
+        tree = parse_tree(verify_len)
+        if self.draft_proposes and tree.alternatives >= self.proposal_ranks:
+            k = self.proposal_ranks
+            raise DFlashError(f'verify_len "{verify_len}" asks for {tree.alternatives} alternatives, but this draft ranks '
+                              f"only {k} candidates (a proposal vocabulary of {k} ids); use at most {k - 1}")
+        return tree
+
+    def close(self) -> None:
+        """Release the backend's graphs and device memory; the session cannot generate afterwards."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            close = getattr(self.backend, "close", None)
+            if close is not None:
+                close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- public API --------------------------------------------------------------------
+    def stream(self, prompt: str | Sequence[int] | None = None, *, messages=None, chat: bool = False,
+               enable_thinking: bool | None = None, **options) -> "GenerationStream":
+        """Start a generation whose output arrives as it is committed.
+
+        Args:
+            prompt: text or token ids; or `messages` (OpenAI-style chat turns, rendered with the
+                model's chat template), not both.
+            chat: wrap a text prompt in the chat template as one user turn.
+            enable_thinking: see :meth:`encode_messages`.
+            **options: the fields of :class:`runtime.options.GenerationOptions` (max_new_tokens,
+                temperature, top_p, top_k, seed, stop, stop_token_ids, block_size, verify_len,
+                record_steps, reuse_prefix).
+
+        Returns:
+            a :class:`GenerationStream`: iterate it for :class:`StreamChunk` s (text deltas that never
+            split a character, and the committed ids); `.result` afterwards. The chunks' texts
+            concatenate to `generate(...).text`. Close it (or leave the `with` block) to stop early:
+            the session keeps what was committed and can reuse it.
+
+        Raises:
+            DFlashError: bad prompt or options, a request beyond the KV buffers, another generation
+                running on this session, or a closed session.
+        """
+        unknown = sorted(set(options) - GENERATION_OPTION_NAMES)
+        if unknown:  # (named here: the dataclass's TypeError shows Python internals)
+            raise DFlashError(f"unknown generation option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the "
+                              f"options are {', '.join(sorted(GENERATION_OPTION_NAMES))} (penalties and logit bias "
+                              "are not supported: they cannot be kept exact)")
+        opts = GenerationOptions(**options)
+        if (prompt is None) == (messages is None):
+            raise DFlashError("pass either a prompt or messages (exactly one)")
+        ids = self.encode(prompt, chat=chat, enable_thinking=enable_thinking) if messages is None \
+            else self.encode_messages(messages, enable_thinking)
+        b = self.check_request(ids, opts)
+        if not self._lock.acquire(blocking=False):
+            raise DFlashError(
+                "this Session is already generating in another thread; its KV buffers serve one call at a time "
+                "(load one Session per thread, or serialise the calls)"
+            )
+        try:
+            if self.closed:
+                raise DFlashError("this Session is closed; load the artifact again")
+            policy = self.policy(b, opts.verify_len)
+            policy.start()
+            stops = set(self.stop_token_ids if opts.stop_token_ids is None else opts.stop_token_ids)
+            loop = DecodeLoop(self, ids, opts, b, policy, stops)
+        except BaseException:
+            self._lock.release()
+            raise
+        return GenerationStream(loop, self._lock)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        max_new_tokens: int = 128,
+        stop_token_ids: Sequence[int] | None = None,
+        temperature: float = 0.0,
+        block_size: int | None = None,
+        chat: bool = False,
+        seed: int = 0,
+        record_steps: bool = False,
+        verify_len: int | str | None = None,
+        **more,
+    ) -> GenerationResult:
+        """Generate a reply with DFlash speculative decoding (lossless w.r.t. the target).
+
+        Args:
+            prompt: text, or a sequence of token ids (at least one); or pass `messages=`.
+            max_new_tokens: at most this many new tokens (>= 1).
+            stop_token_ids: ids that end the reply once committed (default: the manifest's; [] for none).
+            temperature: 0 for greedy; > 0 samples the target posterior at this temperature (exact
+                speculative sampling: the draft's argmax is accepted iff it equals the sample).
+            block_size: tokens per block (default: the draft's); 1 = plain autoregressive decoding.
+            chat: wrap text in the model's chat template as one user turn.
+            seed: seed of the sampling random numbers (temperature > 0).
+            record_steps: keep each step's proposals and acceptance in `result.steps`.
+            verify_len: proposals verified per step. None or "auto" (default): chosen each step from
+                this device's measured call costs and the running acceptance by block position, 0 (a
+                plain step without a draft call) when speculation would not pay (`runtime.speculation.policy`;
+                the first call on a device measures the costs in well under a second and caches them);
+                where the draft proposes, auto also verifies continuations of the request's own text
+                without a draft call where they pay (`runtime.speculation.lookup`). "all" verifies every proposal (block_size - 1); an integer 1..block_size-1 exactly that
+                many; "L+A" a verify tree every step: L top-1 proposals plus the draft's next A
+                candidates (1..3) for the first position (`runtime.graphs.tree`; auto also considers these
+                trees where the target graph takes them). The draft always fills the whole block it
+                was trained on.
+            **more: messages, enable_thinking, top_p, top_k, stop (strings), reuse_prefix: see
+                :meth:`stream` and :class:`runtime.options.GenerationOptions`.
+
+        Returns:
+            GenerationResult.
+
+        Raises:
+            DFlashError: empty prompt, bad arguments, or prompt + max_new_tokens beyond the buffers.
+        """
+        prompt_args = {k: more.pop(k) for k in ("messages", "enable_thinking") if k in more}
+        with self.stream(prompt, chat=chat, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                         temperature=temperature, block_size=block_size, seed=seed, record_steps=record_steps,
+                         verify_len=verify_len, **prompt_args, **more) as stream:
+            for _ in stream:
+                pass
+        return stream.result
+
+    def chat(self, messages, **options) -> GenerationResult:
+        """`generate(messages=messages, **options)`: one assistant turn after OpenAI-style messages."""
+        return self.generate(messages=messages, **options)
+
+    def reset(self) -> None:
+        """Forget the cached context: the next request prefills from position 0.
+
+        Raises:
+            DFlashError: a generation is running on this session (close its stream first).
+        """
+        if not self._lock.acquire(blocking=False):
+            raise DFlashError("this Session is generating (a stream is open); close the stream before reset()")
+        try:
+            self.forget_context()
+        finally:
+            self._lock.release()
+
+    def check_request(self, ids: list[int], opts: GenerationOptions) -> int:
+        """The block size a request of prompt `ids` with `opts` runs at, after checking it against this
+        artifact (block size, KV capacity, verify_len, top_k), without running anything: the server
+        checks requests before they queue.
+
+        Raises:
+            DFlashError: naming the limit the request exceeds.
+        """
+        b = self.block_size if opts.block_size is None else opts.block_size
+        if not 1 <= b <= self.max_block:
+            raise DFlashError(f"block_size {b} must be between 1 and {self.max_block}")
+        if len(ids) + opts.max_new_tokens > self.max_seq_len:
+            n = len(ids)
+            raise DFlashError(
+                f"prompt ({n} token{'s' if n != 1 else ''}) + max_new_tokens ({opts.max_new_tokens}) = "
+                f"{n + opts.max_new_tokens} exceeds the KV buffers' max_seq_len {self.max_seq_len}; shorten the "
+                f"request or rebuild with `python -m dflash_export build --max-seq-len {n + opts.max_new_tokens}` (or larger)"
+            )
+        v = opts.verify_len
+        if isinstance(v, str) and "+" in v:
+            tree = self._requested_tree(v)
+            length, shown = tree.length, f'"{v}"'
+        else:
+            length, shown = v, v
+        if isinstance(length, int):
+            if b == 1 and v != 1:  # (a tree's string is never 1)
+                raise DFlashError(f"block_size 1 (plain decoding) verifies no proposals; omit verify_len (got {shown})")
+            if not 1 <= length <= max(b - 1, 1):
+                raise DFlashError(f"verify_len must be between 1 and block_size - 1 = {b - 1} "
+                                  f"(got {shown}); block_size {b} proposes {b - 1} token{'s' if b != 2 else ''} per step")
+        vocab = int(self.manifest["target"]["vocab_size"])
+        if opts.top_k > vocab:
+            raise DFlashError(f"top_k {opts.top_k} exceeds the vocabulary size {vocab}")
+        return b
+

@@ -1,0 +1,1 @@
+"""Speculation: proposers (draft, n-gram lookup), policies choosing what to verify, exact sampling."""
