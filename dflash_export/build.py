@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,20 +20,17 @@ from runtime.errors import DFlashError
 from runtime.manifest import MANIFEST_FORMAT, MANIFEST_VERSION
 
 from dflash_export import __version__
-from dflash_export.checkpoint.target import TargetSpec, safetensors_files
+from dflash_export.checkpoint.target import TargetSpec, head_name, safetensors_files
 from dflash_export.families.registry import load_target_spec
-from dflash_export.checkpoint.draft import DraftSpec, load_draft_spec, parse_draft_config
-from dflash_export.checkpoint.sources import SourceHashes, random_draft_config, resolve_draft, resolve_target
-from dflash_export.families.dense import head_name, streaming_rewrite
-from dflash_export.families.registry import draft_proposes, target_family
-from dflash_export.quant.int4 import QuantConfig, draft_quant_plan, quantization_record
-from dflash_export.checkpoint.weights import WeightSource, bind_weights, empty_module
-from dflash_export.checkpoint.weights import placeholder
+from dflash_export.checkpoint.draft import DraftSpec
+from dflash_export.checkpoint.outputs import check_output_dir, staged_directory
+from dflash_export.drafts.registry import DEFAULT_DRAFT_FAMILY, draft_family, family_of, load_draft
+from dflash_export.checkpoint.sources import SourceHashes, resolve_draft, resolve_target
+from dflash_export.families.registry import target_family
+from dflash_export.quant.int4 import DEFAULT_BLOCKS, BlockMismatch, QuantConfig, quantization_record
+from dflash_export.checkpoint.weights import WeightSource
 from dflash_export.export.checks import check_graph
-from dflash_export.export.graphs import export_draft
-from dflash_export.families.dense import proposal_head_config
-from dflash_export.nn.draft import DFlashDraft, ProposingDraft
-from dflash_export.nn.layers import cast_for_export, rope_inv_freq
+from dflash_export.nn.layers import rope_inv_freq
 
 
 @dataclass
@@ -73,49 +68,6 @@ class _StageTimer:
             print(f"{self.title}: done in {time.perf_counter() - self.t0:.1f}s", file=sys.stderr, flush=True)
 
 
-def check_output_dir(out: Path, overwrite: bool = True, markers: tuple[str, ...] = ("manifest.json",),
-                     kind: str = "dflash_export artifact", allowed: tuple[str, ...] | None = None) -> None:
-    """Refuse an output location the atomic rename cannot serve, before any work is done. A directory
-    that exists may only be replaced if it holds one of `markers` (an earlier output of the same
-    command, `kind`) and, when `allowed` is given, no entry outside it, or nothing: never a user's
-    other files.
-
-    Raises:
-        DFlashError: `out` is a file, a mount point, an existing directory without `overwrite`, a
-            non-empty directory without any of `markers` or with entries outside `allowed`, or its
-            parent is not writable.
-    """
-    if out.exists() and not out.is_dir():
-        raise DFlashError(f"--out {out} is a file; choose a directory path")
-    if out.exists() and not overwrite:
-        raise DFlashError(f"{out} exists; remove it or pass --overwrite")
-    if out.is_dir() and os.path.ismount(out):
-        raise DFlashError(f"--out {out} is a mount point, which cannot be replaced atomically; use a subdirectory of it")
-    if out.is_dir() and any(out.iterdir()):
-        others = sorted(p.name for p in out.iterdir() if allowed is not None and p.name not in allowed)
-        if others or not any((out / m).exists() for m in markers):
-            raise DFlashError(f"{out} exists and is not a {kind}{f' (it holds {others[:3]})' if others else ''}; "
-                              "choose another --out")
-    parent = out.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise DFlashError(f"cannot write to {parent}; choose a writable --out")
-
-
-def random_draft_state(spec: DraftSpec, seed: int = 0) -> dict:
-    """Deterministic random-init weights for an untrained draft (normal(0, 0.02), unit norms)."""
-    import torch
-
-
-    gen = torch.Generator().manual_seed(seed)
-    module = empty_module(lambda: DFlashDraft(spec))  # names and shapes only, in state-dict order
-    state = {}
-    for k, v in module.state_dict().items():
-        state[k] = torch.ones(v.shape) if k.endswith("norm.weight") else torch.randn(v.shape, generator=gen) * 0.02
-    return state
-
-
 def prepare_pair(target: str | None, draft: str | None) -> tuple[TargetSpec, DraftSpec, WeightSource, dict, str | None]:
     """Resolve and validate the target and draft before anything is exported.
 
@@ -131,13 +83,7 @@ def prepare_pair(target: str | None, draft: str | None) -> tuple[TargetSpec, Dra
     """
     target_dir, name = resolve_target(target)
     tspec = load_target_spec(target_dir)
-    draft_dir = resolve_draft(draft, name)
-    if draft_dir is None:
-        cfg = random_draft_config(tspec)
-        dspec = parse_draft_config(cfg, tspec, "(untrained)", None)
-        dstate = random_draft_state(dspec)
-    else:
-        dspec, dstate = load_draft_spec(draft_dir, tspec)
+    _, dspec, dstate = load_draft(resolve_draft(draft, name), tspec)
 
     for arch, family, what in ((tspec.arch, tspec.family, "target"), (dspec.arch, "qwen3", "draft")):
         try:
@@ -149,82 +95,96 @@ def prepare_pair(target: str | None, draft: str | None) -> tuple[TargetSpec, Dra
     return tspec, dspec, tsource, dstate, name
 
 
-def draft_export_module(dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
-    """The draft's export module in `dtype` (fc and norms fp32) with streamed weights.
+@dataclass(frozen=True)
+class BuildOptions:
+    """What `build` exports and how (the flags of `python -m dflash_export build`).
 
-    Returns:
-        (DFlashDraft, {initializer name: reader}) for `export.export_draft`.
-    """
-
-    module = empty_module(lambda: DFlashDraft(dspec, dtype)).eval()
-    cast_for_export(module, dtype)
-    return module, bind_weights(module, source, source.where)
-
-
-def _attach_proposal_head(dmod, dreaders: dict, tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, dtype,
-                          qconfig, proposal_head: str) -> tuple:
-    """The draft export module ending in the proposal head (`draft_model.ProposingDraft`): the target's
-    LM head rows of the draft's proposal vocabulary, streamed into the draft graph as `draft_head`
-    (read when written, added to `dreaders`). Returns (module, the head rows' INT4 config or None):
-    INT4 with the LM head under --quant-lm-head (the same block as the target's head), or with
-    --proposal-head int4."""
-    import torch
-
-
-    if dspec.draft_vocab is None:  # the whole head (an INT4 LM head: `families.draft_proposes`)
-        vocab = None
-        rows = placeholder((tspec.vocab_size, tspec.arch.hidden_size), dtype)
-        dreaders["draft_head"] = lambda: tsource.read_as(head_name(tspec), dtype)
-    else:
-        vocab = torch.tensor(list(dspec.draft_vocab), dtype=torch.int64)
-        rows = placeholder((len(vocab), tspec.arch.hidden_size), dtype)
-        dreaders["draft_head"] = lambda: torch.index_select(tsource.read_as(head_name(tspec), dtype), 0, vocab)
-    if qconfig is not None and qconfig.lm_head:
-        config = QuantConfig("rtn", qconfig.block, lm_head=True)
-    else:
-        config = proposal_head_config(proposal_head, True, qconfig, tspec.arch.hidden_size)
-    return ProposingDraft.with_head(dmod, dspec.draft_vocab, rows), config
-
-
-def build(
-    target: str | None,
-    draft: str | None,
-    out: Path,
-    max_seq_len: int = 2048,
-    dtype: str = "fp32",
-    quiet: bool = False,
-    overwrite: bool = True,
-    draft_vocab: str = "auto",
-    quant: str = "none",
-    quant_block: int | None = None,
-    quant_method: str | None = None,
-    quant_lm_head: bool = False,
-    proposal_head: str = "full",
-) -> dict:
-    """Export a target/draft pair into the artifact directory `out`.
-
-    Args:
+    Attributes:
         target: target directory or known name; None for the embedded SmolLM2-135M-Instruct.
         draft: draft directory or hub id; None for the target's released/shipped draft, or an
             untrained deterministic draft when there is none (reported in the manifest).
         out: artifact directory (replaced atomically).
-        max_seq_len: KV buffer capacity in tokens (prompt + new tokens).
+        max_seq_len: KV buffer capacity in tokens (prompt + new tokens), >= 2.
         dtype: "fp32" or "fp16" graph precision (norms, fc and softmax stay fp32).
         draft_vocab: "auto" proposes from the draft's `draft_vocab.json` when it has one (fewer LM-head
             rows per proposal, same output); "full" always uses the whole vocabulary.
-        quant: "int4" makes the target's decoder linear layers INT4 weight-only (`quantize.py`: the
-            DequantizeLinear form TensorRT and onnxruntime both load); "none" keeps `dtype` weights.
-        quant_block: INT4 values per scale along K (a power of two >= 16 dividing each layer's K;
-            default 128).
-        quant_method: "rtn" (round to nearest, the default) or "awq" (activation-aware scales calibrated on
-            models/prompts text and folded into the checkpoint before round to nearest: `awq.py`).
-        quant_lm_head: with int4, quantize the LM head too (the embedding lookups keep their table).
-        proposal_head: "full" (default) keeps the proposal vocabulary's head rows (`draft_vocab`) in the
-            graph dtype; "int4" stores them INT4 weight-only: they only rank the draft's proposals,
-            which the full-precision head then verifies, so output is unchanged while a verify reads
-            8x fewer head bytes. Measured on SmolLM2 fp32, 2 cores: about 2 ms of a 45 ms verify saved
-            (onnxruntime's fp32-compute INT4 kernel reads slowly), tau 1.67 -> 1.62, so not the
-            default here; bandwidth-bound GPUs gain more. No effect without a proposal vocabulary.
+        quant: "int4" stores the target's decoder linear layers INT4 weight-only (the DequantizeLinear
+            form TensorRT and onnxruntime both load, docs/quantization.md); "none" keeps `dtype` weights.
+        quant_block: INT4 values per scale along K (a power of two >= 16 dividing each layer's K);
+            None: the first of 128, 64, 32, 16 that divides every quantized layer's K.
+        quant_method: "rtn" (round to nearest, the default) or "awq" (activation-aware scales
+            calibrated on models/prompts text, folded in before rounding).
+        quant_lm_head: with int4, the LM head too (the embedding lookups keep their table).
+        proposal_head: "full" keeps the proposal vocabulary's head rows in the graph dtype; "int4"
+            stores them INT4 (they only rank proposals, which the full head verifies: output unchanged).
+        quiet: print no progress.
+        overwrite: replace an existing artifact at `out`.
+    """
+
+    target: str | None = None
+    draft: str | None = None
+    out: Path | str = "artifacts/default"
+    max_seq_len: int = 2048
+    dtype: str = "fp32"
+    draft_vocab: str = "auto"
+    quant: str = "none"
+    quant_block: int | None = None
+    quant_method: str | None = None
+    quant_lm_head: bool = False
+    proposal_head: str = "full"
+    quiet: bool = False
+    overwrite: bool = True
+
+    def quant_config(self, block: int | None = None) -> QuantConfig | None:
+        """The INT4 configuration (None without --quant int4), at `block` where quant_block is unset.
+
+        Raises:
+            DFlashError: an option out of range, or an INT4 option without --quant int4.
+        """
+        for flag, value, allowed in (("--dtype", self.dtype, ("fp32", "fp16")),
+                                     ("--draft-vocab", self.draft_vocab, ("auto", "full")),
+                                     ("--quant", self.quant, ("none", "int4")),
+                                     ("--proposal-head", self.proposal_head, ("int4", "full"))):
+            if value not in allowed:
+                raise DFlashError(f"{flag} must be {' or '.join(allowed)} (got {value!r})")
+        if self.max_seq_len < 2:
+            raise DFlashError(f"--max-seq-len must be at least 2 (got {self.max_seq_len})")
+        given = [flag for flag, value in (("--quant-block", self.quant_block), ("--quant-method", self.quant_method),
+                                          ("--quant-lm-head", self.quant_lm_head or None)) if value is not None]
+        if given and self.quant != "int4":
+            raise DFlashError(f"{', '.join(given)} needs --quant int4")
+        if self.quant != "int4":
+            return None
+        qconfig = QuantConfig(method=self.quant_method or "rtn", block=self.quant_block or block or DEFAULT_BLOCKS[0],
+                              lm_head=self.quant_lm_head)
+        qconfig.validate()
+        return qconfig
+
+
+def _checked_quant_config(options: BuildOptions, family, tspec: TargetSpec, dspec: DraftSpec,
+                          tsource: WeightSource) -> QuantConfig | None:
+    """The INT4 configuration the family accepts: the given block, or without --quant-block the first
+    of DEFAULT_BLOCKS that divides every quantized layer's K (said on stderr unless quiet).
+
+    Raises:
+        DFlashError: an option the family refuses (the last default block's mismatch where none fits)."""
+    for block in DEFAULT_BLOCKS if options.quant_block is None else (options.quant_block,):
+        qconfig = options.quant_config(block)
+        try:
+            family.check_options(tspec, dspec.target_layer_ids, tsource, qconfig, options.proposal_head)
+        except BlockMismatch:
+            if options.quant_block is not None or block == DEFAULT_BLOCKS[-1]:
+                raise
+            continue
+        if qconfig is not None and options.quant_block is None and block != DEFAULT_BLOCKS[0] and not options.quiet:
+            print(f"INT4 block {block} chosen: {DEFAULT_BLOCKS[0]} does not divide every quantized layer's K "
+                  "(--quant-block overrides)", file=sys.stderr)
+        return qconfig
+    raise AssertionError("unreachable")
+
+
+def build(options: BuildOptions) -> dict:
+    """Export a target/draft pair into the artifact directory `options.out` (see :class:`BuildOptions`).
 
     Returns:
         the manifest dict.
@@ -234,35 +194,18 @@ def build(
     """
     import torch
 
-
-    if dtype not in ("fp32", "fp16"):
-        raise DFlashError(f"--dtype must be fp32 or fp16 (got {dtype!r})")
-    if draft_vocab not in ("auto", "full"):
-        raise DFlashError(f"--draft-vocab must be auto or full (got {draft_vocab!r})")
-    if max_seq_len < 2:
-        raise DFlashError(f"--max-seq-len must be at least 2 (got {max_seq_len})")
-    if quant not in ("none", "int4"):
-        raise DFlashError(f"--quant must be none or int4 (got {quant!r})")
-    if proposal_head not in ("int4", "full"):
-        raise DFlashError(f"--proposal-head must be int4 or full (got {proposal_head!r})")
-    given = [flag for flag, value in (("--quant-block", quant_block), ("--quant-method", quant_method),
-                                      ("--quant-lm-head", quant_lm_head or None)) if value is not None]
-    if given and quant != "int4":
-        raise DFlashError(f"{', '.join(given)} needs --quant int4")
-    qconfig = None
-    if quant == "int4":
-        qconfig = QuantConfig(method="rtn" if quant_method is None else quant_method, block=128 if quant_block is None else quant_block,
-                              lm_head=quant_lm_head)
-    if qconfig is not None:
-        qconfig.validate()
-    out = Path(out).resolve()
-    check_output_dir(out, overwrite)
+    o = options
+    o.quant_config()  # option errors first, before any checkpoint is read
+    out = Path(o.out).resolve()
+    check_output_dir(out, o.overwrite)
     t_start = time.perf_counter()
     # Validation prints nothing, so bad input gives exactly one error line.
-    tspec, dspec, tsource, dstate, name = prepare_pair(target, draft)
+    tspec, dspec, tsource, dstate, name = prepare_pair(o.target, o.draft)
     family = target_family(tspec.family)
-    family.check_options(tspec, dspec.target_layer_ids, tsource, qconfig, proposal_head)
-    if draft_vocab == "full":
+    draft_kind = family_of(dspec.path) if dspec.path is not None else draft_family(DEFAULT_DRAFT_FAMILY)
+    qconfig = _checked_quant_config(o, family, tspec, dspec, tsource)
+    dtype, quiet, proposal_head, max_seq_len = o.dtype, o.quiet, o.proposal_head, o.max_seq_len
+    if o.draft_vocab == "full":
         dspec = replace(dspec, draft_vocab=None)
     # the manifest's source hashes read every shard once more: done on a thread while the draft and
     # the target template trace (CPU-bound, the disk idle), not after the weights are written
@@ -270,27 +213,13 @@ def build(
     stage = Stage(total=5, quiet=quiet)
     stage.report(f"validated target and draft in {time.perf_counter() - t_start:.1f}s")
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    except OSError as exc:
-        raise DFlashError(f"cannot write an artifact under {out.parent} ({exc.strerror or exc}); "
-                          "choose a writable --out directory") from None
-    try:
+    with staged_directory(out, "an artifact") as tmp:
         # the draft first: its weights (held in memory) are freed before the target streams
         with stage("exporting draft.onnx"):
-            dsource = WeightSource(f"draft {dspec.path or '(untrained)'}", tensors=dstate)
-            dmod, dreaders = draft_export_module(dspec, dsource, torch_dtype)
-            dquant = draft_quant_plan(dspec, dsource.shapes, qconfig) if qconfig is not None else None
-            head_config = None
-            if draft_proposes(family.DRAFT_PROPOSES, dspec, qconfig):
-                dmod, head_config = _attach_proposal_head(dmod, dreaders, tspec, dspec, tsource, torch_dtype, qconfig,
-                                                          proposal_head)
-            rewrite = (dquant or head_config) and streaming_rewrite(
-                dreaders, dsource, torch_dtype, dquant and QuantConfig("rtn", dquant["block"]),
-                dquant["tensors"] if dquant else [], head_config)
-            export_draft(dmod, tmp / "draft.onnx", dreaders, progress=not quiet, rewrite=rewrite)
-            del dstate, dsource, dmod, dreaders
+            drafted = draft_kind.export_for_build(tspec, dspec, dstate, tsource, tmp / "draft.onnx", torch_dtype, qconfig,
+                                                  proposal_head, family.DRAFT_PROPOSES, quiet)
+            head_config, dquant = drafted.head_config, drafted.quant_plan
+            del dstate
         with stage(f"exporting target.onnx ({family.EXPORT_TITLE})"):
             exported = family.export_for_build(tspec, dspec, tsource, tmp / "target.onnx", torch_dtype, qconfig,
                                                proposal_head, quiet)
@@ -308,22 +237,6 @@ def build(
                 manifest["proposal_head"] = {"format": "int4", "method": head.method, "block": head.block}
             manifest["export_seconds"] = round(time.perf_counter() - t_start, 1)
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        os.chmod(tmp, 0o755)  # mkdtemp makes 0700; an artifact is meant to be shared and copied
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            try:
-                out.rename(old / out.name)
-                tmp.rename(out)
-            except OSError as exc:
-                if (old / out.name).exists() and not out.exists():
-                    (old / out.name).rename(out)  # put the previous artifact back
-                raise DFlashError(f"cannot replace {out}: {exc}") from None
-            finally:
-                shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return manifest
 
 

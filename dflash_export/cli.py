@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from dataclasses import fields
 import signal
 import sys
 from pathlib import Path
@@ -20,16 +21,21 @@ SUBCOMMAND_MODULES = ("dflash_export.check.parity", "dflash_export.trt.engine", 
 
 
 def cmd_build(args) -> int:
-    from dflash_export.build import build
+    from dflash_export.build import BuildOptions, build
 
     if args.engine == "trt":
         from dflash_export.trt.engine import require_tensorrt
 
         require_tensorrt(precision=args.precision, dtype=args.dtype)  # fail at once, before a long export, when TensorRT or a GPU is missing
-    manifest = build(args.target, args.draft, Path(args.out), max_seq_len=args.max_seq_len, dtype=args.dtype,
-                     draft_vocab=args.draft_vocab, quant=args.quant, quant_block=args.quant_block,
-                     quant_method=args.quant_method, quant_lm_head=args.quant_lm_head,
-                     proposal_head=args.proposal_head)
+    out = Path(args.out)
+    before = _artifact_stamp(out)
+    try:
+        manifest = build(BuildOptions(**{f.name: getattr(args, f.name) for f in fields(BuildOptions) if hasattr(args, f.name)}))
+    except KeyboardInterrupt:
+        if _artifact_stamp(out) != before:  # the swap into place had happened: the build is not undone
+            print(f"interrupted too late: {out} was already written (a complete artifact)", file=sys.stderr)
+            return 130
+        raise
     if args.engine == "trt":
         from dflash_export.trt.engine import build_engines
 
@@ -39,6 +45,15 @@ def cmd_build(args) -> int:
         print("note: the draft is UNTRAINED (deterministic random init): output is exact but few proposals are "
               "accepted; pass --draft DIR for a trained draft", file=sys.stderr)
     return 0
+
+
+def _artifact_stamp(out: Path) -> int | None:
+    """The modification time (ns) of `out`'s manifest, None without one: a new value means a build
+    swapped its artifact into place."""
+    try:
+        return (out / "manifest.json").stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 def build_summary(manifest: dict, out: Path) -> str:
@@ -66,7 +81,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="auto: propose from the draft's draft_vocab.json when present (faster, same output); full: whole vocabulary")
     b.add_argument("--quant", choices=["none", "int4"], default="none",
                    help="int4: decoder linear layers as INT4 weight-only (W4A16) DequantizeLinear, opset 21")
-    b.add_argument("--quant-block", type=int, help="with --quant int4: INT4 values per scale along K (default 128)")
+    b.add_argument("--quant-block", type=int, help="with --quant int4: INT4 values per scale along K (default: the first of 128, 64, 32, 16 "
+                        "that divides every quantized layer's K)")
     b.add_argument("--quant-method", choices=["rtn", "awq"], help="with --quant int4: rtn (round to nearest, default) or awq (activation-aware scales calibrated on models/prompts, folded in before rounding)")
     b.add_argument("--proposal-head", choices=["int4", "full"], default="full",
                    help="the proposal vocabulary's LM-head rows: full (default: the graph dtype) or int4 (they only "

@@ -28,15 +28,14 @@ from typing import Iterator
 
 import numpy as np
 
-from runtime.options import GenerationOptions
-from runtime.speculation.lookup import NgramLookup
-from runtime.results import GenerationResult, StreamChunk, accepted_prefix, cut_at_stop
-from runtime.speculation.sampling import HostSampler
-from runtime.speculation.policy import Policy
 from runtime.graphs.tree import VerifyTree
+from runtime.options import GenerationOptions
+from runtime.results import GenerationResult, StreamChunk, accepted_prefix, cut_at_stop
+from runtime.speculation.policy import Policy
+from runtime.speculation.proposals import Choice, Shape, StepRecord
+from runtime.speculation.proposers import DraftProposer, LookupProposer
+from runtime.speculation.sampling import HostSampler
 from runtime.text.incremental import IncrementalText, StopStrings
-
-
 
 
 class DecodeLoop:
@@ -61,9 +60,8 @@ class DecodeLoop:
         self.uniforms = np.random.default_rng(opts.seed).random(opts.max_new_tokens, dtype=np.float32)
         self.sampler = None
         if opts.samples_on_host:
-            logits = session.logits_buffer()
-            self.sampler = HostSampler(opts.temperature, opts.top_k, opts.top_p,
-                                       lambda j: session.backend.read(logits.rows(j, 1))[0])
+            session.logits_buffer()  # the target calls write their logits rows for the host from now on
+            self.sampler = HostSampler(opts.temperature, opts.top_k, opts.top_p, session.read_logits_row)
         tok = session.tokenizer
         self.text = IncrementalText(tok.decode) if tok is not None else None
         self.stops = StopStrings(opts.stop)
@@ -73,158 +71,113 @@ class DecodeLoop:
         self.steps: list[dict] = []
         self.anchor_row = 0  # next_embeddings row holding the embedding of the last committed token
         self.anchor_valid = True  # False when a host sample is not the token whose embedding that row holds
-        self.ngrams: NgramLookup | None = None  # the request's text, indexed for lookups (built in run)
+        self.draft = DraftProposer(session, block_size)
+        self.lookup: LookupProposer | None = None  # the request's text, indexed for lookups (built in run)
         self.finish_reason = "length"
         self.result: GenerationResult | None = None
 
     # ---- the calls --------------------------------------------------------------------------
     def _prefill(self) -> tuple[int, int]:
         """Prefill the prompt tokens the cache lacks. Returns (first new token, prompt rows reused)."""
-        s, be, ctx = self.s, self.s.backend, self.s.context
-        if not self.opts.reuse_prefix:
-            s.forget_context()
-            ctx = s.context
-        reused = ctx.keep_prefix(self.prompt)  # a failed call below leaves these rows valid
-        if s.recurrent is not None and s.recurrent.keep(reused) < reused:  # the state cannot roll back that far
-            reused = ctx.keep_prefix([])
+        s = self.s
+        reused = s.reuse_prefix(self.prompt, self.opts.reuse_prefix)
         s.set_sampling(self.opts.temperature, on_host=self.sampler is not None)
-        engine_limit = be.max_call_rows("target") or len(self.prompt)
         self._write_uniforms(0)  # position 0's uniform (row 0), written once however many calls
-        pos = reused
-        while pos < len(self.prompt):  # on a reused prefix, in calls the engine's profiles take
-            n = len(self.prompt) - pos if pos == 0 else min(len(self.prompt) - pos, engine_limit)
-            n = min(n, s.target_call_rows or n)  # a hybrid target takes at most this many rows per call
-            be.write(s.input_ids.rows(0, n), np.asarray(self.prompt[pos:pos + n], np.int64))
-            s.run_target(n, 0, pos, taps_row=ctx.pending)
-            s.commit_target_rows(n)
-            pos += n
-            ctx.ids = self.prompt[:pos]
-        first = int(s.read_ids(0)[0][0])
+        first = s.prefill(self.prompt, reused)
         if self.sampler is not None:
             token = self.sampler.sample(0, float(self.uniforms[0]))
             self.anchor_valid, first = token == first, token
         return first, reused
 
     def _write_uniforms(self, n_prop: int, tree: VerifyTree | None = None) -> None:
-        s = self.s
         if self.opts.temperature > 0 and self.sampler is None:
             k = len(self.out)
             if tree is None:
-                s.backend.write(s.uniform.rows(0, n_prop + 1), self.uniforms[k:k + n_prop + 1])
+                self.s.write_uniforms(self.uniforms[k:k + n_prop + 1])
             else:  # row 1 + i samples the position after node i: the uniform of its depth + 1
-                rows = self.uniforms[k + np.concatenate([[0], tree.depth + 1])]
-                s.backend.write(s.uniform.rows(0, n_prop + 1), rows)
+                self.s.write_uniforms(self.uniforms[k + np.concatenate([[0], tree.depth + 1])])
         elif n_prop == 0:
-            s.backend.write(s.uniform.rows(0, 1), np.zeros(1, np.float32))
+            self.s.write_uniforms(np.zeros(1, np.float32))
 
-    def _draft_catch_up(self, rows: int) -> None:
-        """Draft call(s) reading every pending context row (one call unless the engine's profiles
-        limit the rows per call); the last one's block is the proposal, of which `rows` hidden rows
-        are computed (the earlier calls' blocks are overwritten: one row each)."""
-        s, ctx = self.s, self.s.context
-        limit = (s.backend.max_call_rows("draft") or ctx.pending) if ctx.draft_len > 0 else ctx.pending
-        start = ctx.draft_len
-        while True:
-            row = ctx.draft_len - start
-            n = min(len(ctx.ids) - ctx.draft_len, limit)
-            last = ctx.draft_len + n == len(ctx.ids)
-            s.run_draft(n, ctx.draft_len, self.b, taps_row=row, rows=rows if last else 1)
-            ctx.draft_len += n
-            if ctx.draft_len == len(ctx.ids):
-                break
-        # the taps rows [0, read) were consumed: the next target call writes from row 0 (pending = 0)
+    def _choose(self, limit: int) -> Choice:
+        """This step's choice: the policy's, from the lookup's offer (where it keeps one) and its own
+        estimates; a tree it cannot verify here runs as its chain (`_verifiable`)."""
+        offers = []
+        if self.lookup is not None and limit > 0:
+            offer = self.lookup.propose(limit)
+            if offer is not None:
+                offers.append(offer)
+        choice = self.policy.choose(limit, offers, draft_ready=self.anchor_valid)
+        return choice if choice.offer is not None else Choice(self._verifiable(choice.shape))
 
-    def _draft(self, n_prop: int, tree: VerifyTree | None) -> tuple[int, VerifyTree | None]:
-        """The step's draft call(s), then, where the draft proposes, the shape the policy keeps after
-        seeing its confidence (`Policy.trim`) and those proposal ids written for the target call.
-        Returns the (proposals, tree) the target verifies."""
-        s, be = self.s, self.s.backend
-        be.copy(s.block.rows(0, 1), s.next_embeddings.rows(self.anchor_row, 1))
+    def _draft(self, shape: Shape) -> Shape:
+        """The step's draft call for `shape`, then, where the draft returns probabilities, the shape the
+        policy keeps after seeing them (`Policy.refine`), whose proposal ids are written for the target
+        call. Returns the shape the target verifies."""
         t0 = time.perf_counter()
-        rows = n_prop if tree is None else tree.length
-        self._draft_catch_up(rows)
-        if s.draft_proposes:
-            table, probs = s.read_draft_proposals(rows)
-            n_prop, tree = self._shape(self.policy.trim(tree or n_prop, probs))
-            if n_prop:
-                s.write_proposals(table[:n_prop, 0] if tree is None else tree.ids_from(table))
+        proposal = self.draft.propose(shape.length if isinstance(shape, VerifyTree) else shape, self.anchor_row)
+        if proposal.probs is not None:
+            shape = self._verifiable(self.policy.refine(shape, proposal))
+            if shape:
+                self.s.write_proposals(proposal.ids_for(shape))
         self.step_draft_s = time.perf_counter() - t0
         self.draft_s += self.step_draft_s
-        return n_prop, tree
+        return shape
 
-    def _choose(self, limit: int) -> tuple[int, VerifyTree | None, list[int] | None]:
-        """This step's (proposals, tree, lookup ids): the policy's choice, or a lookup continuation
-        (`runtime.speculation.lookup`, then the ids to verify) where the policy takes one instead."""
-        choice = self.policy.proposals(limit) if self.anchor_valid else 0
-        if self.ngrams is not None and limit > 0:
-            found = self.ngrams.propose(limit)
-            n = self.policy.lookup(limit, len(found), choice) if found else 0
-            if n:
-                ids = found[:n]
-                return len(ids), None, ids
-        return (*self._shape(choice), None)
-
-    def _step(self, n_prop: int, tree: VerifyTree | None = None,
-              lookup_ids: list[int] | None = None) -> tuple[list[int], int, list[int], int, VerifyTree | None]:
-        """One draft (if n_prop > 0) + target call verifying a chain of `n_prop` proposals, or `tree`
-        (then n_prop = tree.size), or the chain `lookup_ids` (no draft call). Returns (committed ids,
-        accepted, proposals, and the proposals and tree verified: fewer where the policy trimmed
-        them after the draft call)."""
-        s, be, ctx = self.s, self.s.backend, self.s.context
-        if lookup_ids is not None:
-            s.write_proposals(np.asarray(lookup_ids, np.int64))
-        elif n_prop > 0:  # the draft reads all context since its last call, then fills the block
-            n_prop, tree = self._draft(n_prop, tree)
-        be.write(s.input_ids.rows(0, 1), np.array([self.out[-1]], np.int64))
+    def _step(self, choice: Choice) -> tuple[list[int], int, list[int], Shape]:
+        """One step: a draft call (a draft shape of n > 0) or a lookup offer's ids (no draft call),
+        then the target call verifying them, or only the target call (shape 0). Returns (committed
+        ids, accepted, proposals verified, and the shape verified: smaller where the policy trimmed it
+        after the draft call)."""
+        s, shape = self.s, choice.shape
+        if choice.offer is not None:
+            s.write_proposals(choice.offer.ids_for(shape))
+        elif shape:  # the draft reads all context since its last call, then fills the block
+            shape = self._draft(shape)
+        tree = shape if isinstance(shape, VerifyTree) else None
+        n_prop = tree.size if tree is not None else shape
         self._write_uniforms(n_prop, tree)
-        k = len(self.out)
+        k, last = len(self.out), self.out[-1]
         uniforms = self.uniforms[k:k + n_prop + 1]
         t0 = time.perf_counter()
-        s.run_target(1, n_prop, len(ctx.ids), taps_row=ctx.pending, tree=tree)
+        posterior, proposals = s.verify(last, n_prop, tree)
         self.verify_s += time.perf_counter() - t0
-        posterior, proposals = s.read_ids(n_prop)
         if tree is not None:
-            return (*self._accept_tree(tree, posterior, proposals), n_prop, tree)
+            return (*self._accept_tree(tree, posterior, proposals), tree)
         if self.sampler is None:
             acc = accepted_prefix(proposals, posterior)
             bonus = int(posterior[acc])
         else:
             acc, bonus = self.sampler.verify(proposals, uniforms)
             self.anchor_valid = bonus == int(posterior[acc])  # row acc embeds the greedy token
-        s.commit_target_rows(1 + acc)
-        ctx.ids += [self.out[-1]] + [int(t) for t in proposals[:acc]]
+        accepted = [int(t) for t in proposals[:acc]]
+        s.commit_chain(last, accepted)
         self.anchor_row = acc
-        return [int(t) for t in proposals[:acc]] + [bonus], acc, proposals, n_prop, None
+        return accepted + [bonus], acc, proposals, n_prop
 
     def _accept_tree(self, tree: VerifyTree, posterior, proposals) -> tuple[list[int], int, list[int]]:
-        """Commit a tree call's accepted path: its nodes' K/V and taps rows move to the rows of their
-        depth (a top-1 chain is already there) and the bonus row becomes the next anchor."""
-        s, ctx = self.s, self.s.context
+        """Commit a tree call's accepted path (its rows move to their depth's) and make the bonus row
+        the next anchor."""
         path, bonus = tree.accept(proposals, posterior)
-        past, taps_row = len(ctx.ids), ctx.pending
-        for depth, node in enumerate(path):
-            if node != depth:
-                s.move_target_row(past + 1 + node, past + 1 + depth, taps_row + 1 + node, taps_row + 1 + depth)
         accepted = [int(proposals[i]) for i in path]
-        s.commit_target_rows(1 + len(path))
-        ctx.ids += [self.out[-1]] + accepted
+        self.s.commit_tree(self.out[-1], path, accepted)
         self.anchor_row = 1 + path[-1] if path else 0
         self.first_rank = int(tree.rank[path[0]]) if path else None
         return accepted + [bonus], len(path), [int(t) for t in proposals]
 
-    def _shape(self, choice: int | VerifyTree) -> tuple[int, VerifyTree | None]:
-        """(proposals, tree or None) for a policy's choice: a tree runs as its top-1 chain where the
-        artifact verifies chains only, where the host samples (top_k / top_p: its acceptance rule is
-        the chain's), or where its rows would run past the caches' end (a request that fills them) or
-        past the scratch buffers (a block of 62 or more with alternatives)."""
-        if not isinstance(choice, VerifyTree):
-            return choice, None
+    def _verifiable(self, shape: Shape) -> Shape:
+        """`shape`, or its top-1 chain where a tree cannot run: where the artifact verifies chains only,
+        where the host samples (top_k / top_p: its acceptance rule is the chain's), or where its rows
+        would run past the caches' end (a request that fills them) or past the scratch buffers (a
+        block of 62 or more with alternatives)."""
+        if not isinstance(shape, VerifyTree):
+            return shape
         # the alternatives' rows must fit the caches too (a chain's always do: the token budget bounds it)
         # and the scratch buffers (max_block rows; a chain's L <= block_size - 1 always fits them)
-        fits = len(self.s.context.ids) + 1 + choice.size <= self.s.max_seq_len and choice.size < self.s.max_block
-        if self.sampler is not None or not self.s.verifies_trees or choice.alternatives == 0 or not fits:
-            return choice.length, None
-        return choice.size, choice
+        fits = len(self.s.context.ids) + 1 + shape.size <= self.s.max_seq_len and shape.size < self.s.max_block
+        if self.sampler is not None or not self.s.verifies_trees or shape.alternatives == 0 or not fits:
+            return shape.length
+        return shape
 
     # ---- text -------------------------------------------------------------------------------
     def _commit(self, ids: list[int]) -> StreamChunk:
@@ -263,34 +216,38 @@ class DecodeLoop:
         self.lookup_steps = 0
         t_start = clock()
         if self.policy.uses_lookup and self.s.draft_proposes:  # (indexing counts as prefill time)
-            self.ngrams = NgramLookup(self.prompt)
+            self.lookup = LookupProposer(self.prompt)
         first, reused = self._prefill()
         t_prefill = clock()
         chunk = self._commit([first])
-        if self.ngrams is not None:
-            self.ngrams.extend(chunk.token_ids)
+        if self.lookup is not None:
+            self.lookup.extend(chunk.token_ids)
         yield chunk
         max_new = self.opts.max_new_tokens
         while self.finish_reason != "stop" and len(self.out) < max_new:
             limit = min(self.b - 1, max_new - len(self.out) - 1)  # never verify more than can be committed
-            n_prop, tree, lookup_ids = self._choose(limit)
-            drafted = n_prop > 0 and lookup_ids is None
-            t_step, catch_up = clock(), drafted and self.s.context.pending > self.b
+            choice = self._choose(limit)
+            source = choice.offer.source if choice.offer is not None else ("draft" if choice.shape else "plain")
+            t_step, catch_up = clock(), source == "draft" and self.s.context.pending > self.b
             self.first_rank, self.step_draft_s = None, 0.0
-            committed, acc, proposals, n_prop, tree = self._step(n_prop, tree, lookup_ids)
+            committed, acc, proposals, shape = self._step(choice)
             chunk = self._commit(committed)
-            if self.ngrams is not None:
-                self.ngrams.extend(chunk.token_ids)
+            if self.lookup is not None:
+                self.lookup.extend(chunk.token_ids)
             # a draft call that caught up on many context rows (the prompt, a long plain run) is not
             # the step cost the policy's curve models: flagged (a probe's full cost still counts)
-            self.policy.observe(n_prop, acc, clock() - t_step, catch_up=catch_up, tree=tree, first_rank=self.first_rank,
-                                drafted=drafted, draft_seconds=self.step_draft_s, lookup=lookup_ids is not None)
+            n_prop = shape.size if isinstance(shape, VerifyTree) else shape
+            record = StepRecord(verified=n_prop, accepted=acc, seconds=clock() - t_step,
+                                source=source if n_prop else "plain", drafted=source == "draft",
+                                draft_seconds=self.step_draft_s, catch_up=catch_up,
+                                tree=shape if isinstance(shape, VerifyTree) else None, first_rank=self.first_rank,
+                                proposed=[int(t) for t in proposals], committed=chunk.token_ids)
+            self.policy.observe(record)
             if n_prop > 0:
                 self.acceptance.append(acc + 1)
-                self.lookup_steps += lookup_ids is not None
+                self.lookup_steps += record.lookup
             if self.opts.record_steps:
-                self.steps.append({"proposed": [int(t) for t in proposals], "accepted": acc, "committed": chunk.token_ids,
-                                   "lookup": lookup_ids is not None})
+                self.steps.append(record.summary())
             yield chunk
         tail = self._finish_text()
         if tail:

@@ -84,6 +84,9 @@ class GenerationOptions:
             if isinstance(self.stop_token_ids, (int, str)):
                 raise DFlashError("stop_token_ids must be a list of token ids (or None for the model's defaults)")
             set_("stop_token_ids", tuple(as_int(t, "stop token id") for t in self.stop_token_ids))
+            for t in self.stop_token_ids:  # (the Session checks the upper end: the vocabulary size)
+                if t < 0:
+                    raise DFlashError(f"stop_token_ids holds {t}, which is not a token id (ids are >= 0)")
         if self.block_size is not None:
             set_("block_size", as_int(self.block_size, "block_size"))
         v = self.verify_len

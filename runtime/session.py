@@ -27,9 +27,12 @@ from runtime.text.prompts import PromptEncoding
 from runtime.results import GenerationResult, StreamChunk
 from runtime.stream import GenerationStream
 from runtime.speculation.policy import (TRAINED_ALTERNATIVE_PRIOR, TRAINED_DRAFT_PRIOR, UNTRAINED_ALTERNATIVE_PRIOR,
-                          UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength, FixedLength, FixedTree, Policy)
+                                       UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength, FixedLength, FixedTree,
+                                       Policy, auto_policy)
 from runtime.graphs.tree import TREE_RANKS, VerifyTree, parse_tree, verify_tree
 from runtime.text.tokenizer import ChatTokenizer
+
+MAX_BUILD_SEQ_LEN = 1 << 20  # the largest past length the exported graphs declare (their dynamic axis bound)
 
 __all__ = ["Session", "GenerationStream", "GenerationResult", "StreamChunk", "MAX_BLOCK_SIZE"]
 
@@ -82,6 +85,7 @@ class Session(PromptEncoding, GraphCalls):
         self.context = CachedContext()  # what the caches hold: the next request reuses its common prefix
         # One generate at a time: the static buffers belong to the session, not to a call.
         self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread that holds _lock
         self.tokenizer = None
         tok_json = self.artifact_dir / "tokenizer" / "tokenizer.json"
         if tok_json.is_file():
@@ -95,8 +99,7 @@ class Session(PromptEncoding, GraphCalls):
         Decides :attr:`pad_single_rows` on first use (`runtime.graphs.row_exact`), then measures (or loads the
         cached) step costs on first use of the adaptive policy, so costs are timed as steps will run.
         """
-        if self.pad_single_rows is None:
-            self.pad_single_rows = needs_row_padding(self)
+        self._decide_row_padding()
         if block_size == 1:
             return FixedLength(0)
         if verify_len == "all":
@@ -114,14 +117,18 @@ class Session(PromptEncoding, GraphCalls):
                 trained = bool(self.manifest["draft"].get("trained"))
                 estimate = AcceptanceEstimate(self.acceptance_prior, block_size - 1, alternative_prior=(
                     TRAINED_ALTERNATIVE_PRIOR if trained else UNTRAINED_ALTERNATIVE_PRIOR))
-                self.auto[block_size] = AdaptiveLength(self.call_costs, estimate,
-                                                       alternatives=TREE_RANKS - 1 if self.verifies_trees else 0,
-                                                       confidence=self.draft_proposes, lookup=self.draft_proposes)
+                self.auto[block_size] = auto_policy(self.call_costs, estimate,
+                                                    alternatives=TREE_RANKS - 1 if self.verifies_trees else 0,
+                                                    draft_probabilities=self.draft_proposes, lookups=self.draft_proposes)
             return self.auto[block_size]
         if isinstance(verify_len, str) and "+" in verify_len:
             tree = self._requested_tree(verify_len)
             return FixedTree(verify_tree(min(tree.length, block_size - 1), tree.alternatives))
         return FixedLength(min(int(verify_len), block_size - 1))
+
+    def _decide_row_padding(self) -> None:
+        if self.pad_single_rows is None:
+            self.pad_single_rows = needs_row_padding(self)
 
     def _requested_tree(self, verify_len: str) -> VerifyTree:
         """The verify tree `verify_len` ("L+A") names. Raises DFlashError where this artifact verifies chains only."""
@@ -153,7 +160,8 @@ class Session(PromptEncoding, GraphCalls):
 
     # ---- public API --------------------------------------------------------------------
     def stream(self, prompt: str | Sequence[int] | None = None, *, messages=None, chat: bool = False,
-               enable_thinking: bool | None = None, **options) -> "GenerationStream":
+               enable_thinking: bool | None = None, policy: Policy | str | None = None,
+               **options) -> "GenerationStream":
         """Start a generation whose output arrives as it is committed.
 
         Args:
@@ -161,6 +169,10 @@ class Session(PromptEncoding, GraphCalls):
                 model's chat template), not both.
             chat: wrap a text prompt in the chat template as one user turn.
             enable_thinking: see :meth:`encode_messages`.
+            policy: what each step verifies: a :class:`runtime.speculation.policy.Policy` object (kept
+                by the caller, so what it learns lasts across calls), or a name: "auto" (the default),
+                "plain" (no speculation, the draft's block size kept), or a `verify_len` value ("all",
+                an integer, "L+A"). Not together with `verify_len`.
             **options: the fields of :class:`runtime.options.GenerationOptions` (max_new_tokens,
                 temperature, top_p, top_k, seed, stop, stop_token_ids, block_size, verify_len,
                 record_steps, reuse_prefix).
@@ -180,6 +192,7 @@ class Session(PromptEncoding, GraphCalls):
             raise DFlashError(f"unknown generation option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the "
                               f"options are {', '.join(sorted(GENERATION_OPTION_NAMES))} (penalties and logit bias "
                               "are not supported: they cannot be kept exact)")
+        chosen, options = _policy_argument(policy, options)
         opts = GenerationOptions(**options)
         if (prompt is None) == (messages is None):
             raise DFlashError("pass either a prompt or messages (exactly one)")
@@ -187,14 +200,22 @@ class Session(PromptEncoding, GraphCalls):
             else self.encode_messages(messages, enable_thinking)
         b = self.check_request(ids, opts)
         if not self._lock.acquire(blocking=False):
+            if self._owner == threading.get_ident():
+                raise DFlashError("a stream of this Session is still open in this thread; read it to the end or "
+                                  "close() it (or use it in a `with` block) before the next generate")
             raise DFlashError(
                 "this Session is already generating in another thread; its KV buffers serve one call at a time "
                 "(load one Session per thread, or serialise the calls)"
             )
+        self._owner = threading.get_ident()  # (read only while the lock is held: the holder's)
         try:
             if self.closed:
                 raise DFlashError("this Session is closed; load the artifact again")
-            policy = self.policy(b, opts.verify_len)
+            if chosen is not None and b > 1:
+                self._decide_row_padding()
+                policy = chosen
+            else:
+                policy = self.policy(b, opts.verify_len)
             policy.start()
             stops = set(self.stop_token_ids if opts.stop_token_ids is None else opts.stop_token_ids)
             loop = DecodeLoop(self, ids, opts, b, policy, stops)
@@ -214,6 +235,7 @@ class Session(PromptEncoding, GraphCalls):
         seed: int = 0,
         record_steps: bool = False,
         verify_len: int | str | None = None,
+        policy: Policy | str | None = None,
         **more,
     ) -> GenerationResult:
         """Generate a reply with DFlash speculative decoding (lossless w.r.t. the target).
@@ -238,6 +260,7 @@ class Session(PromptEncoding, GraphCalls):
                 candidates (1..3) for the first position (`runtime.graphs.tree`; auto also considers these
                 trees where the target graph takes them). The draft always fills the whole block it
                 was trained on.
+            policy: a Policy object or a policy name instead of `verify_len` (see :meth:`stream`).
             **more: messages, enable_thinking, top_p, top_k, stop (strings), reuse_prefix: see
                 :meth:`stream` and :class:`runtime.options.GenerationOptions`.
 
@@ -250,7 +273,7 @@ class Session(PromptEncoding, GraphCalls):
         prompt_args = {k: more.pop(k) for k in ("messages", "enable_thinking") if k in more}
         with self.stream(prompt, chat=chat, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
                          temperature=temperature, block_size=block_size, seed=seed, record_steps=record_steps,
-                         verify_len=verify_len, **prompt_args, **more) as stream:
+                         verify_len=verify_len, policy=policy, **prompt_args, **more) as stream:
             for _ in stream:
                 pass
         return stream.result
@@ -284,11 +307,15 @@ class Session(PromptEncoding, GraphCalls):
         if not 1 <= b <= self.max_block:
             raise DFlashError(f"block_size {b} must be between 1 and {self.max_block}")
         if len(ids) + opts.max_new_tokens > self.max_seq_len:
-            n = len(ids)
+            n, total = len(ids), len(ids) + opts.max_new_tokens
+            room = self.max_seq_len - n
+            fix = f"ask for at most {room} new tokens" if room > 0 else "shorten the prompt"
+            if total <= MAX_BUILD_SEQ_LEN:  # a capacity an export takes
+                fix = (f"shorten the request ({fix}) or rebuild with `python -m dflash_export build --max-seq-len "
+                       f"{total}` (or larger)")
             raise DFlashError(
                 f"prompt ({n} token{'s' if n != 1 else ''}) + max_new_tokens ({opts.max_new_tokens}) = "
-                f"{n + opts.max_new_tokens} exceeds the KV buffers' max_seq_len {self.max_seq_len}; shorten the "
-                f"request or rebuild with `python -m dflash_export build --max-seq-len {n + opts.max_new_tokens}` (or larger)"
+                f"{total} exceeds the KV buffers' max_seq_len {self.max_seq_len}; {fix}"
             )
         v = opts.verify_len
         if isinstance(v, str) and "+" in v:
@@ -307,3 +334,23 @@ class Session(PromptEncoding, GraphCalls):
             raise DFlashError(f"top_k {opts.top_k} exceeds the vocabulary size {vocab}")
         return b
 
+
+def _policy_argument(policy, options: dict) -> tuple[Policy | None, dict]:
+    """(a Policy object to run, or None to take the one `verify_len` names; the options with a named
+    policy as their `verify_len`) for `stream(policy=...)`.
+
+    Raises:
+        DFlashError: `policy` together with `verify_len`, or neither a Policy nor a name.
+    """
+    if policy is None:
+        return None, options
+    if options.get("verify_len") is not None:
+        raise DFlashError("pass either policy or verify_len, not both (a policy name takes verify_len's values)")
+    if isinstance(policy, Policy):
+        return policy, options
+    if policy == "plain":
+        return FixedLength(0), options
+    if isinstance(policy, (str, int)) and not isinstance(policy, bool):
+        return None, {**options, "verify_len": policy}
+    raise DFlashError(f'policy must be a runtime.speculation.policy.Policy or a name ("auto", "plain", "all", an '
+                      f'integer or "L+A"), got {type(policy).__name__}')

@@ -23,11 +23,8 @@ import os
 import sys
 import tempfile
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def interval(ratios: list[float], rng: np.random.Generator, draws: int = 2000) -> tuple[float, float]:

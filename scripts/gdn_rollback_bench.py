@@ -22,12 +22,10 @@ import ctypes
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash_export.nn import gated_delta as gd  # noqa: E402
+from dflash_export.nn import gated_delta as gd
 
 MIB = 1 << 20
 

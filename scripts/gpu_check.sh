@@ -24,7 +24,7 @@ say() { printf '\n== %s\n' "$*" >&2; }
 
 $PY - <<'EOF' || { echo "gpu_check: nothing was run" >&2; exit 2; }
 import sys
-from dflash_export.engine import require_tensorrt
+from dflash_export.trt.engine import require_tensorrt
 from runtime.errors import DFlashError
 try:
     trt, gpu = require_tensorrt()
@@ -38,7 +38,7 @@ run_row() {
   local name=$1 art=$2 precision=$3 ids=$4 block=$5 expect_equal=$6
   local engine_ok=no check_trt=FAIL check_ort=FAIL gen=FAIL tps_trt=- tps_ort=-
   say "$name: engines ($precision)"
-  if $PY -m dflash_export.engine "$art" --precision "$precision"; then engine_ok=yes; fi
+  if $PY -m dflash_export engine "$art" --precision "$precision"; then engine_ok=yes; fi
   say "$name: check --backend ort"
   $PY -m dflash_export check "$art" --backend ort > "$WORK/$name.check_ort.txt" 2>&1 && check_ort=ok
   tail -n 1 "$WORK/$name.check_ort.txt" >&2
@@ -77,10 +77,10 @@ EOF
 }
 
 say "tiny Qwen3 pair (random weights)"
-$PY - "$WORK" <<'EOF'
+# the test suite's tiny pair (GQA 4:2, head_dim 24 != hidden / heads, a tap on the last layer): tests/tiny_models.py
+PYTHONPATH="$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}" $PY - "$WORK" <<'EOF'
 import sys
 from pathlib import Path
-sys.path.insert(0, "tests")
 from tiny_models import make_draft, make_target
 work = Path(sys.argv[1])
 t = make_target(work / "tiny_target")

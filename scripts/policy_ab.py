@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:
@@ -35,7 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     args = p.parse_args(argv)
     import runtime
-    from runtime.speculation.policy import TRAINED_ALTERNATIVE_PRIOR, TRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength
+    from runtime.speculation.policy import TRAINED_ALTERNATIVE_PRIOR, TRAINED_DRAFT_PRIOR, AcceptanceEstimate, auto_policy
 
     by_category: dict[str, list[dict]] = {}
     for line in (ROOT / "models" / "prompts" / "eval.jsonl").read_text().splitlines():
@@ -48,20 +47,21 @@ def main(argv=None) -> int:
         return 2
     sess.generate("warm up", chat=True, max_new_tokens=8)  # measures the step costs, creates auto
     b = sess.block_size
-    policies = {"auto": sess.auto[b], "confidence": AdaptiveLength(
-        sess.call_costs, AcceptanceEstimate(TRAINED_DRAFT_PRIOR, b - 1, alternative_prior=TRAINED_ALTERNATIVE_PRIOR),
-        alternatives=3 if sess.verifies_trees else 0, confidence=True), "before-draft": AdaptiveLength(
-        sess.call_costs, AcceptanceEstimate(TRAINED_DRAFT_PRIOR, b - 1, alternative_prior=TRAINED_ALTERNATIVE_PRIOR),
-        alternatives=3 if sess.verifies_trees else 0)}
+    alternatives = 3 if sess.verifies_trees else 0
+
+    def estimate():
+        return AcceptanceEstimate(TRAINED_DRAFT_PRIOR, b - 1, alternative_prior=TRAINED_ALTERNATIVE_PRIOR)
+
+    policies = {"auto": sess.auto[b],
+                "confidence": auto_policy(sess.call_costs, estimate(), alternatives, draft_probabilities=True),
+                "before-draft": auto_policy(sess.call_costs, estimate(), alternatives)}
     names = ["plain", *policies]
     times: dict[str, dict[str, list[float]]] = {k: {} for k in names}
     for rnd in range(args.rounds):
         for i, row in enumerate(prompts):
             shift = (i + rnd) % len(names)
             for name in names[shift:] + names[:shift]:
-                opts = {"block_size": 1} if name == "plain" else {}
-                if name != "plain":
-                    sess.auto[b] = policies[name]
+                opts = {"block_size": 1} if name == "plain" else {"policy": policies[name]}
                 t0 = time.perf_counter()
                 sess.generate(row["prompt"], chat=True, max_new_tokens=args.max_new_tokens, **opts)
                 times[name].setdefault(row["id"], []).append(time.perf_counter() - t0)

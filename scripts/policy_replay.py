@@ -16,9 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dflash_export.eval import replay as pr  # noqa: E402
+from dflash_export.eval import replay as pr
 
 
 def record(args) -> tuple[list, pr.StepCostModel, int, float]:

@@ -13,11 +13,7 @@ MatMulNBits at level 4 where the target is row-exact) unless `--int4-accuracy-le
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:

@@ -18,11 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def fresh_binding_run(backend, graph, inputs, outputs):
@@ -36,9 +33,50 @@ def fresh_binding_run(backend, graph, inputs, outputs):
     sess.run_with_iobinding(binding)
 
 
-def main() -> int:
+def binding_comparison(artifact: str, n: int, past: int, reps: int) -> tuple[dict, dict]:
+    """Per-call seconds of one target call verifying `n` proposals at `past` for each IO binding and
+    logits variant, and of the one or two reads of the ids, the variants interleaved call by call."""
     import runtime
 
+    with runtime.load(artifact, keep_logits=True) as sess:  # allocates the logits buffer; toggled per call below
+        be = sess.backend
+        reused_run = be.run
+
+        def verify(fresh: bool, logits: bool) -> float:
+            be.run = (lambda g, i, o: fresh_binding_run(be, g, i, o)) if fresh else reused_run
+            sess.keep_logits = logits
+            t0 = time.perf_counter()
+            sess.run_target(1, n, past)
+            return time.perf_counter() - t0
+
+        def reads(one: bool) -> float:
+            t0 = time.perf_counter()
+            if one:
+                sess.read_ids(n)
+            else:
+                be.read(sess.token_ids.rows(0, n + 1))
+                be.read(sess.token_ids.rows(n + 1, n))
+            return time.perf_counter() - t0
+
+        variants = {"fresh binding + logits (before)": (True, True), "fresh binding, no logits": (True, False),
+                    "reused binding + logits": (False, True), "reused binding, no logits (now)": (False, False)}
+        times = {k: [] for k in variants}
+        read_times = {"two reads (before)": [], "one read (now)": []}
+        try:
+            for _ in range(3):  # warm-up
+                for v in variants.values():
+                    verify(*v)
+            for _ in range(reps):
+                for k, v in variants.items():
+                    times[k].append(verify(*v))
+                read_times["two reads (before)"].append(reads(False))
+                read_times["one read (now)"].append(reads(True))
+        finally:
+            be.run, sess.keep_logits = reused_run, False
+    return times, read_times
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("artifact")
     p.add_argument("--proposals", type=int, default=3)
@@ -49,41 +87,8 @@ def main() -> int:
     if args.spin_child is not None:
         spin_child(args.artifact, args.proposals, args.past, args.spin_child == "1")
         return 0
-    sess = runtime.load(args.artifact, keep_logits=True)  # allocates the logits buffer; toggled per call below
     n, past = args.proposals, args.past
-    be = sess.backend
-    reused_run = be.run
-
-    def verify(fresh: bool, logits: bool) -> float:
-        be.run = (lambda g, i, o: fresh_binding_run(be, g, i, o)) if fresh else reused_run
-        sess.keep_logits = logits
-        t0 = time.perf_counter()
-        sess.run_target(1, n, past)
-        return time.perf_counter() - t0
-
-    def reads(one: bool) -> float:
-        t0 = time.perf_counter()
-        if one:
-            sess.read_ids(n)
-        else:
-            be.read(sess.token_ids.rows(0, n + 1))
-            be.read(sess.token_ids.rows(n + 1, n))
-        return time.perf_counter() - t0
-
-    variants = {"fresh binding + logits (before)": (True, True), "fresh binding, no logits": (True, False),
-                "reused binding + logits": (False, True), "reused binding, no logits (now)": (False, False)}
-    times = {k: [] for k in variants}
-    read_times = {"two reads (before)": [], "one read (now)": []}
-    for _ in range(3):  # warm-up
-        for v in variants.values():
-            verify(*v)
-    for _ in range(args.reps):
-        for k, v in variants.items():
-            times[k].append(verify(*v))
-        read_times["two reads (before)"].append(reads(False))
-        read_times["one read (now)"].append(reads(True))
-    be.run, sess.keep_logits = reused_run, False
-    del sess, be, reused_run
+    times, read_times = binding_comparison(args.artifact, n, past, args.reps)  # its session is closed before the children start
     spin = spin_comparison(args.artifact, n, past)
     print(f"target call verifying {n} proposals at past {past} ({args.reps} calls each, interleaved; median ms):")
     for k, v in times.items():

@@ -12,12 +12,9 @@ A draft is a released-format directory or a `train_state/state.safetensors` of a
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _load_draft(path: Path, tspec, args):

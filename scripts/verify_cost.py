@@ -10,10 +10,7 @@ to the first one's. Used to measure graph changes (e.g. a draft vocabulary) agai
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:

@@ -7,7 +7,6 @@ Each tiny export takes seconds, so every distinct graph is exported at most once
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +15,6 @@ import pytest
 
 # The suite never reads or writes the user's cache of measured step costs (runtime.graphs.costs).
 os.environ["DFLASH_EXPORT_CALL_COSTS"] = tempfile.mkdtemp(prefix="dflash-test-costs-")
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Tiny targets used by the suite. Taps include layer 0, a middle layer and the LAST layer (whose
 # feature is post-final-norm), so every tap rule is exercised.
@@ -135,10 +131,10 @@ def tiny(tmp_path_factory) -> TinyFactory:
 def smollm2_artifact(tmp_path_factory) -> Path:
     """The real pair (embedded SmolLM2-135M-Instruct + the shipped draft), fp32, max_seq_len 256: one
     export per test session, shared by the slow tests (it takes 1.5-4 minutes)."""
-    from dflash_export.build import build
+    from dflash_export.build import BuildOptions, build
 
     out = tmp_path_factory.mktemp("smollm2") / "art"
-    build(None, None, out, max_seq_len=256, quiet=True)
+    build(BuildOptions(None, None, out, max_seq_len=256, quiet=True))
     return out
 
 

@@ -57,7 +57,7 @@ def streamed_build(target: Path, out: Path) -> tuple[dict, list]:
     from unittest import mock
 
     from dflash_export.checkpoint import weights
-    from dflash_export.build import build
+    from dflash_export.build import BuildOptions, build
 
     reads, streamed = Counter(), []
     read, bind = weights.WeightSource.read, weights.bind_weights
@@ -75,7 +75,7 @@ def streamed_build(target: Path, out: Path) -> tuple[dict, list]:
     with mock.patch.object(weights, "STREAM_MIN_ELEMENTS", TEST_STREAM_MIN_ELEMENTS), \
             mock.patch.object(weights.WeightSource, "read", counting_read), \
             mock.patch("dflash_export.families.dense.bind_weights", recording_bind):
-        build(str(target), None, out, max_seq_len=256, quiet=True)
+        build(BuildOptions(str(target), None, out, max_seq_len=256, quiet=True))
     return dict(reads), streamed
 
 

@@ -18,18 +18,13 @@ tokens, so tests decide exactly which proposals are made (and hence accepted).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-for _p in (str(TESTS), str(ROOT)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+ROOT = Path(__file__).resolve().parents[1]  # the repository root, for subprocesses
 
 VOCAB = 96
 EOS = 2
@@ -140,12 +135,12 @@ def artifact(kind: str, tmp_path_factory) -> Pair:
     """The built artifact of `kind` (exported once per test session)."""
     if kind in _ARTIFACTS:
         return _ARTIFACTS[kind]
-    from dflash_export.build import build
+    from dflash_export.build import BuildOptions, build
 
     root = checkpoints(kind, tmp_path_factory)
     max_seq_len = {"qwen3": 64, "llama": 48, "ctxfree": 32}[kind]
     out = tmp_path_factory.mktemp(f"rt_art_{kind}") / "artifact"
-    manifest = build(str(root / "target"), str(root / "draft"), out, max_seq_len=max_seq_len, quiet=True)
+    manifest = build(BuildOptions(str(root / "target"), str(root / "draft"), out, max_seq_len=max_seq_len, quiet=True))
     pair = Pair(
         kind=kind,
         target_dir=root / "target",
@@ -168,7 +163,7 @@ def proposing_artifact(kind: str, tmp_path_factory, every: int = 2) -> Pair:
     import json
     import shutil
 
-    from dflash_export.build import build
+    from dflash_export.build import BuildOptions, build
 
     base = artifact(kind, tmp_path_factory)
     root = tmp_path_factory.mktemp(f"rt_art_{key}")
@@ -177,7 +172,7 @@ def proposing_artifact(kind: str, tmp_path_factory, every: int = 2) -> Pair:
     vocab_size = lm_head_matrix(base.target_dir).shape[0]
     ids = sorted({*range(0, vocab_size, every), base.mask_id})
     (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": ids}))
-    build(str(base.target_dir), str(draft), root / "artifact", max_seq_len=base.max_seq_len, quiet=True)
+    build(BuildOptions(str(base.target_dir), str(draft), root / "artifact", max_seq_len=base.max_seq_len, quiet=True))
     pair = Pair(kind=key, target_dir=base.target_dir, draft_dir=draft, artifact=root / "artifact",
                 block_size=base.block_size, mask_id=base.mask_id, max_seq_len=base.max_seq_len)
     _ARTIFACTS[key] = pair

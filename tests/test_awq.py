@@ -10,7 +10,7 @@ import torch
 import tiny_models
 from int4_fusion import assert_int4_fused
 from dflash_export.quant import awq
-from dflash_export.build import build
+from dflash_export.build import BuildOptions, build
 from dflash_export.check.parity import run_check
 from dflash_export.quant.rtn import dequantize, quantize_rtn
 from dflash_export.checkpoint.weights import WeightSource
@@ -68,8 +68,8 @@ def test_awq_build_passes_check_with_its_stored_scales(tmp_path):
     target = tiny_models.make_target(tmp_path / "t", layers=3)
     draft = tiny_models.make_draft(tmp_path / "d", target, taps=[0, 2])
     art = tmp_path / "art"
-    manifest = build(str(target), str(draft), art, max_seq_len=64, quiet=True, quant="int4", quant_block=16,
-                     quant_method="awq")
+    manifest = build(BuildOptions(str(target), str(draft), art, max_seq_len=64, quiet=True, quant="int4", quant_block=16,
+                     quant_method="awq"))
     q = manifest["quantization"]
     assert (q["method"], q["awq_scales"], q["awq_calibration"]["tokens"]) == ("awq", "awq_scales.safetensors", 2048)
     assert q["awq_calibration"]["prompts"] == "seeded random ids (no tokenizer)"  # the tiny target has none
@@ -135,6 +135,6 @@ def test_awq_without_prompts_is_refused_before_any_output(tmp_path, monkeypatch)
     draft = tiny_models.make_draft(tmp_path / "d", target, taps=[0, 1])
     monkeypatch.setattr(awq, "PROMPTS_DIR", tmp_path / "missing")
     with pytest.raises(DFlashError, match=r"calibrates on .*train\*\.jsonl, which is missing"):
-        build(str(target), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, quant="int4", quant_block=16,
-              quant_method="awq")
+        build(BuildOptions(str(target), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, quant="int4", quant_block=16,
+              quant_method="awq"))
     rf.no_partial_output(tmp_path / "art")

@@ -286,6 +286,16 @@ def test_exact_capacity(qwen, qwen_rows):
         sess.generate(prompt, max_new_tokens=n + 1, stop_token_ids=[], verify_len="all")
 
 
+def test_an_absurd_max_new_tokens_suggests_no_absurd_rebuild(qwen):
+    """max_new_tokens far beyond any buffer: the error says how many new tokens fit, and suggests no
+    --max-seq-len no export could take."""
+    sess = runtime.load(qwen.artifact)
+    with pytest.raises(DFlashError) as err:
+        sess.generate([5, 6], max_new_tokens=10**12)
+    msg = str(err.value)
+    assert f"ask for at most {qwen.max_seq_len - 2} new tokens" in msg and "--max-seq-len" not in msg
+
+
 def test_prompt_beyond_capacity_is_refused_before_running(qwen):
     sess = runtime.load(qwen.artifact)
     runs = []
@@ -371,7 +381,7 @@ def test_draft_vocab_limits_proposals_never_the_output(ctxfree, tmp_path):
     import json
     import shutil
 
-    from dflash_export.build import build
+    from dflash_export.build import BuildOptions, build
 
     m, b, vocab_size = ctxfree.mask_id, ctxfree.block_size, rf.lm_head_matrix(ctxfree.target_dir).shape[0]
     for keep_mask in (True, False):
@@ -380,7 +390,7 @@ def test_draft_vocab_limits_proposals_never_the_output(ctxfree, tmp_path):
         ids = [i for i in range(0, vocab_size, 2) if i != m] + ([m] if keep_mask else [])
         (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": ids}))
         art = tmp_path / f"art_{keep_mask}"
-        manifest = build(str(ctxfree.target_dir), str(draft), art, max_seq_len=ctxfree.max_seq_len, quiet=True)
+        manifest = build(BuildOptions(str(ctxfree.target_dir), str(draft), art, max_seq_len=ctxfree.max_seq_len, quiet=True))
         assert manifest["draft"]["draft_vocab_size"] == len(ids)
         res = runtime.load(art).generate([5, 7, m], max_new_tokens=14, stop_token_ids=[], record_steps=True, verify_len="all")
         assert res.output_ids == [m] * 14
@@ -390,8 +400,8 @@ def test_draft_vocab_limits_proposals_never_the_output(ctxfree, tmp_path):
         else:
             assert res.acceptance_lengths == rf.expected_acceptance(14, b, 0)
     # --draft-vocab full ignores the file: the mask id is proposed and accepted again
-    full = build(str(ctxfree.target_dir), str(tmp_path / "draft_False"), tmp_path / "art_full",
-                 max_seq_len=ctxfree.max_seq_len, quiet=True, draft_vocab="full")
+    full = build(BuildOptions(str(ctxfree.target_dir), str(tmp_path / "draft_False"), tmp_path / "art_full",
+                 max_seq_len=ctxfree.max_seq_len, quiet=True, draft_vocab="full"))
     assert full["draft"]["draft_vocab_size"] is None
     res = runtime.load(tmp_path / "art_full").generate([5, 7, m], max_new_tokens=14, stop_token_ids=[], verify_len="all")
     assert res.output_ids == [m] * 14 and res.acceptance_lengths == [b] * 3
@@ -537,7 +547,8 @@ def test_an_artifact_whose_draft_returns_every_row_still_runs(qwen, qwen_ref, tm
 
     import torch
 
-    from dflash_export.build import _io_spec, draft_export_module, prepare_pair
+    from dflash_export.build import _io_spec, prepare_pair
+    from dflash_export.drafts.dflash import draft_export_module
     from dflash_export.export.graphs import _export
     from dflash_export.checkpoint.weights import WeightSource
 

@@ -3,7 +3,7 @@
 Where the draft has a proposal vocabulary, `build` moves the proposal head (the LM head's rows of that
 vocabulary) from the target graph into the draft graph: the draft returns its top candidates and
 their probabilities, and the target takes the proposal ids. The policy arithmetic
-(`runtime.speculation.confidence`, `AdaptiveLength(confidence=True)`) runs on fixed costs and hand-made
+(`runtime.speculation.confidence`, `auto_policy(draft_probabilities=True)`) runs on fixed costs and hand-made
 probabilities; the graphs on the tiny pairs.
 """
 
@@ -18,7 +18,8 @@ from runtime.graphs import costs as call_costs
 from runtime.speculation.confidence import ConfidenceTrim
 from runtime.errors import DFlashError
 from runtime.manifest import draft_proposes, load_manifest, proposal_ranks
-from runtime.speculation.policy import UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength
+from runtime.speculation.proposals import Proposal, StepRecord
+from runtime.speculation.policy import UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength, auto_policy
 from runtime.graphs.tree import VerifyTree
 
 PROMPTS = ([5, 6, 7], [1, 40, 33, 12, 90, 7, 61, 18], [3])
@@ -48,7 +49,7 @@ def test_the_proposal_head_moves_into_the_draft(qwen, tmp_path):
     """The draft graph holds the proposal rows and returns [R, 4] ids and probabilities; the target
     takes proposal ids (no ranks, no hidden rows) and holds no proposal rows. `--draft-vocab full`
     keeps the earlier form (the full head is the target's own: moving it would store it twice)."""
-    from dflash_export.build import build
+    from dflash_export.build import BuildOptions, build
 
     manifest = load_manifest(qwen.artifact)
     assert draft_proposes(manifest) and proposal_ranks(manifest) == 4
@@ -57,8 +58,8 @@ def test_the_proposal_head_moves_into_the_draft(qwen, tmp_path):
     assert t_in[:6] == ["input_ids", "proposal_ids", "temperature", "uniform", "tree_depth", "tree_bias"]
     assert "proposal_ids" not in t_out and "draft_head" not in t_init
     assert d_out[:2] == ["draft_top_ids", "draft_top_probs"] and "draft_head" in d_init
-    full = build(str(qwen.target_dir), str(qwen.draft_dir), tmp_path / "full", max_seq_len=qwen.max_seq_len,
-                 quiet=True, draft_vocab="full")
+    full = build(BuildOptions(str(qwen.target_dir), str(qwen.draft_dir), tmp_path / "full", max_seq_len=qwen.max_seq_len,
+                 quiet=True, draft_vocab="full"))
     assert not draft_proposes(full)
     assert _graph_names(tmp_path / "full" / "target.onnx")[0][1] == "draft_hidden"
 
@@ -121,9 +122,9 @@ def test_auto_verifies_confident_blocks(ctxfree, monkeypatch):
     sess = runtime.load(ctxfree.artifact)
     sess.acceptance_prior = UNTRAINED_DRAFT_PRIOR
     policy = sess.policy(ctxfree.block_size)
-    assert policy.trimmer is not None
+    assert policy.confidence.trimmer is not None
     policy.smoothing = policy.probe_smoothing = 0.0  # keep the fixed costs: the tiny graphs take microseconds
-    policy.uses_lookup = False  # the draft's own path (its repeated output would be verified by lookups)
+    policy.lookups = None  # the draft's own path (its repeated output would be verified by lookups)
     m = ctxfree.mask_id
     prompt = [5, 7, m]
     n = ctxfree.max_seq_len - len(prompt)
@@ -177,18 +178,18 @@ def test_calibration_follows_the_acceptance_of_first_proposals():
 
 
 def _confident_policy(prior: float) -> AdaptiveLength:
-    return AdaptiveLength(COSTS, AcceptanceEstimate(prior, 15, prior_weight=1e9, carry=1.0), confidence=True)
+    return auto_policy(COSTS, AcceptanceEstimate(prior, 15, prior_weight=1e9, carry=1.0), draft_probabilities=True)
 
 
 def test_auto_drafts_where_drafted_steps_pay_and_trims_after():
     policy = _confident_policy(0.9)
     assert policy.proposals(15) == 2  # the prior pays: draft 2 rows (draft_rows starts at 2)
-    assert policy.trim(2, np.array([[0.95, 0, 0, 0], [0.95, 0, 0, 0]])) == 2
-    assert policy.draft_rows == 3  # all rows were used: compute one more next time
-    assert policy.trim(3, np.array([[0.02, 0, 0, 0], [0.9, 0, 0, 0], [0.9, 0, 0, 0]])) == 0
-    assert policy.draft_rows == 2  # two fewer than drafted were used: one fewer row
-    tree = AdaptiveLength(COSTS, AcceptanceEstimate(0.9, 15), alternatives=3, confidence=True)
-    assert tree.trim(2, np.array([[0.35, 0.3, 0.2, 0.01], [0.1, 0, 0, 0]])) == VerifyTree(1, 2)
+    assert policy.refine(2, Proposal("draft", probs=np.array([[0.95, 0, 0, 0], [0.95, 0, 0, 0]]))) == 2
+    assert policy.confidence.rows == 3  # all rows were used: compute one more next time
+    assert policy.refine(3, Proposal("draft", probs=np.array([[0.02, 0, 0, 0], [0.9, 0, 0, 0], [0.9, 0, 0, 0]]))) == 0
+    assert policy.confidence.rows == 2  # two fewer than drafted were used: one fewer row
+    tree = auto_policy(COSTS, AcceptanceEstimate(0.9, 15), alternatives=3, draft_probabilities=True)
+    assert tree.refine(2, Proposal("draft", probs=np.array([[0.35, 0.3, 0.2, 0.01], [0.1, 0, 0, 0]]))) == VerifyTree(1, 2)
 
 
 def test_auto_measures_drafted_steps_and_stops_drafting_when_they_lose():
@@ -198,14 +199,14 @@ def test_auto_measures_drafted_steps_and_stops_drafting_when_they_lose():
     policy = _confident_policy(0.6)
     assert policy.proposals(15) > 0
     for _ in range(12):
-        assert policy.trim(2, np.array([[0.05, 0, 0, 0], [0.05, 0, 0, 0]])) == 0
-        policy.observe(0, 0, 0.045, drafted=True)  # trimmed to a plain call after the draft
-    assert policy.drafted_tokens == pytest.approx(sum(0.95 ** k for k in range(12)))
-    assert policy.drafted_seconds == pytest.approx(0.045 * sum(0.95 ** k for k in range(12)))
-    assert policy.draft_mean_s == pytest.approx(0.008)  # no draft times reported: the measured cost's
-    before = policy.drafted_seconds
-    policy.observe(1, 1, 0.300, catch_up=True, drafted=True, draft_seconds=0.270)  # read 200 context rows
-    assert policy.drafted_seconds == pytest.approx(0.95 * before + 0.030 + 0.008)
+        assert policy.refine(2, Proposal("draft", probs=np.array([[0.05, 0, 0, 0], [0.05, 0, 0, 0]]))) == 0
+        policy.observe(StepRecord(0, 0, 0.045, drafted=True))  # trimmed to a plain call after the draft
+    assert policy.confidence.tokens == pytest.approx(sum(0.95 ** k for k in range(12)))
+    assert policy.confidence.seconds == pytest.approx(0.045 * sum(0.95 ** k for k in range(12)))
+    assert policy.confidence.draft_mean_s == pytest.approx(0.008)  # no draft times reported: the measured cost's
+    before = policy.confidence.seconds
+    policy.observe(StepRecord(1, 1, 0.300, catch_up=True, drafted=True, draft_seconds=0.270))  # read 200 context rows
+    assert policy.confidence.seconds == pytest.approx(0.95 * before + 0.030 + 0.008)
     assert policy.drafted_rate(15) * 0.030 < 1.0
     assert policy.plain_scale == 1.0 and policy.spec_scale == 1.0  # no curve models such a step
     assert policy.proposals(15) == 0
@@ -216,7 +217,7 @@ def test_probes_run_the_trimmed_draft_and_end_after_one_drafted_step():
     steps = [policy.proposals(15) for _ in range(4)]
     assert steps == [0, 0, 0, 2] and policy.probing  # the probe drafts draft_rows rows
     # a probe verifies at least one proposal, so the calibration learns even from a draft it wrote off
-    assert policy.trim(2, np.array([[0.05, 0, 0, 0], [0.9, 0, 0, 0]])) == 1
-    policy.observe(1, 0, 0.045, drafted=True)
+    assert policy.refine(2, Proposal("draft", probs=np.array([[0.05, 0, 0, 0], [0.9, 0, 0, 0]]))) == 1
+    policy.observe(StepRecord(1, 0, 0.045, drafted=True))
     assert not policy.probing and policy.probe_gap == 8
-    assert policy.trimmer.calibration < 1.0  # the forced proposal (0.05) was rejected
+    assert policy.confidence.trimmer.calibration < 1.0  # the forced proposal (0.05) was rejected

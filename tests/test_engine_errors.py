@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from runtime.errors import DFlashError
 
-from runtime.errors import DFlashError  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _no_tensorrt(monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 
 import runtime
 import runtime_fixtures as rf
-from dflash_export.build import build
+from dflash_export.build import BuildOptions, build
 from runtime import DFlashError
 
 
@@ -42,8 +42,8 @@ def edit_config(model_dir: Path, fn) -> Path:
 def build_fails(target, draft, out: Path, match: str) -> str:
     """Run build, expect one DFlashError matching `match`, and no partial output. Returns the message."""
     with pytest.raises(DFlashError, match=match) as err:
-        build(str(target) if target is not None else None, str(draft) if draft is not None else None, out,
-              max_seq_len=32, quiet=True)
+        build(BuildOptions(str(target) if target is not None else None, str(draft) if draft is not None else None, out,
+              max_seq_len=32, quiet=True))
     msg = str(err.value)
     assert "\n" not in msg and msg.strip() == msg
     rf.no_partial_output(out)
@@ -187,7 +187,45 @@ def test_sliding_attention_target(ckpt, tmp_path):
 def test_unsupported_target_architecture(ckpt, tmp_path):
     t = edit_config(copy_dir(ckpt / "target", tmp_path / "t"),
                     lambda c: c.update(architectures=["MistralForCausalLM"], model_type="mistral"))
-    build_fails(t, ckpt / "draft", tmp_path / "art", r"supported: Qwen3ForCausalLM, LlamaForCausalLM")
+    build_fails(t, ckpt / "draft", tmp_path / "art",
+                r"supported: Qwen3ForCausalLM, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration$")
+
+
+def test_unsupported_draft_architecture(ckpt, tmp_path):
+    d = edit_config(copy_dir(ckpt / "draft", tmp_path / "d"), lambda c: c.update(architectures=["EagleDraftModel"]))
+    build_fails(ckpt / "target", d, tmp_path / "art", r"declares architectures \['EagleDraftModel'\]; supported drafts: "
+                r"DFlashDraftModel$")
+
+
+def test_ctrl_c_before_the_swap_leaves_nothing_and_after_it_says_too_late(ckpt, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during build (here: while the graphs are checked) removes everything and exits 130;
+    one right after the artifact was swapped into place exits 130 saying it came too late, with the
+    complete artifact left."""
+    import dflash_export.build as build_mod
+    from dflash_export.checkpoint import outputs
+    from dflash_export.cli import main
+
+    args = ["build", "--target", str(ckpt / "target"), "--draft", str(ckpt / "draft"), "--max-seq-len", "32"]
+    real_check, real_replace = build_mod.check_graph, outputs.replace_directory
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build_mod, "check_graph", interrupt)
+    assert main([*args, "--out", str(tmp_path / "early")]) == 130
+    assert capsys.readouterr().err.strip().endswith("interrupted")
+    rf.no_partial_output(tmp_path / "early")
+    monkeypatch.setattr(build_mod, "check_graph", real_check)
+
+    def swap_then_interrupt(*a, **k):
+        real_replace(*a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(outputs, "replace_directory", swap_then_interrupt)
+    late = tmp_path / "late"
+    assert main([*args, "--out", str(late)]) == 130
+    assert f"interrupted too late: {late} was already written (a complete artifact)" in capsys.readouterr().err
+    assert runtime.load(late).generate([5, 6], max_new_tokens=3, stop_token_ids=[]).output_ids
 
 
 QWEN3_5_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -268,22 +306,22 @@ def test_failed_rebuild_keeps_the_old_artifact(qwen, ckpt, tmp_path):
     before = (out / "manifest.json").read_text()
     d = edit_config(copy_dir(ckpt / "draft", tmp_path / "d"), lambda c: c["dflash_config"].update(mask_token_id=500))
     with pytest.raises(DFlashError, match="mask_token_id 500"):
-        build(str(ckpt / "target"), str(d), out, max_seq_len=32, quiet=True)
+        build(BuildOptions(str(ckpt / "target"), str(d), out, max_seq_len=32, quiet=True))
     assert (out / "manifest.json").read_text() == before and not rf.build_leftovers(out)
     assert runtime.load(out).generate([5, 6], max_new_tokens=3, stop_token_ids=[]).output_ids
 
 
 def test_build_argument_errors(ckpt, tmp_path):
     with pytest.raises(DFlashError, match="--max-seq-len must be at least 2"):
-        build(str(ckpt / "target"), str(ckpt / "draft"), tmp_path / "art", max_seq_len=1, quiet=True)
+        build(BuildOptions(str(ckpt / "target"), str(ckpt / "draft"), tmp_path / "art", max_seq_len=1, quiet=True))
     with pytest.raises(DFlashError, match="--dtype must be fp32 or fp16"):
-        build(str(ckpt / "target"), str(ckpt / "draft"), tmp_path / "art", dtype="bf16", quiet=True)
+        build(BuildOptions(str(ckpt / "target"), str(ckpt / "draft"), tmp_path / "art", dtype="bf16", quiet=True))
     rf.no_partial_output(tmp_path / "art")
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
     with pytest.raises(DFlashError, match="is not a dflash_export artifact; choose another --out"):
-        build(str(ckpt / "target"), str(ckpt / "draft"), busy, max_seq_len=32, quiet=True)
+        build(BuildOptions(str(ckpt / "target"), str(ckpt / "draft"), busy, max_seq_len=32, quiet=True))
     assert [p.name for p in busy.iterdir()] == ["notes.txt"] and not rf.build_leftovers(busy)
 
 
@@ -382,4 +420,4 @@ def test_index_naming_odd_shards_is_refused(ckpt, tmp_path, shard):
 
 def test_unwritable_output_location(ckpt, tmp_path):
     with pytest.raises(DFlashError, match=r"cannot write an artifact under /proc.*choose a writable --out"):
-        build(str(ckpt / "target"), str(ckpt / "draft"), Path("/proc/dflash-art"), max_seq_len=32, quiet=True)
+        build(BuildOptions(str(ckpt / "target"), str(ckpt / "draft"), Path("/proc/dflash-art"), max_seq_len=32, quiet=True))

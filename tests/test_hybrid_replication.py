@@ -15,7 +15,7 @@ import tiny_models
 from dflash_export.export import graphs as export_mod
 from dflash_export.export import replication as layer_replication
 from dflash_export.checkpoint import weights as weights_mod
-from dflash_export.build import build
+from dflash_export.build import BuildOptions, build
 from dflash_export.export.graphs import ReplicationWarning
 from graph_compare import assert_same_graph, run_both
 from hybrid_fixtures import CONFIG, VOCAB
@@ -52,7 +52,7 @@ def test_replicated_hybrid_build_is_the_full_trace(six_layer_hybrid, tmp_path, m
     opts = dict(max_seq_len=64, dtype="fp16", quiet=True, quant="int4", quant_block=32)
     with monkeypatch.context() as m:
         m.setattr(layer_replication, "replicable", lambda module, layout: False)
-        build(str(six_layer_hybrid), None, tmp_path / "full", **opts)
+        build(BuildOptions(str(six_layer_hybrid), None, tmp_path / "full", **opts))
 
     reads = tiny_models.record_weight_reads(monkeypatch)
     templates = []
@@ -65,7 +65,7 @@ def test_replicated_hybrid_build_is_the_full_trace(six_layer_hybrid, tmp_path, m
     monkeypatch.setattr(layer_replication, "template_target", recording_template)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReplicationWarning)
-        build(str(six_layer_hybrid), None, tmp_path / "replicated", **opts)
+        build(BuildOptions(str(six_layer_hybrid), None, tmp_path / "replicated", **opts))
     assert templates == [("linear_attention", "full_attention") * 2]
     assert ("model.layers.4.linear_attn.out_proj.weight", True) in reads
     early = {name.split(".")[-2] for name, inside in reads if not inside and name.startswith("model.layers.")}

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 import runtime
 import runtime_fixtures as rf
 import tiny_models
-from dflash_export.build import build
+from dflash_export.build import BuildOptions, build
 from dflash_export.check.parity import run_check
 from dflash_export.export.checks import check_graph
 from dflash_export.quant.int4 import pack_int4, unpack_int4
@@ -44,8 +44,8 @@ def pairs(tmp_path_factory):
 def test_int4_graph_form_and_parity_with_dequantized_modules(pairs, tmp_path, kind, dtype, lm_head):
     target, draft = pairs[kind]
     art = tmp_path / "art"
-    manifest = build(str(target), str(draft), art, max_seq_len=64, dtype=dtype, quiet=True, quant="int4", quant_block=16,
-                     quant_lm_head=lm_head)
+    manifest = build(BuildOptions(str(target), str(draft), art, max_seq_len=64, dtype=dtype, quiet=True, quant="int4", quant_block=16,
+                     quant_lm_head=lm_head))
     q = manifest["quantization"]
     head = "model.embed_tokens.weight" if kind == "qwen3_tied" else "lm_head.weight"
     assert (q["method"], q["block"], q["quantized_tensors"], q["lm_head"]) == ("rtn", 16, 3 * LINEARS + lm_head, lm_head)
@@ -96,8 +96,8 @@ def test_onnxruntime_fuses_int4_weights_into_matmulnbits(pairs, tmp_path):
     from runtime.backends.ort import _optimization_level, disabled_optimizers
 
     target, draft = pairs["qwen3"]
-    manifest = build(str(target), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, quant="int4",
-                     quant_block=16)
+    manifest = build(BuildOptions(str(target), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, quant="int4",
+                     quant_block=16))
     opts = ort.SessionOptions()
     opts.graph_optimization_level = _optimization_level(ort)  # the level and optimizers the runtime runs with
     opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
@@ -126,7 +126,7 @@ def test_runtime_defaults_to_int8_activations_only_where_rows_are_exact(pairs, t
 
     target, draft = pairs["qwen3"]
     art = tmp_path / "art"
-    build(str(target), str(draft), art, max_seq_len=64, quiet=True, quant="int4", quant_block=16)
+    build(BuildOptions(str(target), str(draft), art, max_seq_len=64, quiet=True, quant="int4", quant_block=16))
     sess = runtime.load(art)
     assert (sess.backend.int4_accuracy_level, sess.backend.int8_activations) == (4, True)
     assert runtime.load(art, int4_accuracy_level=1).backend.int4_accuracy_level == 1
@@ -152,14 +152,14 @@ def test_runtime_defaults_to_int8_activations_only_where_rows_are_exact(pairs, t
     assert old.pad_single_rows is False  # no probe without int8 activations
     # fp16 graphs: onnxruntime's CPU fp16 operators round rows by call shape, so fp32 compute
     half = tmp_path / "half"
-    build(str(target), str(draft), half, max_seq_len=64, dtype="fp16", quiet=True, quant="int4", quant_block=16)
+    build(BuildOptions(str(target), str(draft), half, max_seq_len=64, dtype="fp16", quiet=True, quant="int4", quant_block=16))
     assert runtime.load(half).backend.int4_accuracy_level == 1
 
 
 def test_int4_speculative_equals_plain_with_accepted_blocks(tmp_path_factory, tmp_path):
     root = rf.checkpoints("qwen3", tmp_path_factory)
     art = tmp_path / "art"
-    build(str(root / "target"), str(root / "draft"), art, max_seq_len=64, quiet=True, quant="int4", quant_block=16)
+    build(BuildOptions(str(root / "target"), str(root / "draft"), art, max_seq_len=64, quiet=True, quant="int4", quant_block=16))
     sess = runtime.load(art)
     prompt = [1, 17, 33, 5, 60]
     plain = sess.generate(prompt, max_new_tokens=40, stop_token_ids=[], block_size=1).output_ids
@@ -189,7 +189,7 @@ def test_int4_proposal_head_ranks_proposals_only(tmp_path_factory, tmp_path):
     shutil.copytree(root / "draft", draft)
     (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": [i for i in range(0, vocab_size, 3) if i != m] + [m]}))
     art = tmp_path / "art"
-    manifest = build(str(root / "target"), str(draft), art, max_seq_len=32, quiet=True, proposal_head="int4")
+    manifest = build(BuildOptions(str(root / "target"), str(draft), art, max_seq_len=32, quiet=True, proposal_head="int4"))
     hidden = manifest["target"]["hidden_size"]
     block = max(b for b in (16, 32, 64, 128) if hidden % b == 0)
     assert manifest["proposal_head"] == {"format": "int4", "method": "rtn", "block": block} and "quantization" not in manifest
@@ -231,8 +231,17 @@ def test_rtn_round_trip_and_packing():
 def test_bad_quant_options_are_refused_before_any_output(pairs, tmp_path, options, match):
     target, draft = pairs["qwen3"]
     with pytest.raises(DFlashError, match=match):
-        build(str(target), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, **{"quant": "int4", **options})
+        build(BuildOptions(str(target), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, **{"quant": "int4", **options}))
     rf.no_partial_output(tmp_path / "art")
+
+
+def test_int4_without_a_block_takes_the_largest_that_divides_every_layer(pairs, tmp_path, capsys):
+    """`build --quant int4` alone works on every target: the first of 128, 64, 32, 16 that divides
+    every quantized layer's K (the tiny Qwen3's K are 64 and 96: 32), said on stderr."""
+    target, draft = pairs["qwen3"]
+    manifest = build(BuildOptions(str(target), str(draft), tmp_path / "art", max_seq_len=64, quant="int4"))
+    assert manifest["quantization"]["block"] == 32
+    assert "INT4 block 32 chosen: 128 does not divide every quantized layer's K" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("options, named", [(dict(quant_block=32), "--quant-block"), (dict(quant_method="rtn"), "--quant-method"),
@@ -240,7 +249,7 @@ def test_bad_quant_options_are_refused_before_any_output(pairs, tmp_path, option
 def test_quant_options_without_int4_are_refused(pairs, tmp_path, options, named):
     target, draft = pairs["qwen3"]
     with pytest.raises(DFlashError, match=f"^{named} needs --quant int4$"):
-        build(str(target), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, **options)
+        build(BuildOptions(str(target), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, **options))
     rf.no_partial_output(tmp_path / "art")
 
 
@@ -254,7 +263,7 @@ def test_already_quantized_checkpoint_is_refused(pairs, tmp_path):
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (t / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DFlashError, match=r"is already quantized \(quantization_config: gptq\).*unquantized checkpoint"):
-        build(str(t), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, quant="int4", quant_block=16)
+        build(BuildOptions(str(t), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, quant="int4", quant_block=16))
 
 
 # ---- the operator check accepts only the one form ------------------------------------------------------
@@ -327,7 +336,7 @@ def test_a_head_that_rounds_by_row_count_is_not_amplified(pairs, tmp_path):
 
     target, draft = pairs["qwen3"]
     art = tmp_path / "art"
-    build(str(target), str(draft), art, max_seq_len=64, quiet=True, quant="int4", quant_block=16, quant_lm_head=True)
+    build(BuildOptions(str(target), str(draft), art, max_seq_len=64, quiet=True, quant="int4", quant_block=16, quant_lm_head=True))
     d = check(art, level=4, past_len=12, proposals=3)
     assert d["split_padded_logits"] == d["split_padded_keys"] == 0.0, d
     sess = runtime.load(art)
@@ -349,8 +358,8 @@ def test_drift_from_the_full_precision_artifact(pairs, tmp_path, capsys):
 
     target, draft = pairs["qwen3"]
     full, quant = tmp_path / "fp32", tmp_path / "int4"
-    build(str(target), str(draft), full, max_seq_len=64, quiet=True)
-    build(str(target), str(draft), quant, max_seq_len=64, quiet=True, quant="int4", quant_block=16)
+    build(BuildOptions(str(target), str(draft), full, max_seq_len=64, quiet=True))
+    build(BuildOptions(str(target), str(draft), quant, max_seq_len=64, quiet=True, quant="int4", quant_block=16))
     ref = runtime.load(full)
     prompts = prompt_ids(ref, Path(__file__).resolve().parents[1] / "models" / "prompts" / "eval.jsonl", 1)
     assert len(prompts) >= 3 and all(len(p) == 12 for p in prompts)  # no tokenizer: seeded id prompts

@@ -20,7 +20,7 @@ from dflash_export.export import io as export_io
 from dflash_export.export import replication as layer_replication
 from dflash_export.export import replication_graph
 from dflash_export.checkpoint import weights as weights_mod
-from dflash_export.build import build
+from dflash_export.build import BuildOptions, build
 from dflash_export.export.graphs import ReplicationWarning, export_target
 from int4_fusion import assert_int4_fused
 
@@ -135,7 +135,7 @@ def test_build_int4_fp16_streamed_replicated_is_the_full_trace(llama_pair, tmp_p
     opts = dict(max_seq_len=64, dtype="fp16", quiet=True, quant="int4", quant_block=32, proposal_head="int4")
     with monkeypatch.context() as m:
         m.setattr(layer_replication, "replicable", lambda module, layout: False)
-        build(str(target), str(draft), tmp_path / "full", **opts)
+        build(BuildOptions(str(target), str(draft), tmp_path / "full", **opts))
 
     reads = tiny_models.record_weight_reads(monkeypatch)
 
@@ -146,7 +146,7 @@ def test_build_int4_fp16_streamed_replicated_is_the_full_trace(llama_pair, tmp_p
                         or original_replicable(module, layout))
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReplicationWarning)
-        build(str(target), str(draft), tmp_path / "replicated", **opts)
+        build(BuildOptions(str(target), str(draft), tmp_path / "replicated", **opts))
     assert used == [True]
     early = [name for name, inside in reads if not inside and name.startswith("model.")]
     assert early and all(name.endswith("norm.weight") for name in early), early  # matrices: only while written

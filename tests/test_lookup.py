@@ -14,7 +14,8 @@ import runtime
 import runtime_fixtures as rf
 from runtime.graphs import costs as call_costs
 from runtime.speculation.lookup import LOOKUP_PRIOR, LookupLength, NgramLookup
-from runtime.speculation.policy import UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength
+from runtime.speculation.proposals import Proposal, StepRecord
+from runtime.speculation.policy import UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, auto_policy
 
 COSTS = rf.proposing_costs()  # plain 30 ms; draft + verify n: 40 + 2n ms (verify 32 + 2n)
 
@@ -112,27 +113,32 @@ def test_lookup_timing_scales_its_costs():
     assert length.time_scale == pytest.approx(1.44)
 
 
+def _lookup_offer(n: int) -> Proposal:
+    """A lookup proposal of n ids (the policy decides on its length only)."""
+    return Proposal("lookup", ids=np.arange(n, dtype=np.int64))
+
+
 def test_auto_looks_up_where_it_would_not_draft():
-    policy = AdaptiveLength(COSTS, AcceptanceEstimate(0.02, 15), confidence=True, lookup=True)
+    policy = auto_policy(COSTS, AcceptanceEstimate(0.02, 15), draft_probabilities=True, lookups=True)
     assert policy.uses_lookup and policy.lookups.acceptance.prior == LOOKUP_PRIOR
     assert policy.proposals(15) == 0  # the draft does not pay
-    assert policy.lookup(15, 4, 0) >= 2  # a lookup at 0.7 does: no draft call, 2 ms a row
-    assert policy.lookup(2, 4, 0) <= 2  # never past the limit
-    spec_scale, drafted = policy.spec_scale, policy.drafted_seconds
+    assert policy.take_offer(15, _lookup_offer(4), 0) >= 2  # a lookup at 0.7 does: no draft call, 2 ms a row
+    assert policy.take_offer(2, _lookup_offer(4), 0) <= 2  # never past the limit
+    spec_scale, drafted = policy.spec_scale, policy.confidence.seconds
     for _ in range(30):
-        policy.observe(3, 0, 0.040, lookup=True)  # every continuation rejected
-    assert policy.lookup(15, 4, 0) == 0
-    assert policy.spec_scale == spec_scale and policy.drafted_seconds == drafted  # the draft's record is its own
-    policy.uses_lookup = False
-    assert policy.lookup(15, 4, 0) == 0
-    assert not AdaptiveLength(COSTS, AcceptanceEstimate(0.02, 15), lookup=True).uses_lookup  # needs proposal ids
+        policy.observe(StepRecord(3, 0, 0.040, source="lookup"))  # every continuation rejected
+    assert policy.take_offer(15, _lookup_offer(4), 0) == 0
+    assert policy.spec_scale == spec_scale and policy.confidence.seconds == drafted  # the draft's record is its own
+    policy.lookups = None
+    assert policy.take_offer(15, _lookup_offer(4), 0) == 0
+    assert not auto_policy(COSTS, AcceptanceEstimate(0.02, 15), lookups=True).uses_lookup  # needs proposal ids
 
 
 def test_probes_stay_draft_steps():
-    policy = AdaptiveLength(COSTS, AcceptanceEstimate(0.02, 15), confidence=True, lookup=True)
+    policy = auto_policy(COSTS, AcceptanceEstimate(0.02, 15), draft_probabilities=True, lookups=True)
     choices = [policy.proposals(15) for _ in range(4)]
     assert choices[-1] > 0 and policy.probing
-    assert policy.lookup(15, 4, choices[-1]) == 0
+    assert policy.take_offer(15, _lookup_offer(4), choices[-1]) == 0
 
 
 # ---- the loop ----------------------------------------------------------------------------------------

@@ -1,14 +1,9 @@
-"""scripts/memory_table.py: it runs the runtime's own allocation code, so a hybrid's KV buffers cover
-its attention layers only and its Gated DeltaNet state does not grow with max_seq_len."""
+"""`dflash_export.eval.memory_table` runs the runtime's own allocation code, so a hybrid's KV buffers
+cover its attention layers only and its Gated DeltaNet state does not grow with max_seq_len."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import memory_table as mt  # noqa: E402
+from dflash_export.eval import memory_table as mt
 
 
 def test_hybrid_rows_count_attention_kv_only_and_a_constant_state():

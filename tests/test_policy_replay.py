@@ -6,7 +6,6 @@ what generate itself accepts."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from dflash_export.eval import replay as pr

@@ -13,16 +13,10 @@ arithmetic of K/V row offsets. Nothing here runs TensorRT.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-TESTS = Path(__file__).resolve().parent
-for _p in (str(TESTS), str(TESTS.parent)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
 _CACHE: dict[str, Path] = {}
 
@@ -34,12 +28,12 @@ def tiny_artifact(tmp_path_factory) -> Path:
     if "fp32" not in _CACHE:
         from tiny_models import make_draft, make_target
 
-        from dflash_export.build import build
+        from dflash_export.build import BuildOptions, build
 
         root = tmp_path_factory.mktemp("trt_tiny")
         target = make_target(root / "target")
         draft = make_draft(root / "draft", target)
-        build(str(target), str(draft), root / "artifact", max_seq_len=64, quiet=True)
+        build(BuildOptions(str(target), str(draft), root / "artifact", max_seq_len=64, quiet=True))
         _CACHE["fp32"] = root / "artifact"
     return _CACHE["fp32"]
 

@@ -115,12 +115,12 @@ def test_int4_weights_fuse_on_onnxruntime_1_23(py310_env, tmp_path_factory, dtyp
     """onnxruntime 1.23.2 (JetPack 6's newest wheel) turns every INT4 weight of both graphs into
     MatMulNBits, with the options the runtime loads them with (fp32 graphs, INT4 LM head). fp16
     graphs do not fuse on 1.23.2's CPU provider (they do on 1.32): docs/performance.md."""
-    from dflash_export.build import build
+    from dflash_export.build import BuildOptions, build
 
     pair = rf.artifact("qwen3", tmp_path_factory)
     out = tmp_path_factory.mktemp(f"int4_{dtype}") / "art"
-    build(str(pair.target_dir), str(pair.draft_dir), out, max_seq_len=64, dtype=dtype, quiet=True, quant="int4",
-          quant_block=16, quant_lm_head=True)
+    build(BuildOptions(str(pair.target_dir), str(pair.draft_dir), out, max_seq_len=64, dtype=dtype, quiet=True, quant="int4",
+          quant_block=16, quant_lm_head=True))
     script = ("import json, sys, tempfile\nfrom int4_fusion import optimized_ops\n"
               "print(json.dumps({g: optimized_ops(sys.argv[1], g, tempfile.mkdtemp()) for g in ('target', 'draft')}))\n")
     root = Path(__file__).resolve().parent

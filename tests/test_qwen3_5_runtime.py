@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import runtime
-from dflash_export.build import build
+from dflash_export.build import BuildOptions, build
 
 import runtime_fixtures as rf
 from int4_fusion import assert_int4_fused
@@ -227,7 +227,7 @@ def test_fp16_int4_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_pat
 
     _, art = hybrid
     out = tmp_path / "int4"
-    m = build(str(art.parent / "target"), None, out, max_seq_len=128, dtype="fp16", quant="int4", quant_block=16, quiet=True)
+    m = build(BuildOptions(str(art.parent / "target"), None, out, max_seq_len=128, dtype="fp16", quant="int4", quant_block=16, quiet=True))
     gdn = [n for n in m["quantization"]["tensors"] if ".linear_attn." in n]
     # 3 GDN layers x 5 projections, 1 attention layer x 4, 4 MLPs x 3
     assert len(gdn) == 3 * 5 and m["quantization"]["quantized_tensors"] == len(gdn) + 4 + 4 * 3
@@ -264,8 +264,8 @@ def test_int4_lm_head_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_
 
     _, art = hybrid
     out = tmp_path / "int4_head"
-    m = build(str(art.parent / "target"), None, out, max_seq_len=128, quant="int4", quant_block=16, quant_lm_head=True,
-              proposal_head="int4", quiet=True)
+    m = build(BuildOptions(str(art.parent / "target"), None, out, max_seq_len=128, quant="int4", quant_block=16, quant_lm_head=True,
+              proposal_head="int4", quiet=True))
     q = m["quantization"]
     assert q["lm_head"] is True and q["head"] in q["tensors"]
     assert draft_proposes(m)  # the INT4 head is used once per graph: the draft ranks its own proposals
@@ -301,7 +301,7 @@ def test_train_draft_then_bench_on_a_hybrid(hybrid_pair, tmp_path, capsys):
     losses = json.loads((draft / "train_state" / "state.json").read_text())["losses"]
     assert losses[-1] < losses[0] - 0.05, losses
     art = tmp_path / "art"
-    build(str(target), str(draft), art, max_seq_len=128, quiet=True)
+    build(BuildOptions(str(target), str(draft), art, max_seq_len=128, quiet=True))
     assert main(["bench", str(art), "--prompts", str(prompts), "--max-new-tokens", "10", "--policies", "auto,1,7",
                  "--past-lengths", "", "--out", str(tmp_path / "bench")]) == 0
     assert "no PyTorch loop baseline for a hybrid (Qwen3.5) target" in capsys.readouterr().out

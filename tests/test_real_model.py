@@ -79,10 +79,10 @@ def test_int4_speculative_equals_plain_on_the_real_pair(tmp_path_factory):
     layers x 4 packed GEMMs + the head; the draft's last layer and its proposal head). Its int8
     activations round one-row calls differently, which padded plain steps absorb (`pad_single_rows`)."""
     import runtime
-    from dflash_export.build import build
+    from dflash_export.build import BuildOptions, build
 
     out = tmp_path_factory.mktemp("smollm2_int4") / "art"
-    build(None, None, out, max_seq_len=256, quiet=True, quant="int4", quant_block=32, quant_lm_head=True)
+    build(BuildOptions(None, None, out, max_seq_len=256, quiet=True, quant="int4", quant_block=32, quant_lm_head=True))
     from int4_fusion import assert_int4_fused
 
     assert assert_int4_fused(out, tmp_path_factory.mktemp("fused")) == {"target": 30 * 4 + 1, "draft": 4 + 1}
@@ -153,6 +153,7 @@ def test_multi_turn_chat_reuses_the_cache_and_equals_fresh_sessions(smollm2_arti
     msgs = [{"role": "system", "content": "You are a concise assistant."},
             {"role": "user", "content": "Name three fruits with an emoji each, and say hello in Chinese."}]
     follow_ups = ["Now a two-line poem about them.", "Translate its first line into French.", "One fact about bananas?"]
+    prev = None  # the previous turn's result
     with runtime.load(smollm2_artifact) as sess, runtime.load(smollm2_artifact) as fresh:
         for turn in range(4):
             with sess.stream(messages=msgs, **kw) as stream:
@@ -164,7 +165,7 @@ def test_multi_turn_chat_reuses_the_cache_and_equals_fresh_sessions(smollm2_arti
             assert "".join(c.text for c in chunks) == res.text == ref.text
             # no half character mid-stream; a reply cut by max_new_tokens inside one ends as decode() ends it
             assert not any("\ufffd" in c.text for c in chunks[:-1])
-            if turn:  # the previous prompt and (re-encoded the same way) most of the previous reply
+            if prev is not None:  # the previous prompt and (re-encoded the same way) most of the previous reply
                 assert res.reused_tokens >= prev.prompt_tokens + len(prev.output_ids) // 2, (res.reused_tokens, prev.prompt_tokens)
             prev = res
             if turn < 3:

@@ -199,16 +199,21 @@ def test_connections_beyond_the_limit_get_503_at_once(chat_art):
             stalled.append(s)
         time.sleep(0.3)
 
-        def health_status() -> int:  # (uvicorn's own 503 has a text body, so no JSON decoding)
+        def health() -> tuple[int, str | None, dict]:
             conn = http.client.HTTPConnection(host, int(port), timeout=10)
             conn.request("GET", "/health")
-            status = conn.getresponse().status
+            resp = conn.getresponse()
+            out = resp.status, resp.getheader("content-type"), json.loads(resp.read())
             conn.close()
-            return status
-        assert health_status() == 503
+            return out
+        status, ctype, body = health()  # an OpenAI error body, as every other error (not uvicorn's text/plain)
+        assert (status, ctype) == (503, "application/json")
+        assert body == {"error": {"message": "the server has 4 connections open, its limit (--max-connections); "
+                                             "retry later", "type": "server_error", "param": None,
+                                  "code": "too_many_connections"}}
         stalled.pop().close()
         time.sleep(0.3)
-        assert health_status() == 200
+        assert health()[0] == 200
         for s in stalled:
             s.close()
 

@@ -364,11 +364,11 @@ def test_build_and_generate_with_a_sliding_yarn_draft(yarn, tmp_path):
     """End to end: the manifest records the window, the runtime loads the sliding draft (its graph
     inputs are still past K/V per layer), speculative output equals plain and `check` passes."""
     import runtime
-    from dflash_export.build import build
+    from dflash_export.build import BuildOptions, build
     from dflash_export.check.parity import run_check
 
     art = tmp_path / "art"
-    manifest = build(str(yarn.target.hf_dir), str(yarn.root / "hf"), art, max_seq_len=96, quiet=True)
+    manifest = build(BuildOptions(str(yarn.target.hf_dir), str(yarn.root / "hf"), art, max_seq_len=96, quiet=True))
     assert manifest["draft"]["layer_types"] == ["sliding_attention", "full_attention"]
     assert manifest["draft"]["sliding_window"] == WINDOW
     sess = runtime.load(art)

@@ -18,6 +18,7 @@ import runtime_fixtures as rf
 from runtime.graphs import costs as call_costs
 from runtime.graphs.costs import CallCosts, measurement_points
 from runtime.errors import DFlashError
+from runtime.speculation.proposals import StepRecord
 from runtime.speculation.policy import UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength, FixedLength
 
 
@@ -70,7 +71,7 @@ def test_plain_steps_probe_with_a_doubling_gap():
         n = pol.proposals(15)
         if n:
             probes.append(step)
-        pol.observe(n, 0, float(CPU_COSTS.step_s(np.array([n]))[0]))
+        pol.observe(StepRecord(n, 0, float(CPU_COSTS.step_s(np.array([n]))[0])))
     gaps = np.diff(probes).tolist()
     # a probe costs 42 - 30 = 12 ms more than a plain step: at least 0.012 / (0.02 * 0.030) = 20 steps apart
     assert pol.probe_extra_s == pytest.approx(0.012)
@@ -80,23 +81,23 @@ def test_plain_steps_probe_with_a_doubling_gap():
     # a catch-up probe's full time counts as its cost, but not as a verify step's cost
     pol = _policy(0.2)
     pol.probing = True
-    pol.observe(1, 0, 0.100, catch_up=True)
+    pol.observe(StepRecord(1, 0, 0.100, catch_up=True))
     assert pol.probe_extra_s == pytest.approx(0.070) and pol.spec_scale == 1.0
     # an accepted probe committed 2 tokens in 42 ms where plain steps take 60: it cost nothing net,
     # and probes that pay for themselves are not spaced out for their cost
     pol.probing = True
-    pol.observe(1, 1, 0.042)
+    pol.observe(StepRecord(1, 1, 0.042))
     assert pol.probe_extra_s == pytest.approx(0.5 * (0.070 + 0.042 - 0.060))
     pol.probing = True
-    pol.observe(1, 1, 0.042)
+    pol.observe(StepRecord(1, 1, 0.042))
     pol.probing = True
-    pol.observe(1, 1, 0.042)
+    pol.observe(StepRecord(1, 1, 0.042))
     assert pol.probe_extra_s < 0 and pol._min_probe_gap() == 0
     # probes that accept but do not make speculation pay keep doubling the gap; once speculation
     # wins, the gap starts again at 4
     pol = _policy(0.2)
     pol.probe_gap, pol.probing = 8, True
-    pol.observe(7, 2, 0.054)
+    pol.observe(StepRecord(7, 2, 0.054))
     assert pol.probe_gap == 16 and pol.proposals(15) == 0
     pol.acceptance.prior = 0.9
     assert pol.proposals(15) > 0 and pol.probe_gap == 4
@@ -112,11 +113,11 @@ def test_the_shape_search_runs_again_only_when_its_inputs_change(monkeypatch):
     monkeypatch.setattr(pol, "_search", lambda limit: searched.append(limit) or search(limit))
     for _ in range(3):
         assert pol.proposals(15) == 0
-        pol.observe(0, 0, 0.031)
+        pol.observe(StepRecord(0, 0, 0.031))
     assert searched == [15]
     pol.proposals(7)
-    pol.observe(0, 0, 0.031)
-    pol.observe(1, 1, 0.042)  # (a step the policy did not choose: still evidence)
+    pol.observe(StepRecord(0, 0, 0.031))
+    pol.observe(StepRecord(1, 1, 0.042))  # (a step the policy did not choose: still evidence)
     pol.proposals(7)
     pol.start()
     pol.proposals(7)
@@ -147,7 +148,7 @@ def test_scales_track_observed_step_times():
     before = pol.proposals(15)
     for _ in range(40):
         n = pol.proposals(15)
-        pol.observe(n, n, 2 * float(CPU_COSTS.step_s(np.array([n]))[0]))
+        pol.observe(StepRecord(n, n, 2 * float(CPU_COSTS.step_s(np.array([n]))[0])))
     assert pol.spec_scale == pytest.approx(2.0, rel=0.05) and pol.proposals(15) == before
     # measured: speculative steps 40% dearer than they are; a = 0.45 then looks like a loss
     wrong = CallCosts({n: v * (1.4 if n else 1.0) for n, v in CPU_COSTS.step_ms.items()}, 128)
@@ -157,7 +158,7 @@ def test_scales_track_observed_step_times():
     for _ in range(200):
         n = pol.proposals(15)
         chosen.append(n)
-        pol.observe(n, 1 if n else 0, float(CPU_COSTS.step_s(np.array([n]))[0]))  # what steps really cost
+        pol.observe(StepRecord(n, 1 if n else 0, float(CPU_COSTS.step_s(np.array([n]))[0])))  # what steps really cost
     assert pol.spec_scale == pytest.approx(1 / 1.4, rel=0.05) and chosen[-1] > 0
     won = next(i for i in range(len(chosen) - 1) if chosen[i] > 0 and chosen[i + 1] > 0)  # chosen, not a probe
     assert won < 40  # a few probes suffice
@@ -290,6 +291,47 @@ def test_a_second_thread_gets_an_error_while_one_generates(qwen, monkeypatch):
     worker.join(10)
     monkeypatch.undo()
     assert result["ids"] == sess.generate([5, 6], max_new_tokens=4, stop_token_ids=[], block_size=1).output_ids
+
+
+def test_a_second_generate_in_the_same_thread_names_the_open_stream(qwen):
+    """An open stream blocks the next generate of its own thread: the error says so (not "another
+    thread"); closing the stream frees the session."""
+    sess = runtime.load(qwen.artifact)
+    stream = sess.stream([5, 6], max_new_tokens=4, stop_token_ids=[], block_size=1)
+    next(iter(stream))
+    with pytest.raises(DFlashError, match="a stream of this Session is still open in this thread; read it to the end or close"):
+        sess.generate([7, 8], max_new_tokens=4)
+    stream.close()
+    assert len(sess.generate([7, 8], max_new_tokens=4, stop_token_ids=[], block_size=1).output_ids) == 4
+
+
+def test_policy_argument_takes_an_object_or_a_name(qwen):
+    """generate(policy=...): a Policy object runs as given (what it learns stays with the caller), a
+    name is a verify_len value or "plain"; greedy output is plain decoding's either way; policy and
+    verify_len together, or something else, are refused."""
+    sess = runtime.load(qwen.artifact)
+    plain = sess.generate([5, 6, 7], max_new_tokens=12, stop_token_ids=[], block_size=1).output_ids
+
+    class Count(FixedLength):
+        def __init__(self):
+            super().__init__(3)
+            self.records = []
+
+        def observe(self, record):
+            self.records.append(record)
+
+    mine = Count()
+    result = sess.generate([5, 6, 7], max_new_tokens=12, stop_token_ids=[], policy=mine, record_steps=True)
+    assert result.output_ids == plain and result.policy == "fixed"
+    assert [r.verified for r in mine.records] == [min(3, len(s["proposed"])) for s in result.steps]
+    assert mine.records[0].verified == 3 and mine.records[0].source == "draft"
+    assert [r.committed for r in mine.records] == [s["committed"] for s in result.steps]
+    for name in ("plain", "all", 2, "auto"):
+        assert sess.generate([5, 6, 7], max_new_tokens=12, stop_token_ids=[], policy=name).output_ids == plain
+    with pytest.raises(DFlashError, match="either policy or verify_len"):
+        sess.generate([5], policy="all", verify_len=2)
+    with pytest.raises(DFlashError, match="policy must be a runtime.speculation.policy.Policy or a name"):
+        sess.generate([5], policy=3.5)
 
 
 def test_costs_extrapolate_and_measurement_fits_small_buffers(qwen, tmp_path, monkeypatch):

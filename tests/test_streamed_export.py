@@ -14,7 +14,7 @@ from onnx import helper, numpy_helper
 import tiny_models
 from dflash_export.export import graphs as export_mod
 from dflash_export.checkpoint import weights as weights_mod
-from dflash_export.build import build
+from dflash_export.build import BuildOptions, build
 from dflash_export.export.checks import check_graph
 from runtime.errors import DFlashError
 from runtime.graphs.tree import chain_inputs
@@ -37,14 +37,14 @@ def pair(tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_streamed_weights_give_the_same_graph_and_are_read_only_while_written(pair, tmp_path, monkeypatch, dtype):
     target, draft = pair
-    build(str(target), str(draft), tmp_path / "eager", max_seq_len=64, dtype=dtype, quiet=True)
+    build(BuildOptions(str(target), str(draft), tmp_path / "eager", max_seq_len=64, dtype=dtype, quiet=True))
 
 
     # stream every weight matrix of the tiny pair (not only those above 16k elements) and write external data
     monkeypatch.setattr(weights_mod, "STREAM_MIN_ELEMENTS", 1000)
     monkeypatch.setattr(export_mod, "EXTERNAL_DATA_THRESHOLD", 0)
     reads = tiny_models.record_weight_reads(monkeypatch)
-    build(str(target), str(draft), tmp_path / "streamed", max_seq_len=64, dtype=dtype, quiet=True)
+    build(BuildOptions(str(target), str(draft), tmp_path / "streamed", max_seq_len=64, dtype=dtype, quiet=True))
 
     streamed = {name for name, inside in reads if inside}
     assert {"model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "fc.weight",

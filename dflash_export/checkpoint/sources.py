@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from runtime.errors import DFlashError
+from dflash_export.checkpoint.outputs import staged_directory
 from runtime.files import cache_dir  # converted checkpoints live in the user cache
 
 from dflash_export.checkpoint.target import TargetSpec, file_sha256, safetensors_files, share_permissions
@@ -173,19 +172,12 @@ def embedded_target_dir() -> Path:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
-    try:
+    with staged_directory(out, "the converted checkpoint") as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": EMBEDDED_GGUF})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.to_json_file(str(tmp / "generation_config.json"))
         tok.save_pretrained(tmp)
         share_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -284,3 +284,8 @@ def _read_optional_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError:
         return {}
+
+
+def head_name(tspec: TargetSpec) -> str:
+    """The checkpoint name of the LM head matrix (the embedding table's when tied)."""
+    return "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"

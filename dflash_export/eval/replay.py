@@ -33,6 +33,7 @@ import numpy as np
 from runtime.graphs.costs import CallCosts, timed_step
 from runtime.results import accepted_prefix
 from runtime.speculation.policy import AcceptanceEstimate, AdaptiveLength, FixedLength, Policy
+from runtime.speculation.proposals import StepRecord
 
 
 @dataclass
@@ -184,7 +185,7 @@ def replay(policy: Policy, trace: AcceptanceTrace, model: StepCostModel, block_s
             acc, cost, catch_up = 0, model.step_s(0), False
             pending += 1
         seen = cost * math.exp(noise * rng.standard_normal()) if noise else cost
-        policy.observe(n, acc, seen, catch_up=catch_up)
+        policy.observe(StepRecord(n, acc, seen, source="draft" if n else "plain", drafted=bool(n), catch_up=catch_up))
         seconds += cost
         steps += 1
         t = min(t + acc + 1, total - 1)

@@ -12,6 +12,7 @@ import torch
 from runtime.errors import DFlashError
 
 from dflash_export.checkpoint.target import (
+    head_name,
     SUPPORTED_TARGETS,
     AttentionSpec,
     TargetSpec,
@@ -23,9 +24,10 @@ from dflash_export.checkpoint.target import (
 from dflash_export.checkpoint.draft import DraftSpec
 from dflash_export.families.registry import ExportedTarget, draft_proposes
 from dflash_export.nn.layers import TargetForExport, cast_for_export
-from dflash_export.quant.int4 import QuantConfig, proposal_head_block, quantized_names, rewrite_int4
+from dflash_export.quant.int4 import quantized_names
 from dflash_export.checkpoint.weights import WeightSource, bind_weights, check_weight_names, empty_module, load_module_weights
 from dflash_export.families.shared import upcast_weights_on_use
+from dflash_export.quant.streaming import proposal_head_config, streaming_rewrite
 from dflash_export.export.graphs import export_target
 from dflash_export.quant import awq
 from dflash_export.quant.awq import check_calibration_source
@@ -87,11 +89,6 @@ def check_weights(tspec: TargetSpec, tap_layers, source: WeightSource) -> None:
                        tied=empty.lm_head is None)
 
 
-def head_name(tspec: TargetSpec) -> str:
-    """The checkpoint name of the LM head matrix (the embedding table's when tied)."""
-    return "model.embed_tokens.weight" if tspec.tie_word_embeddings else "lm_head.weight"
-
-
 def check_options(tspec: TargetSpec, tap_layers, source: WeightSource, qconfig, proposal_head: str) -> None:
     """Family hook: every `build` option applies to dense targets; with `qconfig`, the INT4 block must
     divide every quantized layer's K (checked before any output exists).
@@ -143,20 +140,6 @@ def target_export_module(tspec: TargetSpec, dspec: DraftSpec, source: WeightSour
     return module, readers
 
 
-def streaming_rewrite(treaders: dict, tsource: WeightSource, torch_dtype, qconfig, qnames: list[str], head_config):
-    """The `rewrite(model, packed)` hook of `export._export`: each weight is read (stacked when packed),
-    INT4-quantized when `qconfig` (and the proposal head rows with `head_config`) as its initializer
-    is saved."""
-    def rewrite(model, packed):
-        read = read_packed(packed, treaders, tsource, torch_dtype)
-        if qconfig is not None:
-            rewrite_int4(model, graph_weight_names(qnames, packed, qconfig.lm_head and "draft_head" in treaders),
-                         read, qconfig, torch_dtype)
-        if head_config is not None and not (qconfig is not None and qconfig.lm_head):
-            rewrite_int4(model, ["draft_head"], read, head_config, torch_dtype)
-    return rewrite
-
-
 def export_for_build(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, path: Path, torch_dtype,
                      qconfig, proposal_head: str, quiet: bool) -> ExportedTarget:
     """`build`'s target step (family hook): export a Qwen3/Llama target with its weights streamed (each
@@ -202,36 +185,6 @@ def _awq_source(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, out_
         "tokens": int(ids.numel()), "grid": awq.GRID,
         "seconds": round(time.perf_counter() - t0, 1)}}
     return awq.scaled_source(tsource, scales), extra
-
-
-def proposal_head_config(choice: str, has_rows: bool, qconfig, hidden: int):
-    """(Shared by the families.) The INT4 config of the proposal head rows, or None when they stay in the graph dtype (choice
-    "full", no proposal vocabulary, or --quant-lm-head, which quantizes them with the head)."""
-    if choice != "int4" or not has_rows:
-        return None
-    if qconfig is not None and qconfig.lm_head:
-        return qconfig
-    return QuantConfig(method="rtn", block=proposal_head_block(hidden, qconfig.block if qconfig else None))
-
-
-def graph_weight_names(names: list[str], packed: dict[str, list[str]], draft_head: bool) -> list[str]:
-    """The target graph's initializers for checkpoint weights `names`: packed parts (all quantized
-    alike) by their packed name, plus the proposal head rows when `draft_head`."""
-    chosen = set(names)
-    out = [p for p, parts in packed.items() if set(parts) <= chosen]
-    in_packs = {n for parts in packed.values() for n in parts}
-    return out + [n for n in names if n not in in_packs] + (["draft_head"] if draft_head else [])
-
-
-def read_packed(packed: dict[str, list[str]], readers: dict, source: WeightSource, dtype):
-    """name -> weight `[N, K]` in `dtype` for a graph initializer: read from the shards, stacked for a
-    packed one, or derived (the proposal head rows)."""
-    def read(name):
-        if name in packed:
-            return torch.cat([source.read_as(part, dtype) for part in packed[name]], dim=0)
-        return readers[name]() if name == "draft_head" else source.read_as(name, dtype)
-
-    return read
 
 
 def reference_target(tspec: TargetSpec, dspec: DraftSpec, source: WeightSource, manifest: dict, vocab):

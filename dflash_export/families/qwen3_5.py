@@ -39,7 +39,8 @@ from dflash_export.families.shared import upcast_weights_on_use
 from dflash_export.checkpoint.weights import check_weight_names, empty_module, load_module_weights
 from dflash_export.export.graphs import export_target
 from dflash_export.export.replication import Layout
-from dflash_export.families.dense import ReferenceTarget, proposal_head_config, set_head_transforms, streaming_rewrite, target_export_module
+from dflash_export.families.dense import ReferenceTarget, set_head_transforms, target_export_module
+from dflash_export.quant.streaming import proposal_head_config, streaming_rewrite
 from dflash_export.quant.int4 import dequantized_source, quantized_names
 from runtime.manifest import draft_proposes as graph_proposes
 

@@ -65,6 +65,13 @@ class QuantConfig:
             raise DFlashError(f"--quant-block {self.block} must be a power of two >= 16 (e.g. 32, 64, 128)")
 
 
+class BlockMismatch(DFlashError):
+    """An INT4 block that does not divide a quantized layer's K (build then tries a smaller default)."""
+
+
+DEFAULT_BLOCKS = (128, 64, 32, 16)  # build's default --quant-block: the first that divides every layer's K
+
+
 def quantized_names(names, shapes: dict, config: QuantConfig, head_name: str | None = None) -> list[str]:
     """The decoder linear weights among `names` (and `head_name`, the LM head matrix, when
     `config.lm_head`), checked against the block size.
@@ -83,7 +90,7 @@ def quantized_names(names, shapes: dict, config: QuantConfig, head_name: str | N
             hint = (f"use --quant-block {' or '.join(map(str, fitting))}" if fitting
                     else "no power-of-two block >= 16 divides every quantized layer's K")
             hint += " (32 is the README's choice for speed and accuracy)" if 32 in fitting else ""
-            raise DFlashError(f"{name} has {k} input features, which --quant-block {config.block} does not divide; {hint}")
+            raise BlockMismatch(f"{name} has {k} input features, which --quant-block {config.block} does not divide; {hint}")
     return chosen
 
 

@@ -32,7 +32,7 @@ from dflash_export.train.data import DEFAULT_PROMPTS, TrainingData, prepare_trai
 from dflash_export.train.loss import block_loss, dtype_name
 from dflash_export.train.setup import DraftPlan, LossHead, build_draft, plan_draft
 from dflash_export.train.state import restore_train_state, save_train_state, write_draft
-from dflash_export.build import check_output_dir
+from dflash_export.checkpoint.outputs import check_output_dir
 
 # what train-draft writes into --out: an existing --out holding anything else is refused
 TRAIN_OUTPUT_FILES = ("config.json", "model.safetensors", "training_record.json", "draft_vocab.json", "train_state")

@@ -86,6 +86,87 @@ class GraphCalls:
         mask_row = load_mask_embedding(self.artifact_dir / m["mask_embedding"], hidden).astype(self.dtype)
         be.write(self.block.rows(0, mb), np.broadcast_to(mask_row, (mb, hidden)))
 
+    # ---- the steps of a generation (what `runtime.loop` calls; it touches no buffer itself) ------
+    def reuse_prefix(self, prompt: list[int], reuse: bool = True) -> int:
+        """Keep the cached rows of the longest common prefix of the context and `prompt` (none unless
+        `reuse`; a hybrid's recurrent state may hold fewer), for :meth:`prefill` to continue from.
+        Returns the rows kept."""
+        if not reuse:
+            self.forget_context()
+        ctx = self.context
+        reused = ctx.keep_prefix(prompt)  # a failed call below leaves these rows valid
+        if self.recurrent is not None and self.recurrent.keep(reused) < reused:  # the state cannot roll back that far
+            reused = ctx.keep_prefix([])
+        return reused
+
+    def prefill(self, prompt: list[int], start: int) -> int:
+        """Target calls on `prompt[start:]` (rows the cache lacks), in chunks the engine's profiles and a
+        hybrid's call-row limit take, committing each. Returns the greedy id after the prompt (the
+        posterior of its last row; the graph's sample where it samples)."""
+        ctx, be = self.context, self.backend
+        engine_limit = be.max_call_rows("target") or len(prompt)
+        pos = start
+        while pos < len(prompt):
+            n = len(prompt) - pos if pos == 0 else min(len(prompt) - pos, engine_limit)
+            n = min(n, self.target_call_rows or n)  # a hybrid target takes at most this many rows per call
+            be.write(self.input_ids.rows(0, n), np.asarray(prompt[pos:pos + n], np.int64))
+            self.run_target(n, 0, pos, taps_row=ctx.pending)
+            self.commit_target_rows(n)
+            pos += n
+            ctx.ids = prompt[:pos]
+        return int(self.read_ids(0)[0][0])
+
+    def write_uniforms(self, values: np.ndarray) -> None:
+        """The uniforms (fp32 `[n]`, n <= max_block) the next target call samples rows 0..n-1 with."""
+        self.backend.write(self.uniform.rows(0, len(values)), np.asarray(values, np.float32))
+
+    def draft(self, rows: int, block_size: int, anchor_row: int) -> None:
+        """The step's draft call(s): the block starts with the embedding of the last committed token
+        (row `anchor_row` of the last target call's `next_embeddings`), and the draft reads every
+        pending context row (one call unless the engine's profiles limit the rows per call; the earlier
+        calls compute one row each). The last call computes `rows` rows of block positions 1..rows."""
+        ctx = self.context
+        self.backend.copy(self.block.rows(0, 1), self.next_embeddings.rows(anchor_row, 1))
+        limit = (self.backend.max_call_rows("draft") or ctx.pending) if ctx.draft_len > 0 else ctx.pending
+        start = ctx.draft_len
+        while True:
+            row = ctx.draft_len - start
+            n = min(len(ctx.ids) - ctx.draft_len, limit)
+            last = ctx.draft_len + n == len(ctx.ids)
+            self.run_draft(n, ctx.draft_len, block_size, taps_row=row, rows=rows if last else 1)
+            ctx.draft_len += n
+            if ctx.draft_len == len(ctx.ids):
+                break
+        # the taps rows [0, read) were consumed: the next target call writes from row 0 (pending = 0)
+
+    def verify(self, last: int, n_proposals: int, tree: VerifyTree | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The target call of a step: the last committed token `last` plus `n_proposals` proposals (the
+        ids :meth:`write_proposals` wrote, or the draft's hidden rows the target ranks; `tree`: its
+        nodes) after the cached context. Returns (posterior `[1 + n]`, proposals `[n]`), int64; nothing
+        is committed until :meth:`commit_chain` or :meth:`commit_tree`."""
+        self.backend.write(self.input_ids.rows(0, 1), np.array([last], np.int64))
+        self.run_target(1, n_proposals, len(self.context.ids), taps_row=self.context.pending, tree=tree)
+        return self.read_ids(n_proposals)
+
+    def commit_chain(self, last: int, accepted: list[int]) -> None:
+        """Commit a verified chain: `last` and the `accepted` proposals join the cached context."""
+        self.commit_target_rows(1 + len(accepted))
+        self.context.ids += [last] + accepted
+
+    def commit_tree(self, last: int, path: list[int], accepted: list[int]) -> None:
+        """Commit a verify tree's accepted `path` (node indices, one per depth) whose ids are `accepted`:
+        its nodes' K/V and taps rows move to the rows of their depth (a top-1 chain is already there)."""
+        past, taps_row = len(self.context.ids), self.context.pending
+        for depth, node in enumerate(path):
+            if node != depth:
+                self.move_target_row(past + 1 + node, past + 1 + depth, taps_row + 1 + node, taps_row + 1 + depth)
+        self.commit_target_rows(1 + len(path))
+        self.context.ids += [last] + accepted
+
+    def read_logits_row(self, row: int) -> np.ndarray:
+        """fp32 `[V]` logits row `row` of the last target call (host sampling: :meth:`set_sampling`)."""
+        return self.backend.read(self.logits_buffer().rows(row, 1))[0]
+
     # ---- graph calls (the public step API: bench, tests and call_costs use these) --------------
     def run_target(self, n_ids: int, n_proposals: int, past: int, taps_row: int = 0,
                    tree: VerifyTree | None = None) -> None:

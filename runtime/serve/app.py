@@ -15,7 +15,9 @@ or disconnect detection. The import is lazy (`runtime/__main__.py` checks for th
 
 Serving model: batch 1. Generations run one at a time in a worker thread (runtime/serve_worker.py);
 requests are checked and tokenized first (400 at once for a bad one), then wait in a bounded FIFO
-queue (429 with Retry-After when full). On shutdown the worker stops first, so requests in flight get a
+queue (429 with Retry-After when full). A request's headers, then its body, must each arrive within
+`read_timeout` seconds (default 10; 408 otherwise: a client that sends half a request and stalls holds
+its connection no longer). On shutdown the worker stops first, so requests in flight get a
 503 `shutting_down` (a stream: an error event, then `data: [DONE]`). Request bodies are parsed by runtime/serve_params.py, replies
 made by runtime/serve_replies.py; runtime/serve_run.py runs the app on uvicorn.
 """
@@ -48,11 +50,15 @@ log = logging.getLogger("runtime.serve.app")
 MAX_BODY_BYTES = 1 << 20  # larger request bodies get 413
 DRAIN_LIMIT = 16 << 20  # a declared body up to this size is read (and dropped) before its 413
 DEFAULT_QUEUE_SIZE = 16
+# seconds a request's headers (from the connection opening, or the previous response: the server's
+# protocol, runtime/serve/run.py) and then its body (from the headers: read here) may take to arrive
+READ_TIMEOUT_S = 10.0
 RETRY_AFTER_S = 1  # what a 429 suggests: about one short generation
 
 
 def create_app(session, model_name: str | None = None, api_key: str | None = None,
-               queue_size: int = DEFAULT_QUEUE_SIZE, max_body: int = MAX_BODY_BYTES) -> Starlette:
+               queue_size: int = DEFAULT_QUEUE_SIZE, max_body: int = MAX_BODY_BYTES,
+               read_timeout: float = READ_TIMEOUT_S) -> Starlette:
     """The ASGI app serving `session` (its worker thread starts and stops with the app's lifespan).
 
     Args:
@@ -61,11 +67,13 @@ def create_app(session, model_name: str | None = None, api_key: str | None = Non
         api_key: if set, /v1 requests must send `Authorization: Bearer <api_key>` (else 401).
         queue_size: requests that may wait while one generates (one more gets 429).
         max_body: request bodies above this many bytes get 413.
+        read_timeout: a request body not all received this many seconds after its headers gets 408 (and
+            the connection is closed); the server run by runtime/serve/run.py gives the headers as long.
 
     Raises:
-        DFlashError: the artifact has no tokenizer, or queue_size < 1.
+        DFlashError: the artifact has no tokenizer, queue_size < 1 or read_timeout <= 0.
     """
-    api = OpenAIApi(session, model_name or default_model_name(session), api_key, queue_size, max_body)
+    api = OpenAIApi(session, model_name or default_model_name(session), api_key, queue_size, max_body, read_timeout)
     routes = [
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -88,10 +96,14 @@ def default_model_name(session) -> str:
 class OpenAIApi:
     """The endpoints' handlers and the state they share (the session, its worker, the settings)."""
 
-    def __init__(self, session, model_name: str, api_key: str | None, queue_size: int, max_body: int):
+    def __init__(self, session, model_name: str, api_key: str | None, queue_size: int, max_body: int,
+                 read_timeout: float = READ_TIMEOUT_S):
         if session.tokenizer is None:
             raise DFlashError("this artifact has no tokenizer; the server needs one to read and write text")
+        if isinstance(read_timeout, bool) or not isinstance(read_timeout, (int, float)) or not read_timeout > 0:
+            raise DFlashError(f"read_timeout must be a positive number of seconds (got {read_timeout!r})")
         self.session, self.model_name, self.api_key, self.max_body = session, model_name, api_key, max_body
+        self.read_timeout = float(read_timeout)
         self.worker = Worker(session, queue_size)
         self.created = int(time.time())
         # one thread checks, tokenizes and queues requests in arrival order, off the event loop
@@ -144,7 +156,7 @@ class OpenAIApi:
         try:
             self._authorize(request)
         except ApiError:
-            await _drain(request)  # else a client still sending its body sees a reset, not the 401
+            await _drain(request, self.read_timeout)  # else a client still sending its body sees a reset, not the 401
             raise
         req = parse_request(await self._read_json(request), kind)
         self._check_model(req.model)
@@ -195,6 +207,8 @@ class OpenAIApi:
     def _fit(self, ids: list[int], req: ParsedRequest) -> dict:
         """The options with max_new_tokens filled in (what fits, capped), checked against the buffers."""
         opts = dict(req.options)
+        if "stop_token_ids" in opts:
+            opts["stop_token_ids"] = self._stop_ids(opts["stop_token_ids"])
         limit, n = self.session.max_seq_len, len(ids)
         where = "messages" if req.kind == "chat" else "prompt"
         if "max_new_tokens" not in opts:
@@ -221,6 +235,16 @@ class OpenAIApi:
             named = message.split(" ", 1)[0] if message.split(" ", 1)[0] in ("top_k", "verify_len") else None
             raise ApiError(400, message, param=named) from None
         return opts
+
+    def _stop_ids(self, extra: list[int]) -> list[int]:
+        """The model's stop ids and a request's `stop_token_ids` (vLLM's: ids that stop the reply as well
+        as the model's end-of-turn ids), each checked against the vocabulary."""
+        vocab = int(self.session.manifest["target"]["vocab_size"])
+        for t in extra:
+            if not 0 <= t < vocab:
+                raise ApiError(400, f"stop_token_ids holds {t}, which is not a token id of this model: ids are 0 to "
+                                    f"{vocab - 1} (vocabulary size {vocab})", param="stop_token_ids")
+        return sorted({*self.session.stop_token_ids, *extra})
 
     async def _collect(self, watch: "_DisconnectWatch", job: Job, event, reply: Reply) -> dict | None:
         """The whole reply (chunks skipped: the result holds the text); None if the client left."""
@@ -271,16 +295,15 @@ class OpenAIApi:
         length = request.headers.get("content-length", "")
         too_big = ApiError(413, f"the request body exceeds {self.max_body} bytes", code="request_too_large")
         if length.isdigit() and int(length) > self.max_body:
-            await _drain(request)
+            await _drain(request, self.read_timeout)
             raise too_big
-        chunks, size = [], 0
-        async for chunk in request.stream():  # counted as it arrives: chunked bodies have no length
-            size += len(chunk)
-            if size > self.max_body:
-                raise too_big
-            chunks.append(chunk)
+        try:  # (a client that stalls mid-body would hold its connection and the handler for ever)
+            raw = await asyncio.wait_for(self._read_body(request, too_big), self.read_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.read_timeout:g} s of its headers",
+                           code="request_timeout", headers={"Connection": "close"}) from None
         try:
-            body = json.loads(b"".join(chunks))
+            body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
             raise ApiError(400, f"the request body is not valid JSON ({exc})", code="invalid_json") from None
         try:  # JSON may escape a lone UTF-16 surrogate ("\ud800"): not text the tokenizer can take
@@ -290,21 +313,36 @@ class OpenAIApi:
                                 "which is not valid Unicode text", code="invalid_json") from None
         return body
 
+    async def _read_body(self, request: Request, too_big: ApiError) -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():  # counted as it arrives: chunked bodies have no length
+            size += len(chunk)
+            if size > self.max_body:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
 
-async def _drain(request: Request) -> None:
-    """Read and drop a request's body (up to DRAIN_LIMIT bytes) before an error answers it: closing
-    with unread data resets the connection, and a client still sending (most do not wait for
-    100-continue) would never see the error. A client waiting for 100-continue sends nothing."""
+
+async def _drain(request: Request, timeout: float) -> None:
+    """Read and drop a request's body (up to DRAIN_LIMIT bytes, for at most `timeout` seconds) before an
+    error answers it: closing with unread data resets the connection, and a client still sending (most
+    do not wait for 100-continue) would never see the error. A client waiting for 100-continue sends
+    nothing."""
     if "100-continue" in request.headers.get("expect", "").lower():
         return
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > DRAIN_LIMIT:
         return
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > DRAIN_LIMIT:
-            return
+
+    async def drop() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > DRAIN_LIMIT:
+                return
+
+    with contextlib.suppress(asyncio.TimeoutError):  # (then the error goes out anyway)
+        await asyncio.wait_for(drop(), timeout)
 
 
 class _DisconnectWatch:

@@ -38,7 +38,7 @@ _OPTION_FIELDS = {
 }
 _IGNORED = {"user", "metadata"}  # no effect on the output
 _COMMON = {"model", "stream", "stream_options", "n", "logprobs", "frequency_penalty", "presence_penalty",
-           "logit_bias", *_OPTION_FIELDS, *_IGNORED} - {"max_completion_tokens"}
+           "logit_bias", "stop_token_ids", *_OPTION_FIELDS, *_IGNORED} - {"max_completion_tokens"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                    "function_call", "parallel_tool_calls", "response_format", "enable_thinking",
                    "chat_template_kwargs"}
@@ -144,6 +144,12 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
 # ---- parameters this runtime does not support --------------------------------------------------------
 def _refuse_unsupported(body: dict, kind: str) -> None:
     """400 for a parameter set to anything but its no-op value."""
+    for name in ("n", "best_of"):  # a count of choices: 1 works, more is unsupported, less is wrong
+        value = body.get(name, 1)
+        counted = isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+        if not (counted and value >= 1):
+            raise ApiError(400, f"{name} must be a positive integer (got {shown(value)}); this server generates one "
+                                f"choice per request: pass {name} 1 or leave it out", param=name)
     checks = [  # (name, the values that change nothing, why not)
         ("n", (1,), "n > 1 is not supported: the server generates one choice per request"),
         ("frequency_penalty", (0,), "frequency_penalty is not supported (only 0)"),
@@ -225,6 +231,12 @@ def _options(body: dict) -> dict[str, Any]:
             message = _rename(str(exc), option, name).replace(repr(value), shown(value))
             raise ApiError(400, message, param=name) from None
         opts[option] = value
+    if "stop_token_ids" in body:  # (vLLM's; the server checks the ids against the vocabulary)
+        ids = body["stop_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ApiError(400, f"stop_token_ids must be a list of token ids (integers; got {shown(ids)})",
+                           param="stop_token_ids")
+        opts["stop_token_ids"] = ids
     if "seed" not in opts:  # as OpenAI: without a seed, sampled replies differ from request to request
         opts["seed"] = secrets.randbits(31)
     return opts

@@ -99,3 +99,66 @@ class ConfidenceTrim:
         self.hits = self.decay * self.hits + float(first_accepted)
         self.mass = self.decay * self.mass + self.first_prob
         self.first_prob = None
+
+
+class DraftConfidence:
+    """The adaptive policy's part for a draft that returns its probabilities: the verify shape is
+    chosen after the draft call (:class:`ConfidenceTrim`), the draft computes `rows` rows (one more
+    than the last step verified when it used them all, one fewer when it used two fewer), and
+    whether to call the draft at all follows the measured rate of drafted steps: committed tokens
+    per second over the recent ones (decayed sums), with the model's best fixed shape as a prior
+    worth `prior_steps` steps.
+
+    Args:
+        costs: the artifact's measured step costs (`runtime.graphs.costs.CallCosts`).
+        positions: the most proposals a step verifies (block_size - 1).
+        alternatives: verify-tree alternatives the policy may add for block position 1.
+    """
+
+    def __init__(self, costs, positions: int, alternatives: int = 0, prior_steps: float = 2.0):
+        self.verify_s = costs.verify_s(np.arange(positions + alternatives + 1))
+        one_step_s = float(costs.step_s(np.arange(2))[1])
+        self.trimmer = ConfidenceTrim(self.verify_s, alternatives)
+        self.positions = int(positions)
+        self.rows = 2
+        self.prior_steps = float(prior_steps)
+        self.draft_mean_s = max(one_step_s - float(self.verify_s[1]), 0.0)  # running mean of a draft call (no catch-up)
+        self.tokens = self.seconds = 0.0  # decayed sums over drafted steps
+
+    def start(self) -> None:
+        """A new request: the last one's drafted steps count for half."""
+        self.tokens *= 0.5
+        self.seconds *= 0.5
+
+    def rate(self, prior_rate: float, prior_step_s: float) -> float:
+        """Committed tokens per second of the recent drafted steps, with `prior_rate` (tokens per
+        second) worth `prior_steps` steps of `prior_step_s` seconds each."""
+        w = self.prior_steps
+        return (self.tokens + w * prior_rate * prior_step_s) / (self.seconds + w * prior_step_s)
+
+    def trim(self, probs: np.ndarray, plain_step_s: float, cost_scale: float, least: int) -> tuple[int, int]:
+        """(chain length, alternatives) to verify given the draft's probabilities `probs` (fp32
+        `[R, K]`), adapting the rows the next draft call computes."""
+        rows = len(probs)
+        length, alternatives = self.trimmer.choose(probs, plain_step_s, cost_scale, least=least)
+        if length >= rows >= self.rows:  # used every row it asked for (not a limit's cut)
+            self.rows = min(self.rows + 1, self.positions)
+        elif length < rows - 1:
+            self.rows = max(self.rows - 1, 1)
+        return length, alternatives
+
+    def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool, draft_seconds: float,
+                first_rank: int | None, smoothing: float, decay: float = 0.95) -> None:
+        """A drafted step's committed tokens and time join the drafted rate, and its first proposal's
+        outcome the trimmer's calibration. Both rates are measured in the same loop (no cost model
+        between them: a model's error of a few percent decides break-even cases the wrong way). A
+        catch-up step's draft call read the rows of the plain steps before it: it counts at the usual
+        draft time instead (a running mean), as that extra is the plain steps' debt."""
+        if catch_up or seconds <= 0:
+            seconds = max(seconds - draft_seconds, 0.0) + self.draft_mean_s
+        elif draft_seconds > 0:
+            self.draft_mean_s += smoothing * (draft_seconds - self.draft_mean_s)
+        self.tokens = decay * self.tokens + 1 + accepted
+        self.seconds = decay * self.seconds + seconds
+        if verified:
+            self.trimmer.observe(accepted > 0 and first_rank in (None, 0))

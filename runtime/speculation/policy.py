@@ -26,9 +26,12 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from runtime.speculation.confidence import ConfidenceTrim
-from runtime.speculation.lookup import LOOKUP_PRIOR, LookupLength
+from typing import Sequence
+
 from runtime.graphs.tree import VerifyTree, verify_tree
+from runtime.speculation.confidence import DraftConfidence
+from runtime.speculation.lookup import LOOKUP_PRIOR, LookupLength
+from runtime.speculation.proposals import Choice, Proposal, Shape, StepRecord
 
 # Prior acceptance of the first proposal. Trained: the shipped SmolLM2 draft's first-position
 # acceptance, greedy, held-out models/prompts/eval.jsonl (`python -m dflash_export bench ARTIFACT
@@ -45,46 +48,49 @@ UNTRAINED_ALTERNATIVE_PRIOR = (0.01, 0.01, 0.01)
 
 
 class Policy(ABC):
-    """Chooses the number of proposals to verify each step (0 = a plain step, no draft call)."""
+    """Chooses what each step verifies, from the proposals it is offered and the measured costs, and
+    learns from one :class:`StepRecord` per step.
+
+    Per step the loop asks :meth:`choose` (with any proposal a cheap proposer such as the n-gram
+    lookup offers before the draft runs), runs the draft for the chosen shape, asks :meth:`refine`
+    where the draft returned its probabilities, verifies, and reports the step to :meth:`observe`.
+    """
 
     name = "abstract"
+    uses_lookup = False  # whether the loop should offer lookup proposals (it then keeps an n-gram index)
 
     def start(self) -> None:
         """A new generate call begins (a new prompt)."""
 
     @abstractmethod
-    def proposals(self, limit: int) -> int:
-        """Proposals to verify this step, 0..`limit` (`limit` = what the block and the remaining
-        token budget allow; 0 means only a plain step is possible)."""
+    def proposals(self, limit: int) -> Shape:
+        """The draft shape to verify this step: 0..`limit` top-1 proposals (0: a plain step without a
+        draft call; `limit`: what the block and the remaining token budget allow) or a verify tree."""
 
-    uses_lookup = False  # whether `lookup` may return more than 0 (the loop then keeps an n-gram index)
+    def choose(self, limit: int, offers: Sequence[Proposal] = (), draft_ready: bool = True) -> Choice:
+        """This step's choice: the first ids of an offered proposal where :meth:`take_offer` takes
+        them, else the draft shape of :meth:`proposals` (0 without asking it where not `draft_ready`:
+        the block's first embedding is not the committed token's, after a host sample)."""
+        shape = self.proposals(limit) if draft_ready else 0
+        for offer in offers:
+            n = self.take_offer(limit, offer, shape)
+            if n:
+                return Choice(n, offer)
+        return Choice(shape)
 
-    def lookup(self, limit: int, available: int, choice: int | VerifyTree) -> int:
-        """Where the request's own text offers `available` >= 1 tokens that followed its last n-gram
-        before (`runtime.speculation.lookup.NgramLookup`, which repeats a loop to fill `limit`, so usually
-        `available` = `limit`): how many of them to verify this step instead of
-        `choice` (what :meth:`proposals` returned), without a draft call; 0 keeps `choice`. This
-        default never does (explicit verify lengths, plain decoding)."""
+    def take_offer(self, limit: int, offer: Proposal, shape: Shape) -> int:
+        """How many of `offer`'s ids (a lookup continuation) to verify instead of the draft `shape`; 0
+        keeps the shape. This default never takes one (explicit verify lengths, plain decoding)."""
         return 0
 
-    def trim(self, choice: int | VerifyTree, probs: np.ndarray) -> int | VerifyTree:
-        """After the draft call, where the draft proposes (`Session.draft_proposes`): what to verify
-        given the draft's probabilities `probs` (fp32 `[R, K]`: its top-K candidates for block
-        positions 1..R, R the chain length of `choice`). Returns `choice` or a smaller shape (0: a
-        plain target call). This default keeps `choice` (explicit verify lengths are kept)."""
-        return choice
+    def refine(self, shape: Shape, proposal: Proposal) -> Shape:
+        """After the draft call, where it returned probabilities (`proposal.probs`, fp32 `[R, K]`: its
+        top-K candidates for block positions 1..R, R the chain length of `shape`): what to verify.
+        Returns `shape` or a smaller one (0: a plain target call). This default keeps `shape`."""
+        return shape
 
-    def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False,
-                tree: VerifyTree | None = None, first_rank: int | None = None, drafted: bool = False,
-                draft_seconds: float = 0.0, lookup: bool = False) -> None:
-        """The step verified `verified` proposals, accepted `accepted` of them and took `seconds`
-        (draft call, target call and the loop's host work). `catch_up`: the draft call first read
-        many context rows (the prompt, a run of plain steps), so the step cost more than the
-        verify length alone does. `tree`: the verify tree the step ran (None: a chain, also where a
-        tree choice ran as its chain), and `first_rank` the draft's rank of its accepted first
-        proposal (None: none accepted). `drafted`: a draft call ran (also where `trim` then chose
-        to verify nothing), taking `draft_seconds` of the step. `lookup`: the proposals were a lookup
-        continuation (:meth:`lookup`), not the draft's."""
+    def observe(self, record: StepRecord) -> None:
+        """Learn from what the last step did (:class:`StepRecord`). This default learns nothing."""
 
 
 class FixedLength(Policy):
@@ -95,7 +101,7 @@ class FixedLength(Policy):
     def __init__(self, n: int):
         self.n = int(n)
 
-    def proposals(self, limit: int) -> int:
+    def proposals(self, limit: int) -> Shape:
         return min(self.n, limit)
 
 
@@ -107,7 +113,7 @@ class FixedTree(Policy):
     def __init__(self, tree: VerifyTree):
         self.tree = tree
 
-    def proposals(self, limit: int) -> int | VerifyTree:
+    def proposals(self, limit: int) -> Shape:
         return self.tree if limit >= self.tree.length else max(limit, 0)
 
 
@@ -225,31 +231,35 @@ class AdaptiveLength(Policy):
     instance lives as long as its Session, so what it learned carries over to the next generate
     call: a new prompt starts at half the gap it had reached, not at `probe_gap`.
 
-    With `confidence` (a draft that returns its proposals' probabilities), the length is chosen
-    after the draft call instead (`trim`, :class:`runtime.speculation.confidence.ConfidenceTrim`), and whether to
-    call the draft at all follows the measured rate of such steps: committed tokens per second over
-    the recent drafted steps (a decayed sum, the model's best fixed length as its prior), against
-    plain decoding's, with the same margin and probes. The draft computes `draft_rows` rows, one
-    more than the last step verified when it used them all, one fewer when it used two fewer.
+    The policy is composed of parts, each optional beyond the first:
 
-    With `lookup` (confidence mode: a target that takes proposal ids), a step may instead verify a
-    continuation of the request's own text (`runtime.speculation.lookup`) without calling the draft: the length
-    with the most expected tokens per second (its own running acceptance by position, the measured
-    target-call costs), taken where it beats plain decoding by the margin, or the drafted rate where
-    the draft would run. Probes stay draft steps. Setting `uses_lookup = False` turns this off.
+    - the acceptance history (:class:`AcceptanceEstimate`) and the measured costs: the shape chosen
+      before the draft runs;
+    - `confidence` (:class:`runtime.speculation.confidence.DraftConfidence`, for a draft that returns
+      its proposals' probabilities): the shape is chosen after the draft call instead (`refine`), and
+      whether to call the draft at all follows the measured rate of drafted steps against plain
+      decoding's, with the same margin and probes;
+    - `lookups` (:class:`runtime.speculation.lookup.LookupLength`, with `confidence`: a target that
+      takes proposal ids): a step may instead verify a continuation of the request's own text without
+      calling the draft, where it beats plain decoding by the margin, or the drafted rate where the
+      draft would run. Probes stay draft steps.
+
+    :func:`auto_policy` assembles the parts an artifact supports.
 
     Args:
         costs: step costs measured for this artifact on this device.
         acceptance: the session's running acceptance estimate.
-        confidence: choose the verify shape from the draft's probabilities (`trim`).
-        lookup: also verify n-gram lookup continuations (needs `confidence`).
+        alternatives: verify-tree alternatives for block position 1 the policy may add (0: chains).
+        confidence: the draft-confidence part, or None.
+        lookups: the lookup part, or None (needs `confidence`).
     """
 
     name = "auto"
 
     def __init__(self, costs, acceptance: AcceptanceEstimate, probe_gap: int = 4, max_probe_gap: int = 128,
                  scale_smoothing: float = 0.2, probe_smoothing: float = 0.5, margin: float = 1.03,
-                 probe_budget: float = 0.02, alternatives: int = 0, confidence: bool = False, lookup: bool = False):
+                 probe_budget: float = 0.02, alternatives: int = 0, confidence: DraftConfidence | None = None,
+                 lookups: LookupLength | None = None):
         self.costs = costs
         self.alternatives = min(int(alternatives), len(acceptance.alternative_prior))
         self.margin = margin  # speculate only when it is predicted this much faster: estimates are noisy
@@ -263,35 +273,29 @@ class AdaptiveLength(Policy):
         self.probe_extra_s = None  # running mean of what a probe costs beyond a plain step
         self.probe_gap = self.first_probe_gap
         self._cached = None  # (key, best speculative shape): see _best_speculative
-        self.trimmer = None
-        if confidence:
-            nodes = np.arange(len(acceptance.trials) + self.alternatives + 1)
-            self._verify_s = costs.verify_s(nodes)
-            self._draft_s = max(float(self._step_s[1] - self._verify_s[1]), 0.0)
-            self.trimmer = ConfidenceTrim(self._verify_s, self.alternatives)
-            self.draft_rows = 2
-            self.drafted_prior_steps = 2.0  # what the model's prior rate is worth, in drafted steps
-            self.draft_mean_s = self._draft_s  # running mean of a drafted step's draft time (no catch-up)
-            self.drafted_tokens = self.drafted_seconds = 0.0  # decayed sums over drafted steps
-        self.lookups = None
-        if confidence and lookup:
-            self.lookups = LookupLength(self._verify_s, AcceptanceEstimate(LOOKUP_PRIOR, len(acceptance.trials)))
-        self.uses_lookup = self.lookups is not None
+        self.confidence = confidence
+        self.lookups = lookups if confidence is not None else None
         self.start()
 
+    @property
+    def uses_lookup(self) -> bool:
+        return self.lookups is not None
+
     def start(self) -> None:
-        if self.trimmer is not None:
-            self.drafted_tokens *= 0.5
-            self.drafted_seconds *= 0.5
+        if self.confidence is not None:
+            self.confidence.start()
         self.acceptance.forget(0.5)
         if self.lookups is not None:
             self.lookups.start()
         self.probe_gap = max(self.first_probe_gap, self.probe_gap // 2)
         self.plain_run, self.probing = 0, False
 
+    def _plain_s(self) -> float:
+        return self.plain_scale * float(self._step_s[0])
+
     def _min_probe_gap(self) -> int:
         """Plain steps between probes that keep their net extra cost within `probe_budget` (0 when probes pay)."""
-        plain = self.plain_scale * float(self._step_s[0])
+        plain = self._plain_s()
         if self.probe_extra_s is None or plain <= 0 or self.probe_extra_s <= 0:
             return 0
         return int(np.ceil(self.probe_extra_s / (self.probe_budget * plain) - 1e-6))
@@ -305,13 +309,12 @@ class AdaptiveLength(Policy):
     def _best_shape(self, limit: int) -> tuple[int, int]:
         """(chain length, alternatives) with the most expected tokens per second; (0, 0): plain."""
         rate, shape = self._best_speculative(limit)
-        return shape if rate > self.margin / (self.plain_scale * float(self._step_s[0])) else (0, 0)
+        return shape if rate > self.margin / self._plain_s() else (0, 0)
 
     def _best_speculative(self, limit: int) -> tuple[float, tuple[int, int]]:
-        """(expected tokens per second, (chain length, alternatives)) of the best speculative shape.
-        Kept until the acceptance estimate, the speculative costs or the limit change: a run of plain
-        steps changes none of them, and the search cost 0.13 ms a step in the loop (1.5% of a
-        SmolLM2 INT4 step)."""
+        """(expected tokens per second, (chain length, alternatives)) of the best speculative shape,
+        kept until the acceptance estimate, the speculative costs or the limit change (a run of plain
+        steps changes none of them, and the search runs in the loop)."""
         a = self.acceptance
         key = (limit, a.version, a.prior, self.spec_scale)
         if self._cached is None or self._cached[0] != key:
@@ -334,23 +337,20 @@ class AdaptiveLength(Policy):
                         best, shape = r, (length, a)
         return best, shape
 
-    def _speculative_choice(self, limit: int) -> int | VerifyTree:
+    def _speculative_choice(self, limit: int) -> Shape:
         """What a speculative step asks of the draft where speculation wins; 0 where plain decoding does."""
-        if self.trimmer is not None:
-            plain_s = self.plain_scale * float(self._step_s[0])
-            return min(limit, self.draft_rows) if self.drafted_rate(limit) * plain_s > self.margin else 0
+        if self.confidence is not None:
+            return min(limit, self.confidence.rows) if self.drafted_rate(limit) * self._plain_s() > self.margin else 0
         best, alternatives = self._best_shape(limit)
         return verify_tree(best, alternatives) if alternatives else best
 
     def drafted_rate(self, limit: int) -> float:
-        """Committed tokens per second of the recent drafted steps (confidence mode), with the model's
-        best fixed shape as a prior worth `drafted_prior_steps` steps."""
+        """Committed tokens per second of the recent drafted steps (with `confidence`), with the model's
+        best fixed shape as the prior."""
         prior_rate, _ = self._best_speculative(limit)
-        t1 = self.spec_scale * float(self._step_s[1])
-        w = self.drafted_prior_steps
-        return (self.drafted_tokens + w * prior_rate * t1) / (self.drafted_seconds + w * t1)
+        return self.confidence.rate(prior_rate, self.spec_scale * float(self._step_s[1]))
 
-    def proposals(self, limit: int) -> int | VerifyTree:
+    def proposals(self, limit: int) -> Shape:
         if limit <= 0:
             return 0
         choice = self._speculative_choice(limit)
@@ -363,44 +363,40 @@ class AdaptiveLength(Policy):
         # a probe verifies one proposal, the cheapest speculative step (an accepted one also lifts the
         # deeper positions' prior, see AcceptanceEstimate); with confidence, what the draft's rows earn
         self.plain_run, self.probing = 0, True
-        return 1 if self.trimmer is None else min(limit, self.draft_rows)
+        return 1 if self.confidence is None else min(limit, self.confidence.rows)
 
-    def lookup(self, limit: int, available: int, choice: int | VerifyTree) -> int:
-        if self.lookups is None or not self.uses_lookup or self.probing:
+    def take_offer(self, limit: int, offer: Proposal, shape: Shape) -> int:
+        if self.lookups is None or self.probing or offer.source != "lookup":
             return 0
-        if choice:  # the draft would run: the lookup must beat what drafted steps commit per second
+        if shape:  # the draft would run: the lookup must beat what drafted steps commit per second
             threshold = self.drafted_rate(limit)
         else:
-            threshold = self.margin / (self.plain_scale * float(self._step_s[0]))
-        return self.lookups.choose(min(available, limit), self.plain_scale, threshold)
+            threshold = self.margin / self._plain_s()
+        return self.lookups.choose(min(len(offer.ids), limit), self.plain_scale, threshold)
 
-    def trim(self, choice: int | VerifyTree, probs: np.ndarray) -> int | VerifyTree:
-        if self.trimmer is None:
-            return choice
-        rows = len(probs)
-        plain_s = self.plain_scale * float(self._step_s[0])
-        length, alternatives = self.trimmer.choose(probs, plain_s, self.spec_scale, least=int(self.probing))
-        if length >= rows >= self.draft_rows:  # used every row it asked for (not a limit's cut)
-            self.draft_rows = min(self.draft_rows + 1, len(self.acceptance.trials))
-        elif length < rows - 1:
-            self.draft_rows = max(self.draft_rows - 1, 1)
+    def refine(self, shape: Shape, proposal: Proposal) -> Shape:
+        if self.confidence is None or proposal.probs is None:
+            return shape
+        length, alternatives = self.confidence.trim(proposal.probs, self._plain_s(), self.spec_scale,
+                                                    least=int(self.probing))
         return verify_tree(length, alternatives) if alternatives else length
 
-    def observe(self, verified: int, accepted: int, seconds: float, catch_up: bool = False,
-                tree: VerifyTree | None = None, first_rank: int | None = None, drafted: bool = False,
-                draft_seconds: float = 0.0, lookup: bool = False) -> None:
-        if lookup:  # its own acceptance and timing only: the draft's estimates and the step-cost scales stay
-            n = min(verified, len(self._verify_s) - 1)
-            self.lookups.observe(verified, accepted, seconds, self.plain_scale * float(self._verify_s[n]))
+    def observe(self, record: StepRecord) -> None:
+        r = record
+        verified, accepted, seconds = r.verified, r.accepted, r.seconds
+        if r.lookup:  # its own acceptance and timing only: the draft's estimates and the step-cost scales stay
+            n = min(verified, len(self.confidence.verify_s) - 1)
+            self.lookups.observe(verified, accepted, seconds, self.plain_scale * float(self.confidence.verify_s[n]))
             return
         if self.probing and seconds > 0:  # net of the tokens it committed beyond a plain step's one
-            extra = seconds - (1 + accepted) * self.plain_scale * float(self._step_s[0])
+            extra = seconds - (1 + accepted) * self._plain_s()
             last = extra if self.probe_extra_s is None else self.probe_extra_s
             self.probe_extra_s = last + self.probe_smoothing * (extra - last)
-        drafted = drafted or verified > 0
-        if self.trimmer is not None and drafted:
-            self._observe_drafted(verified, accepted, seconds, catch_up, draft_seconds, first_rank)
-        if catch_up or (drafted and not verified):  # not a step cost the curve models
+        drafted = r.drafted or verified > 0
+        if self.confidence is not None and drafted:
+            self.confidence.observe(verified, accepted, seconds, r.catch_up, r.draft_seconds, r.first_rank,
+                                    self.smoothing)
+        if r.catch_up or (drafted and not verified):  # not a step cost the curve models
             seconds = 0.0
         predicted = float(self._step_s[min(verified, len(self._step_s) - 1)])
         if predicted > 0 and seconds > 0:  # a spike moves a scale at most 2x at a time
@@ -411,26 +407,25 @@ class AdaptiveLength(Policy):
                 self.spec_scale = scale
             else:
                 self.plain_scale = scale
-        if verified and tree is None:
+        if verified and r.tree is None:
             self.acceptance.observe(verified, accepted)
         elif verified:
-            self.acceptance.observe(tree.length, accepted, tree.alternatives, first_rank)
+            self.acceptance.observe(r.tree.length, accepted, r.tree.alternatives, r.first_rank)
         if self.probing and drafted:  # the gap shrinks back only once speculation wins again (see proposals)
             self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
             self.probing = False
 
-    def _observe_drafted(self, verified: int, accepted: int, seconds: float, catch_up: bool, draft_seconds: float,
-                         first_rank: int | None, decay: float = 0.95) -> None:
-        """Confidence mode: a drafted step's committed tokens and time join the drafted rate, and its
-        first proposal's outcome the trimmer's calibration. Both rates are measured in the same loop
-        (no cost model between them: a model's error of a few percent decides break-even cases the
-        wrong way). A catch-up step's draft call read the rows of the plain steps before it: it counts
-        at the usual draft time instead (a running mean), as that extra is the plain steps' debt."""
-        if catch_up or seconds <= 0:
-            seconds = max(seconds - draft_seconds, 0.0) + self.draft_mean_s
-        elif draft_seconds > 0:
-            self.draft_mean_s += self.smoothing * (draft_seconds - self.draft_mean_s)
-        self.drafted_tokens = decay * self.drafted_tokens + 1 + accepted
-        self.drafted_seconds = decay * self.drafted_seconds + seconds
-        if verified:
-            self.trimmer.observe(accepted > 0 and first_rank in (None, 0))
+
+def auto_policy(costs, acceptance: AcceptanceEstimate, alternatives: int = 0, draft_probabilities: bool = False,
+                lookups: bool = False, **tuning) -> AdaptiveLength:
+    """The adaptive policy with the parts an artifact supports: `alternatives` verify-tree
+    alternatives (a target that verifies trees), the draft-confidence part where the draft returns
+    its probabilities (`draft_probabilities`), and the lookup part (`lookups`, needs them).
+    `tuning`: AdaptiveLength's keyword arguments (probe_gap, margin, ...)."""
+    positions = len(acceptance.trials)
+    alternatives = min(int(alternatives), len(acceptance.alternative_prior))
+    confidence = DraftConfidence(costs, positions, alternatives) if draft_probabilities else None
+    lookup = None
+    if confidence is not None and lookups:
+        lookup = LookupLength(confidence.verify_s, AcceptanceEstimate(LOOKUP_PRIOR, positions))
+    return AdaptiveLength(costs, acceptance, alternatives=alternatives, confidence=confidence, lookups=lookup, **tuning)

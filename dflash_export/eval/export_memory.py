@@ -1,0 +1,178 @@
+"""Peak memory and time of `build` (and `check`) on random-weight checkpoints of real model shapes.
+
+Export must stay within the memory bound of issue 11 (peak RSS <= 1.25 x the weight bytes in the graph
+dtype + 1 GiB) so that large targets export on ordinary machines. Per shape: a bf16 checkpoint written
+once (`random_checkpoint`, kept in --work), then `build` (and `check`) as child processes, each child's
+peak RSS (ru_maxrss, as `/usr/bin/time -v` reports it) against the bound. Exit status 1 when a step fails
+or exceeds it.
+
+    python scripts/export_memory.py --shapes qwen3-4b qwen3-8b [--work /tmp/export-memory] [--check]
+    python scripts/export_memory.py --shapes ci --check          # the small shape the test suite uses
+    python scripts/export_memory.py --shapes qwen3.5-4b --check  # a Qwen3.5 Gated DeltaNet hybrid
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dflash_export.eval.random_checkpoint import QWEN3_VOCAB, SHAPES, qwen3_config, tensor_shapes, write_checkpoint
+
+GIB = 1 << 30
+# Shapes besides the released ones. "ci" has ~200M parameters (~390 MB in fp16): big enough that a copy of
+# the weights more than the bound allows shows above the fixed cost of torch and tracing.
+EXTRA_SHAPES = {
+    "ci": dict(hidden=1024, layers=6, heads=8, kv_heads=4, head_dim=128, intermediate=4096, tie=False, vocab=50000),
+}
+
+
+# Qwen3.5 hybrids (Qwen3_5ForCausalLM, every 4th layer full attention), sized as `memory_table.QWEN3_5`
+# assumes them: layers, hidden, heads, head_dim and vocab published; intermediate, tying and the Gated
+# DeltaNet head layout (transformers' Qwen3_5TextConfig defaults) assumed.
+HYBRID_SHAPES = {
+    "qwen3.5-4b": dict(hidden_size=2560, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                       intermediate_size=9216, vocab_size=248320, tie_word_embeddings=True),
+    "qwen3.5-9b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                       intermediate_size=12288, vocab_size=248320, tie_word_embeddings=False),
+}
+_GDN_LAYOUT = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                   linear_value_head_dim=128, linear_conv_kernel_dim=4)
+
+
+def hybrid_checkpoint(name: str) -> tuple[dict, dict]:
+    """(tensor shapes, config.json) of a Qwen3.5 hybrid shape: transformers' own module, built on the
+    meta device (no memory), names the tensors, so the checkpoint is what `build` reads from a real one."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3_5TextConfig(**HYBRID_SHAPES[name], **_GDN_LAYOUT)
+    with torch.device("meta"):
+        model = transformers.Qwen3_5ForCausalLM(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()
+              if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    config = {**cfg.to_dict(), "architectures": ["Qwen3_5ForCausalLM"], "torch_dtype": "bfloat16"}
+    return shapes, config
+
+
+def checkpoint_spec(name: str) -> tuple[dict, dict]:
+    """(tensor shapes, config.json) of a named shape."""
+    if name in HYBRID_SHAPES:
+        return hybrid_checkpoint(name)
+    dims = shape_dims(name)
+    return tensor_shapes(**dims), qwen3_config(**dims, dtype="bf16")
+
+
+def shape_dims(name: str) -> dict:
+    """Sizes of a named shape, with its vocabulary."""
+    if name in EXTRA_SHAPES:
+        return dict(EXTRA_SHAPES[name])
+    return {**SHAPES[name], "vocab": QWEN3_VOCAB}
+
+
+def weight_count(shapes: dict) -> int:
+    """Parameters of a checkpoint of these tensor shapes."""
+    total = 0
+    for shape in shapes.values():
+        n = 1
+        for s in shape:
+            n *= s
+        total += n
+    return total
+
+
+def bound_bytes(weight_bytes: int) -> int:
+    """The memory bound of issue 11: 1.25x the weights in the graph dtype plus 1 GiB."""
+    return int(1.25 * weight_bytes) + GIB
+
+
+def run_measured(cmd: list[str], log: Path) -> tuple[int, float, int]:
+    """Run `cmd`; returns (exit status, wall seconds, peak RSS bytes of that child alone)."""
+    t0 = time.perf_counter()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, time.perf_counter() - t0, usage.ru_maxrss * 1024  # ru_maxrss is in KiB on Linux
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def ensure_checkpoint(work: Path, name: str, shapes: dict, config: dict) -> Path:
+    ckpt = work / f"{name}-bf16"
+    if not (ckpt / "config.json").is_file():
+        write_checkpoint(ckpt, shapes, "bf16", 0, 4.0, config)
+    return ckpt
+
+
+def measure_shape(work: Path, name: str, dtype: str, check: bool, max_seq_len: int, quant: str = "none",
+                  quant_method: str = "rtn") -> list[dict]:
+    """Build (and check) one shape; returns one row per step. The bound stays that of the unquantized
+    graph dtype for `quant="int4"` (the weights are quantized one tensor at a time)."""
+    shapes, config = checkpoint_spec(name)
+    ckpt = ensure_checkpoint(work, name, shapes, config)
+    weight_bytes = weight_count(shapes) * (2 if dtype == "fp16" else 4)
+    label = f"{dtype}{'-int4' if quant == 'int4' else ''}{'-awq' if quant == 'int4' and quant_method == 'awq' else ''}"
+    art = work / f"{name}-{label}-artifact"
+    py = sys.executable
+    steps = [("build", [py, "-m", "dflash_export", "build", "--target", str(ckpt), "--out", str(art),
+                        "--dtype", dtype, "--max-seq-len", str(max_seq_len), "--quant", quant]
+              + (["--quant-method", quant_method] if quant == "int4" else []))]
+    if check:
+        steps.append(("check", [py, "-m", "dflash_export", "check", str(art)]))
+    rows = []
+    for step, cmd in steps:
+        log = work / f"{name}-{label}-{step}.log"
+        status, seconds, rss = run_measured(cmd, log)
+        rows.append({
+            "shape": name, "step": step, "dtype": label, "status": status, "weight_bytes": weight_bytes,
+            "peak_rss_bytes": rss, "ratio": rss / weight_bytes, "bound_bytes": bound_bytes(weight_bytes),
+            "within_bound": rss <= bound_bytes(weight_bytes), "seconds": round(seconds, 1),
+            "artifact_bytes": dir_bytes(art) if art.is_dir() else None, "log": str(log),
+        })
+        if status != 0:
+            break
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = f"{'shape':<11}{'dtype':<15}{'step':<7}{'weights':>10}{'peak RSS':>10}{'ratio':>7}{'bound':>9}  {'ok':<4}{'wall s':>8}{'artifact':>10}"
+    lines = [head]
+    for r in rows:
+        art = f"{r['artifact_bytes'] / GIB:.2f}G" if r["artifact_bytes"] else "-"
+        ok = "yes" if r["within_bound"] and r["status"] == 0 else ("FAIL" if r["status"] == 0 else f"rc{r['status']}")
+        lines.append(f"{r['shape']:<11}{r['dtype']:<15}{r['step']:<7}{r['weight_bytes'] / GIB:>9.2f}G{r['peak_rss_bytes'] / GIB:>9.2f}G"
+                     f"{r['ratio']:>7.2f}{r['bound_bytes'] / GIB:>8.2f}G  {ok:<4}{r['seconds']:>8.1f}{art:>10}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Command line (`scripts/export_memory.py`); returns the exit status (1: a step failed or exceeded the bound)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=["qwen3-4b", "qwen3-8b"], choices=[*SHAPES, *EXTRA_SHAPES, *HYBRID_SHAPES])
+    p.add_argument("--work", type=Path, default=Path("/tmp/export-memory"), help="checkpoints, artifacts, logs")
+    p.add_argument("--dtype", choices=["fp16", "fp32"], default="fp16")
+    p.add_argument("--quant", choices=["none", "int4"], default="none", help="build --quant (default none)")
+    p.add_argument("--quant-method", choices=["rtn", "awq"], default="rtn", help="with --quant int4 (default rtn)")
+    p.add_argument("--check", action="store_true", help="also run `check` on each artifact")
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    args = p.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.shapes:
+        rows += measure_shape(args.work, name, args.dtype, args.check, args.max_seq_len, args.quant, args.quant_method)
+        print(format_rows(rows), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    failed = [r for r in rows if r["status"] != 0 or not r["within_bound"]]
+    for r in failed:
+        print(f"{r['shape']} {r['step']}: {'exit status ' + str(r['status']) if r['status'] else 'above the bound'}; "
+              f"see {r['log']}", file=sys.stderr)
+    return 1 if failed else 0
