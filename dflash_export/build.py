@@ -79,7 +79,7 @@ def prepare_pair(target: str | None, draft: str | None) -> tuple[TargetSpec, Dra
         (target spec, draft spec, target weight source, draft state dict, known target name).
 
     Raises:
-        DFlashError: any validation failure (see checkpoint.py).
+        DFlashError: any validation failure (see checkpoint/target.py).
     """
     target_dir, name = resolve_target(target)
     tspec = load_target_spec(target_dir)

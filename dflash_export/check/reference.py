@@ -78,7 +78,7 @@ def reference_modules(manifest: dict, artifact_dir: Path | None = None):
 
 def _proposing_reference(dmod, tmod):
     """`dmod` (the reference draft) ending in the proposal head as the artifact's draft graph does
-    (`draft_model.ProposingDraft`), its scores from the reference target's proposal rows (fp32; INT4
+    (`nn.draft.ProposingDraft`), its scores from the reference target's proposal rows (fp32; INT4
     rows as the graph computes with them)."""
     import torch
 

@@ -1,7 +1,7 @@
 """Reading and validating DFlash draft checkpoints (dflash-facts section 4): the draft's own sizes,
 block size, mask id and tap layers, its proposal vocabulary, and its weights against its config.
 
-As for targets (`checkpoint.py`), only `config.json`, `draft_vocab.json` and safetensors files are read;
+As for targets (`checkpoint/target.py`), only `config.json`, `draft_vocab.json` and safetensors files are read;
 every check raises :class:`runtime.errors.DFlashError` naming the problem and the fix.
 """
 

@@ -139,7 +139,7 @@ class HybridSpec:
         return spec
 
     def attention_spec(self) -> AttentionSpec:
-        """The full-attention layers' sizes as `modules.Attention` takes them."""
+        """The full-attention layers' sizes as `nn.layers.Attention` takes them."""
         return AttentionSpec(
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_layers=self.num_layers,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,

@@ -1,7 +1,7 @@
 """Reading and validating Hugging Face target checkpoints, and the file helpers every checkpoint
 reader shares. `load_target_spec` asks each target family to read the config (the family's
-`read_target` hook, `families.py`: Qwen3 / Llama in `dense_target.py`, Qwen3.5 hybrids in
-`qwen3_5_target.py` over `hybrid_spec.py`); drafts are read by `draft_spec.py`.
+`read_target` hook, `families/registry.py`: Qwen3 / Llama in `families/dense.py`, Qwen3.5 hybrids in
+`families/qwen3_5.py` over `checkpoint/hybrid.py`); drafts are read by `checkpoint/draft.py`.
 
 Only `config.json` and safetensors files are read: no `auto_map` remote code is ever executed and
 no pickled weights are ever loaded. Every check raises :class:`runtime.errors.DFlashError` with a
@@ -18,7 +18,7 @@ from typing import Any
 
 from runtime.errors import DFlashError
 
-# the dense architectures `dense_target.read_target` takes by name (the refusal of an unknown target lists them)
+# the dense architectures `families.dense.read_target` takes by name (the refusal of an unknown target lists them)
 SUPPORTED_TARGETS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _ATTENTION_LAYER_TYPES = ("full_attention",)
@@ -148,7 +148,7 @@ def check_layer_types(cfg: dict[str, Any], what: str, draft: bool = False) -> No
 
     Targets (Qwen3 / Llama) take full_attention layers only (a windowed target mask is not
     implemented). DFlash drafts (`draft=True`) also take sliding_attention layers; their window is
-    read and checked by `draft_spec.draft_layer_types`.
+    read and checked by `checkpoint.draft.draft_layer_types`.
 
     Raises:
         DFlashError: `layer_types` is not a list of names, or names a type the stack cannot take.
@@ -249,7 +249,7 @@ class TargetSpec:
     vocab_size: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
-    hybrid: Any = None  # hybrid_spec.HybridSpec of a Qwen3.5/3.6 target (arch: its attention layers' sizes)
+    hybrid: Any = None  # checkpoint.hybrid.HybridSpec of a Qwen3.5/3.6 target (arch: its attention layers' sizes)
 
 
 def refuse_quantized(cfg: dict[str, Any], model_dir: Path) -> None:

@@ -244,7 +244,7 @@ def bind_weights(module: nn.Module, source: WeightSource, where: str,
 def load_module_weights(module: nn.Module, source: WeightSource, where: str) -> nn.Module:
     """Give an :func:`empty_module` every checkpoint tensor as stored (no dtype cast, no second copy).
 
-    For a reference that computes in fp32 from bf16 storage, see `reference_models.upcast_weights_on_use`.
+    For a reference that computes in fp32 from bf16 storage, see `families.shared.upcast_weights_on_use`.
 
     Raises:
         DFlashError: the checkpoint does not match the module.

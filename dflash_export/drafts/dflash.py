@@ -39,7 +39,7 @@ def draft_export_module(dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
     """The draft's export module in `dtype` (fc and norms fp32) with streamed weights.
 
     Returns:
-        (DFlashDraft, {initializer name: reader}) for `export.export_draft`.
+        (DFlashDraft, {initializer name: reader}) for `export.graphs.export_draft`.
     """
 
     module = empty_module(lambda: DFlashDraft(dspec, dtype)).eval()
@@ -49,14 +49,14 @@ def draft_export_module(dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
 
 def _attach_proposal_head(dmod, dreaders: dict, tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, dtype,
                           qconfig, proposal_head: str) -> tuple:
-    """The draft export module ending in the proposal head (`draft_model.ProposingDraft`): the target's
+    """The draft export module ending in the proposal head (`nn.draft.ProposingDraft`): the target's
     LM head rows of the draft's proposal vocabulary, streamed into the draft graph as `draft_head`
     (read when written, added to `dreaders`). Returns (module, the head rows' INT4 config or None):
     INT4 with the LM head under --quant-lm-head (the same block as the target's head), or with
     --proposal-head int4."""
 
 
-    if dspec.draft_vocab is None:  # the whole head (an INT4 LM head: `families.draft_proposes`)
+    if dspec.draft_vocab is None:  # the whole head (an INT4 LM head: `families.registry.draft_proposes`)
         vocab = None
         rows = placeholder((tspec.vocab_size, tspec.arch.hidden_size), dtype)
         dreaders["draft_head"] = lambda: tsource.read_as(head_name(tspec), dtype)

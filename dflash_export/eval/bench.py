@@ -8,6 +8,17 @@ and the speedup over plain, the split of decode time into draft, verify and host
 step costs auto chose from, the verify-cost curve, and decode tokens/s at long past lengths. Prompts
 are wrapped in the model's chat template as one user turn when it has one. Writes `bench.json` and
 `bench.png`.
+
+Instead of that report, one of these modes (each in its own module):
+
+- `--ab ARMS`: plain against policy arms, interleaved in one process, with rounds, bootstrap intervals
+  and an A/A control (`dflash_export.eval.ab`); writes `ab.json`.
+- `--replay [TRACES]`: policies replayed on recorded acceptance traces on this device's modelled step
+  costs, with an oracle (`dflash_export.eval.replay`); writes `traces.json` and `replay.json`.
+- `--verify-costs [OTHER ...]`: only the verify-cost curves of the artifact and other artifacts, as
+  ratios to the first (`dflash_export.eval.verify_costs`); writes `verify_costs.json`.
+- `--draft-ranks [DRAFT ...]`: where the target's tokens rank among the draft's logits, per block
+  position, and tau at every position (PyTorch; `dflash_export.eval.draft_ranks`); writes `draft_ranks.json`.
 """
 
 from __future__ import annotations
@@ -24,7 +35,10 @@ from runtime.graphs.costs import measurement_points
 from runtime.errors import DFlashError
 from runtime.graphs.tree import parse_tree
 from dflash_export.build import prepare_pair
+from dflash_export.eval import ab, draft_ranks, replay
 from dflash_export.eval.torch_loop import torch_spec_generate
+from dflash_export.eval.verify_costs import DEFAULT_PAST_LEN, check_others, curve_inversions, measure_curves, verify_cost_curve
+from dflash_export.eval.verify_costs import table_lines as verify_cost_lines
 from dflash_export.nn.draft import DFlashDraft
 from dflash_export.nn.layers import load_weights
 from dflash_export.train.data import first_per_category, read_prompts
@@ -46,50 +60,6 @@ def eval_prompts(path: Path, limit: int | None) -> list[str]:
             seen[cat] = seen.get(cat, 0) + 1
             out.append(row["prompt"])
     return out
-
-
-def verify_cost_curve(sess, past_len: int = 256, reps: int = 7) -> dict:
-    """Wall time (ms) of one target call verifying n proposals (n = 0..block_size-1) at a fixed past
-    length, and of one draft call returning all block_size - 1 rows (`draft_ms`) and one row
-    (`draft_1row_ms`: a 1-proposal step's draft, its last layer cut to that row where the graph allows).
-
-    Each point is the fastest of `reps` timed calls: other load on the machine only ever adds time, so
-    the minimum is the least disturbed estimate of a call's cost. The calls run in rounds, each round
-    one call per n in shuffled order (after one warm-up round), so load that comes and goes during the
-    measurement disturbs all points alike instead of tilting the curve."""
-    b = sess.block_size
-    past_len = min(past_len, sess.max_seq_len - b - 1)
-    sess.backend.write(sess.input_ids.rows(0, 1), np.array([1], np.int64))
-    order = list(range(b))
-    shuffle = np.random.default_rng(0)
-    best = {n: float("inf") for n in order}
-    for rnd in range(reps + 1):
-        shuffle.shuffle(order)
-        for n in order:
-            t0 = time.perf_counter()
-            sess.run_target(1, n, past_len)
-            if rnd:
-                best[n] = min(best[n], time.perf_counter() - t0)
-    curve = {n: 1000 * best[n] for n in range(b)}
-    times = {b - 1: [], 1: []}
-    for _ in range(reps + 1):
-        for rows in times:
-            t0 = time.perf_counter()
-            sess.run_draft(1, past_len, b, rows=rows)
-            times[rows].append(time.perf_counter() - t0)
-    sess.reset()  # the calls above wrote over the cached context
-    return {"past_len": past_len, "verify_ms": curve, "draft_ms": 1000 * min(times[b - 1][1:]),
-            "draft_1row_ms": 1000 * min(times[1][1:])}
-
-
-def curve_inversions(verify_ms: dict, tolerance: float = 0.10, floor_ms: float = 0.05) -> list[tuple[int, int]]:
-    """Pairs (n, m), 1 <= n < m, where verifying m proposals measured faster than verifying n by more
-    than `tolerance` (fraction) and `floor_ms`. On onnxruntime CPU a verify of more rows never costs
-    less, so such pairs mean the timing was disturbed (a loaded machine, frequency changes). (TensorRT
-    profiles tuned for the full block can legitimately invert, so bench only warns.)"""
-    points = sorted((int(n), float(v)) for n, v in verify_ms.items() if int(n) >= 1)
-    return [(n, m) for i, (n, vn) in enumerate(points) for m, vm in points[i + 1 :]
-            if vm < vn - max(tolerance * vn, floor_ms)]
 
 
 def parse_policies(text: str, block_size: int) -> list[str]:
@@ -133,7 +103,8 @@ def positional_acceptance(steps: list[dict]) -> list[float]:
     return [accepted[j] / reached[j] if reached[j] else 0.0 for j in range(max(reached) + 1 if reached else 0)]
 
 
-def _check_args(args, sess) -> tuple[int, list[str]]:
+def _check_args(args, sess) -> int:
+    """The block size; --limit, --max-new-tokens and --block-size checked against the artifact."""
     if args.limit is not None and args.limit < 1:
         raise DFlashError(f"--limit must be at least 1 (got {args.limit})")
     if args.max_new_tokens < 1:
@@ -141,11 +112,30 @@ def _check_args(args, sess) -> tuple[int, list[str]]:
     b = sess.block_size if args.block_size is None else args.block_size
     if not 1 <= b <= sess.max_block:
         raise DFlashError(f"--block-size must be between 1 and {sess.max_block} (got {b})")
+    return b
+
+
+def _policies(text: str | None, sess, b: int) -> list[str]:
     if b == 1:
-        return b, []
-    if args.policies is None:  # auto beside the lengths auto measures: 1, 3, 7, ..., b - 1, and a tree
-        return b, ["auto"] + [str(n) for n in measurement_points(b)[1:]] + (["1+3"] if sess.verifies_trees else [])
-    return b, parse_policies(args.policies, b)
+        return []
+    if text is None:  # auto beside the lengths auto measures: 1, 3, 7, ..., b - 1, and a tree
+        return ["auto"] + [str(n) for n in measurement_points(b)[1:]] + (["1+3"] if sess.verifies_trees else [])
+    return parse_policies(text, b)
+
+
+def replay_labels(text: str | None, block_size: int) -> list[str]:
+    """`--policies` for `--replay`: auto and verify lengths (default: auto, 1, 3, 7, ..., block size - 1).
+
+    Raises:
+        DFlashError: see `parse_policies`; a verify tree (the traces record chains)."""
+    if text is None:
+        return ["auto"] + [str(n) for n in measurement_points(block_size)[1:]]
+    labels = parse_policies(text, block_size)
+    trees = [t for t in labels if "+" in t]
+    if trees:
+        raise DFlashError(f"--policies entry {trees[0]!r} is a verify tree; --replay replays chains only "
+                          "(auto and verify lengths)")
+    return labels
 
 
 def parse_past_lengths(text: str) -> list[int]:
@@ -163,32 +153,153 @@ def parse_past_lengths(text: str) -> list[int]:
     return out
 
 
-def run_bench(args) -> int:
-    """Run the benchmark (see module docstring); returns the exit status."""
-    import os
-    import tempfile
+def _mode(args) -> str | None:
+    """The mode's name (None: the full report) after the checks that need no artifact.
 
-    import runtime
+    Raises:
+        DFlashError: an option that does not apply to the mode, no ARTIFACT where one is needed, or
+            ARTIFACT beside saved traces."""
+    mode = next((m for m in ("ab", "replay", "verify_costs", "draft_ranks") if getattr(args, m) is not None), None)
+    flag = f"--{mode.replace('_', '-')}" if mode else None
+    not_for = {"policies": ("ab", "verify_costs", "draft_ranks"), "past_lengths": ("ab", "replay", "draft_ranks"),
+               "block_size": ("replay", "verify_costs")}
+    for name, modes in not_for.items():
+        if getattr(args, name) is not None and mode in modes:
+            raise DFlashError(f"--{name.replace('_', '-')} does not apply to {flag}")
+    if args.rounds is not None and mode != "ab":
+        raise DFlashError("--rounds needs --ab (rounds of plain and every arm per prompt)")
+    if args.rounds is not None and args.rounds < 1:
+        raise DFlashError(f"--rounds must be at least 1 (got {args.rounds})")
+    if mode == "replay" and args.replay is not True and args.artifact is not None:
+        raise DFlashError("give either ARTIFACT --replay (record traces on it, then replay them) or --replay TRACES "
+                          "(replay saved traces), not both")
+    if args.artifact is None and mode in ("verify_costs", "draft_ranks") and getattr(args, mode):
+        raise DFlashError(f"bench needs an ARTIFACT before {flag}: write `bench ARTIFACT {flag} "
+                          f"{'OTHER' if mode == 'verify_costs' else 'DRAFT'} ...` (what follows {flag} is its list)")
+    if args.artifact is None and not (mode == "replay" and args.replay is not True):
+        raise DFlashError("bench needs an ARTIFACT directory written by build (only --replay TRACES runs without one)")
+    return mode
 
 
-    if args.fresh_costs:  # a first-time user's run: auto measures the step costs itself
-        os.environ[COSTS_ENV] = tempfile.mkdtemp(prefix="dflash-bench-costs-")
-    sess = runtime.load(args.artifact, backend=args.backend, int4_accuracy_level=args.int4_accuracy_level)
-    b, policies = _check_args(args, sess)
-    past_lengths = parse_past_lengths(args.past_lengths)
-    prompts = first_per_category(read_prompts(Path(args.prompts)), args.limit)
-    chat = bool(sess.tokenizer is not None and sess.tokenizer.chat_template)  # instruct models: one user turn
-    encoded = [sess.encode(p["prompt"], chat=chat) for p in prompts]
-    too_long = [f"{p['id']} ({len(ids)})" for p, ids in zip(prompts, encoded) if len(ids) + args.max_new_tokens > sess.max_seq_len]
-    if too_long:  # checked up front: one long prompt must not end the run after the others have been timed
-        raise DFlashError(f"{len(too_long)} prompt(s) plus --max-new-tokens {args.max_new_tokens} exceed the artifact's "
-                          f"max_seq_len {sess.max_seq_len}: {', '.join(too_long[:5])}{' ...' if len(too_long) > 5 else ''} "
-                          "(prompt tokens in brackets); drop them, lower --max-new-tokens or rebuild with a larger --max-seq-len")
+def _out_dir(args) -> Path:
     out = Path(args.out)
     try:  # before the run: an unusable --out must not cost a whole benchmark
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DFlashError(f"--out {out}: cannot create that directory ({exc.strerror or exc})") from None
+    return out
+
+
+def _write_json(out: Path, name: str, data) -> Path:
+    """`out/name`, written whole (a kill mid-write leaves the older file)."""
+    tmp = out / f".{name}.tmp"
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(out / name)
+    return out / name
+
+
+def _encoded_prompts(args, sess, margin: int = 0) -> tuple[list[dict], list[list[int]]]:
+    """The prompts and their ids (chat template as one user turn where the model has one).
+
+    Raises:
+        DFlashError: prompts that, plus --max-new-tokens (and `margin` rows), exceed max_seq_len: checked
+            up front, as one long prompt must not end the run after the others have been timed."""
+    prompts = first_per_category(read_prompts(Path(args.prompts)), args.limit)
+    chat = bool(sess.tokenizer is not None and sess.tokenizer.chat_template)  # instruct models: one user turn
+    encoded = [sess.encode(p["prompt"], chat=chat) for p in prompts]
+    too_long = [f"{p['id']} ({len(ids)})" for p, ids in zip(prompts, encoded)
+                if len(ids) + args.max_new_tokens + margin > sess.max_seq_len]
+    if too_long:
+        extra = f" plus a block of {margin}" if margin else ""
+        raise DFlashError(f"{len(too_long)} prompt(s) plus --max-new-tokens {args.max_new_tokens}{extra} exceed the artifact's "
+                          f"max_seq_len {sess.max_seq_len}: {', '.join(too_long[:5])}{' ...' if len(too_long) > 5 else ''} "
+                          "(prompt tokens in brackets); drop them, lower --max-new-tokens or rebuild with a larger --max-seq-len")
+    return prompts, encoded
+
+
+def _finish(out: Path, name: str, data, lines: list[str]) -> int:
+    path = _write_json(out, name, data)
+    print("\n".join(lines))
+    print(f"wrote {path}")
+    return 0
+
+
+def run_bench(args) -> int:
+    """Run the benchmark or the mode asked for (see module docstring); returns the exit status."""
+    import os
+    import tempfile
+
+    import runtime
+
+    mode = _mode(args)
+    if mode == "replay" and args.replay is not True:  # saved traces: no artifact
+        data = replay.load_traces(Path(args.replay))
+        labels = replay_labels(args.policies, int(data["block_size"]))
+        report = replay.run_replay(data, labels)
+        return _finish(_out_dir(args), "replay.json", report, replay.table_lines(report))
+    past_lengths = parse_past_lengths(args.past_lengths) if args.past_lengths is not None else None
+    if args.fresh_costs:  # a first-time user's run: auto measures the step costs itself
+        os.environ[COSTS_ENV] = tempfile.mkdtemp(prefix="dflash-bench-costs-")
+    sess = runtime.load(args.artifact, backend=args.backend, int4_accuracy_level=args.int4_accuracy_level)
+    if mode == "verify_costs":
+        return _run_verify_costs(args, sess, past_lengths or [DEFAULT_PAST_LEN])
+    b = _check_args(args, sess)
+    if mode == "ab":
+        arms = ab.parse_arms(args.ab, sess, b, lambda label: parse_policies(label, b))
+        prompts, encoded = _encoded_prompts(args, sess)
+        out = _out_dir(args)
+        report = ab.run_ab(sess, prompts, encoded, arms, b, args.max_new_tokens, args.rounds or ab.DEFAULT_ROUNDS)
+        return _finish(out, "ab.json", report, ab.table_lines(report))
+    if mode == "replay":
+        labels = replay_labels(args.policies, sess.block_size)
+        prompts, encoded = _encoded_prompts(args, sess, margin=sess.block_size)
+        out = _out_dir(args)
+        data = replay.record_traces(sess, prompts, encoded, args.max_new_tokens)
+        _write_json(out, "traces.json", data)
+        report = replay.run_replay(data, labels)
+        return _finish(out, "replay.json", report, replay.table_lines(report) + [f"traces saved in {out / 'traces.json'}"])
+    if mode == "draft_ranks":
+        if b < 2:
+            raise DFlashError("--draft-ranks needs blocks of at least 2 tokens (--block-size)")
+        prompts, encoded = _encoded_prompts(args, sess)
+        out = _out_dir(args)
+        report = draft_ranks.measure(sess, prompts, encoded, args.max_new_tokens, b, args.draft_ranks)
+        return _finish(out, "draft_ranks.json", report,
+                       [line for label, s in report.items() for line in draft_ranks.table_lines(label, s)])
+    return _run_report(args, sess, b, _policies(args.policies, sess, b),
+                       DEFAULT_PAST_LENGTHS if past_lengths is None else past_lengths)
+
+
+def _run_verify_costs(args, sess, past_lengths: list[int]) -> int:
+    """`--verify-costs`: the curves of ARTIFACT and the others, loaded alike, at each past length."""
+    import runtime
+
+    labels = check_others(args.artifact, args.verify_costs)
+    out = _out_dir(args)
+    sessions = {labels[0]: sess, **{label: runtime.load(label, backend=args.backend,
+                                                         int4_accuracy_level=args.int4_accuracy_level)
+                                    for label in labels[1:]}}
+    curves = measure_curves(sessions, past_lengths)
+    code = _finish(out, "verify_costs.json", {"artifacts": labels, "curves": curves}, verify_cost_lines(curves))
+    for label, per_past in curves.items():
+        for curve in per_past:
+            _warn_inversions(curve, f"{label} (past {curve['past_len']})")
+    return code
+
+
+def _warn_inversions(curve: dict, what: str = "") -> None:
+    inversions = curve_inversions(curve["verify_ms"])
+    if inversions:
+        n, m = inversions[0]
+        print(f"warning: the verify-cost curve{' of ' + what if what else ''} is noisy ({len(inversions)} inversions, "
+              f"e.g. verifying {m} proposals measured faster than {n}); the machine was probably busy: rerun on an "
+              "idle machine.", file=sys.stderr)
+
+
+def _run_report(args, sess, b: int, policies: list[str], past_lengths: list[int]) -> int:
+    """The full report (no mode): bench.json and bench.png."""
+    prompts, encoded = _encoded_prompts(args, sess)
+    out = _out_dir(args)
     torch_ctx = None
     if args.torch_baseline and sess.recurrent is not None:
         # Hugging Face's cache crops attention K/V but cannot roll a Gated DeltaNet state back
@@ -214,11 +325,7 @@ def run_bench(args) -> int:
     (out / ".bench.tmp.png").replace(out / "bench.png")
     _print_table(report)
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
-    inversions = curve_inversions(report["verify_cost_curve"]["verify_ms"])
-    if inversions:
-        n, m = inversions[0]
-        print(f"warning: the verify-cost curve is noisy ({len(inversions)} inversions, e.g. verifying {m} proposals "
-              f"measured faster than {n}); the machine was probably busy: rerun on an idle machine.", file=sys.stderr)
+    _warn_inversions(report["verify_cost_curve"])
     return 0
 
 
@@ -425,25 +532,49 @@ def _torch_baseline(sess):
 
 def register(sub) -> None:
     """Add the `bench` subcommand."""
-    p = sub.add_parser("bench", help="benchmark plain vs speculative decoding (and the PyTorch loop)")
-    p.add_argument("artifact", help="artifact directory written by build")
+    p = sub.add_parser("bench", help="benchmark plain vs speculative decoding (and the PyTorch loop); --ab, --replay, "
+                                     "--verify-costs and --draft-ranks measure one thing instead")
+    p.add_argument("artifact", nargs="?", help="artifact directory written by build (not needed with --replay TRACES)")
     p.add_argument("--prompts", default=str(DEFAULT_EVAL), help="JSONL prompts (default: models/prompts/eval.jsonl)")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt and run (default 128)")
-    p.add_argument("--block-size", type=int, default=None, help="speculative block size (default: the draft's)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="speculative block size (default: the draft's); with --draft-ranks the blocks the draft fills")
     p.add_argument("--policies", default=None,
                    help="speculative policies run after plain on each prompt, comma-separated: auto and/or fixed "
                         "verify lengths, and verify trees L+A (e.g. 1+3; default: auto,1,3,7,...,block size - 1, and 1+3 where "
-                        "the target verifies trees)")
+                        "the target verifies trees); with --replay the policies replayed (auto and verify lengths)")
     p.add_argument("--fresh-costs", action="store_true",
                    help="measure auto's step costs anew in this run (a first-time user's run) instead of the user cache")
-    p.add_argument("--past-lengths", default=",".join(map(str, DEFAULT_PAST_LENGTHS)),
-                   help="decode tok/s at these past lengths, plain and auto (default 128,512,1024,2000; '' skips)")
+    p.add_argument("--past-lengths", default=None,
+                   help="decode tok/s at these past lengths, plain and auto (default 128,512,1024,2000; '' skips); "
+                        f"with --verify-costs the past lengths the curves are measured at (default {DEFAULT_PAST_LEN})")
     p.add_argument("--backend", default="ort", help="ort (default), ort-cuda or trt")
     p.add_argument("--int4-accuracy-level", type=int, choices=(1, 4), default=None,
                    help="INT4 artifacts on onnxruntime CPU: 4 = int8 activations (default where the target is "
                         "row-exact: lossless and faster), 1 = fp32 compute")
     p.add_argument("--no-torch-baseline", dest="torch_baseline", action="store_false",
                    help="skip timing the PyTorch loop (Hugging Face target + PyTorch draft)")
-    p.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png (default: bench-out)")
+    p.add_argument("--out", default="bench-out",
+                   help="directory for bench.json and bench.png, or the mode's JSON (default: bench-out)")
+    modes = p.add_argument_group("modes (one at a time, instead of the full report)").add_mutually_exclusive_group()
+    modes.add_argument("--ab", metavar="ARMS",
+                       help="plain against these arms, interleaved in one process, comma-separated: auto, confidence "
+                            "(auto without lookups), before-draft (auto choosing before the draft call), plain (an A/A "
+                            "noise floor), a verify length or tree; prints plain / arm decode time per arm (median, "
+                            "total, 90%% interval, per category) and writes ab.json")
+    modes.add_argument("--replay", nargs="?", const=True, metavar="TRACES",
+                       help="replay --policies on acceptance traces with this device's modelled step costs (auto, fixed "
+                            "lengths and an oracle; no timing noise): ARTIFACT --replay records the traces (traces.json) "
+                            "first, --replay TRACES replays saved ones; writes replay.json")
+    modes.add_argument("--verify-costs", nargs="*", metavar="OTHER",
+                       help="only the verify-cost curve (target call ms by proposals verified, draft call ms) of ARTIFACT "
+                            "and of each OTHER artifact, as ratios to ARTIFACT's; writes verify_costs.json")
+    modes.add_argument("--draft-ranks", nargs="*", metavar="DRAFT",
+                       help="where the target's next tokens rank among the draft's logits by block position, top-1 "
+                            "chains, tau at every position and the draft's calibration (PyTorch, from the artifact's "
+                            "source checkpoints; the artifact's draft, or each DRAFT of the same target); writes "
+                            "draft_ranks.json")
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"with --ab: rounds of plain and every arm per prompt (default {ab.DEFAULT_ROUNDS})")
     p.set_defaults(func=run_bench)

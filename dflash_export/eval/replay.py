@@ -17,22 +17,29 @@ positions, ignoring the draft's catch-up after plain steps): an upper bound on t
 The traces hold acceptance, not the draft's probabilities, so `auto` here chooses before the draft
 call, as the runtime does for drafts without a proposal vocabulary; the confidence rule
 (`runtime.speculation.confidence`) and lookup proposals (`runtime.speculation.lookup`, never asked for here) are measured by
-`scripts/auto_vs_plain.py` instead.
+`bench ARTIFACT --ab auto,confidence,before-draft` (`dflash_export.eval.ab`) instead.
 
-Run it: `python scripts/policy_replay.py ARTIFACT --limit 4` (see that script).
+Run it: `python -m dflash_export bench ARTIFACT --replay --limit 4` records the traces (saved as
+`traces.json` in `--out`) and replays them; `bench --replay OUT/traces.json` replays saved traces again
+(policy tuning) without an artifact.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
+from runtime.errors import DFlashError
 from runtime.graphs.costs import CallCosts, timed_step
 from runtime.results import accepted_prefix
-from runtime.speculation.policy import AcceptanceEstimate, AdaptiveLength, FixedLength, Policy
+from runtime.speculation.policy import (TRAINED_DRAFT_PRIOR, UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength,
+                                       FixedLength, Policy)
 from runtime.speculation.proposals import StepRecord
 
 
@@ -140,6 +147,8 @@ def measure_cost_model(sess, host_ms_per_step: list[float], past_len: int = 128,
     `context_rows` rows) and the loop's host work per step (the median of `host_ms_per_step`, e.g.
     real plain runs' `host_s` per step: timing it against other runs would mix in the load's drift)."""
     b = sess.block_size
+    past_len = min(past_len, sess.max_seq_len // 2)  # a small artifact: every timed call inside its buffers
+    context_rows = tuple(c for c in context_rows if past_len + c + b <= sess.max_seq_len) or (1,)
     sess.policy(1)
     sess.set_sampling(0.0)
     times = {n: [] for n in range(b)}
@@ -257,3 +266,66 @@ def to_json(traces: list[AcceptanceTrace], model: StepCostModel) -> dict:
 
 def from_json(data: dict) -> tuple[list[AcceptanceTrace], StepCostModel]:
     return [AcceptanceTrace(**t) for t in data["traces"]], StepCostModel(**data["model"])
+
+
+NOISE = 0.1  # sigma of the log-normal noise on the times auto sees (`bench --replay`)
+SEEDS = 5  # noisy runs of auto, median kept per prompt (`bench --replay`)
+
+
+def record_traces(sess, prompts: list[dict], encoded: list[list[int]], max_new_tokens: int) -> dict:
+    """`bench ARTIFACT --replay`: one trace per prompt and the step-cost model of this device, as the
+    JSON bench saves as `traces.json` ({"traces", "model", "block_size", "prior"}). Every prompt plus
+    `max_new_tokens` plus a block must fit the artifact's max_seq_len (bench checks it first)."""
+    traces, plain_ms = [], []
+    for p, ids in zip(prompts, encoded):
+        plain = sess.generate(ids, max_new_tokens=max_new_tokens, block_size=1, reuse_prefix=False)
+        plain_ms.append(1000 * plain.host_s / max(len(plain.output_ids) - 1, 1))
+        reply, accepted = record_trace(sess, ids, max_new_tokens)
+        traces.append(AcceptanceTrace(str(p["id"]), p["category"], len(ids), max_new_tokens, accepted,
+                                      reply == plain.output_ids))
+        print(f"{p['id']}: {len(reply)} tokens, mean accepted {sum(accepted) / len(accepted):.2f}", file=sys.stderr)
+    prior = TRAINED_DRAFT_PRIOR if sess.manifest["draft"].get("trained") else UNTRAINED_DRAFT_PRIOR
+    return {**to_json(traces, measure_cost_model(sess, plain_ms)), "block_size": sess.block_size, "prior": prior}
+
+
+def load_traces(path: Path) -> dict:
+    """Traces saved by `bench ARTIFACT --replay` (its `traces.json`).
+
+    Raises:
+        DFlashError: a directory (an artifact: record with `bench ARTIFACT --replay`), a missing file or one
+            that is not such JSON."""
+    if path.is_dir():
+        raise DFlashError(f"--replay {path} is a directory; --replay takes a traces.json written by "
+                          f"`bench ARTIFACT --replay` (to record traces, write `bench {path} --replay`)")
+    try:
+        data = json.loads(path.read_text())
+        from_json(data)
+        int(data["block_size"]), float(data["prior"])
+    except OSError as exc:
+        raise DFlashError(f"--replay {path}: cannot read it ({exc.strerror or exc})") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DFlashError(f"--replay {path} is not a traces file written by `bench ARTIFACT --replay` ({exc!r})") from None
+    return data
+
+
+def run_replay(data: dict, labels: list[str]) -> dict:
+    """Replay `labels` (auto and fixed lengths) on saved traces: {"cost_model", "not_equal_to_plain",
+    "table"} with `summarise`'s table (plus the oracle)."""
+    traces, model = from_json(data)
+    results = compare(traces, model, int(data["block_size"]), labels, float(data["prior"]), NOISE, SEEDS)
+    return {"block_size": int(data["block_size"]), "prior": float(data["prior"]), "cost_model": asdict(model),
+            "not_equal_to_plain": [t.prompt_id for t in traces if not t.plain_match],
+            "table": summarise(traces, results)}
+
+
+def table_lines(report: dict) -> list[str]:
+    """The printed lines: the cost model, then modelled speedup over plain per policy (columns: the
+    categories, overall = median over prompts, total = plain time / policy time, worst prompt)."""
+    m, table = report["cost_model"], report["table"]
+    lines = [f"cost model (ms): steps {[round(v, 2) for v in m['step_ms']]}, catch-up {m['catch_up_ms_per_row']:.3f}/row, "
+             f"host {m['host_ms']:.2f}; traces not equal to plain: {report['not_equal_to_plain'] or 'none'}"]
+    cols = [c for c in next(iter(table.values())) if c not in ("overall", "total", "worst")] + ["overall", "total", "worst"]
+    lines.append(f"{'policy':<8} " + " ".join(f"{c[:10]:>10}" for c in cols))
+    for label, row in table.items():
+        lines.append(f"{label:<8} " + " ".join(f"{row[c]:>10.3f}" for c in cols))
+    return lines

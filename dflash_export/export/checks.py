@@ -35,7 +35,7 @@ def check_graph(model_path: Path) -> dict:
 
     Raises:
         DFlashError: an operator outside the TensorRT 10 list, a non-default domain, opset > 20 (21
-            only with INT4 weights), a DequantizeLinear outside the INT4 form of `quantize.py`, or the
+            only with INT4 weights), a DequantizeLinear outside the INT4 form of `quant/int4.py`, or the
             same weight stored twice (also transposed).
     """
     import onnx
@@ -94,8 +94,9 @@ def _tensor_array(tensor, base_dir: Path, sampled: bool = False) -> np.ndarray:
     """A TensorProto's values: a read-only memory map for external data, else decoded in memory.
 
     `sampled`: the caller reads a few scattered elements (the duplicate fingerprint), so the map asks
-    the kernel not to read ahead: each sampled element then costs one page, not a 128 KB read-around
-    (an 8B-shaped graph's check, its 16 GB no longer in the page cache: 14 s -> 1.8 s)."""
+    the kernel not to read ahead: each sampled element then costs one page, not a 128 KB read-around,
+    which matters once a large artifact no longer fits the page cache (figures:
+    docs/export.md#layer-replication-tracing-a-template)."""
     from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
     shape = tuple(int(d) for d in tensor.dims)

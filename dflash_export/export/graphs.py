@@ -103,7 +103,7 @@ def _trace(module, args, names, dynamic_shapes, readers: dict):
 
 def _finish(model, path: Path, readers: dict, progress: bool, rewrite) -> None:
     """Pack linear layers sharing an input into one GEMM (`graph_passes`), apply `rewrite(model, packed)`
-    (INT4 weights, `quantize.rewrite_int4`; `packed` maps each packed weight to its parts) and write
+    (INT4 weights, `quant.int4.rewrite_int4`; `packed` maps each packed weight to its parts) and write
     `model` to `path`: streamed weights are read only now, one at a time."""
     _check_streamed(model, readers)
     packed = pack_shared_input_gemms(model)
@@ -132,12 +132,12 @@ def export_target(module, path: Path, readers: dict | None = None, progress: boo
         readers: initializer name -> reader of the streamed weights (`weights.bind_weights`).
         progress: print a bar while weights are written and one line of phase times (stderr).
         rewrite: `rewrite(model, packed)` edits the optimized graph before it is saved (`_finish`).
-        replicate: "auto" traces a template with every layer kind twice (`layer_replication`) and
+        replicate: "auto" traces a template with every layer kind twice (`export.replication`) and
             copies its layers to every layer (the same graph; tracing time independent of the depth),
             or, when the template's structure is not the expected one, warns (`ReplicationWarning`) and
-            traces every layer; "always" raises `layer_replication.ReplicationError` instead of falling
+            traces every layer; "always" raises `export.replication.ReplicationError` instead of falling
             back; "never" traces every layer.
-        layout: the module's `layer_replication.Layout` (default: `dense_layout(module)`, Llama / Qwen3).
+        layout: the module's `export.replication.Layout` (default: `dense_layout(module)`, Llama / Qwen3).
 
     Raises:
         ValueError: an unknown `replicate`.
@@ -168,7 +168,7 @@ def export_target(module, path: Path, readers: dict | None = None, progress: boo
 
 
 def _replicated_target(module, readers: dict, layout) -> tuple:
-    """The optimized target graph made from a traced template (`layer_replication`), and a line saying
+    """The optimized target graph made from a traced template (`export.replication`), and a line saying
     how long tracing and replicating took."""
 
     t0 = time.perf_counter()

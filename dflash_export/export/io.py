@@ -12,7 +12,7 @@ from runtime.manifest import DRAFT_PROPOSAL_OUTPUTS, TREE_INPUTS, TREE_SHAPE_INP
 
 def target_io_names(num_layers: int, draft_proposes: bool = False) -> tuple[list[str], list[str]]:
     """Input and output names of the target graph, in positional order (`draft_proposes`: the target
-    takes the proposal ids, `modules.TargetForExport`)."""
+    takes the proposal ids, `nn.layers.TargetForExport`)."""
     kv_in = [f"past_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
     kv_out = [f"{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
     if draft_proposes:
@@ -26,7 +26,7 @@ def target_io_names(num_layers: int, draft_proposes: bool = False) -> tuple[list
 
 def draft_io_names(num_layers: int, proposes: bool = False) -> tuple[list[str], list[str]]:
     """Input and output names of the draft graph, in positional order (`proposes`: it ends in the
-    proposal head, `draft_model.ProposingDraft`)."""
+    proposal head, `nn.draft.ProposingDraft`)."""
     kv_in = [f"past_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
     kv_out = [f"{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
     heads = list(DRAFT_PROPOSAL_OUTPUTS) if proposes else ["draft_hidden"]

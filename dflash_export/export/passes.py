@@ -3,8 +3,9 @@
 `pack_shared_input_gemms` merges the linear layers that read the same activation (attention q, k, v;
 MLP gate, up) into one GEMM on their stacked weights followed by a Split, as onnxruntime-genai and
 llama.cpp pack them. Each output column is the same dot product as before; what changes is the
-number of kernel calls per layer (7 -> 4): on SmolLM2 with INT4 weights a MatMulNBits call with
-N = 192 (k_proj) costs about as much as one with N = 960, so three calls become one.
+number of kernel calls per layer (7 -> 4): a narrow call (k_proj's) costs about as much as a wide
+one, so three calls cost about what one does (figures:
+docs/performance.md#lm-head-form-packed-projections-sampling-branch-2026-11-30-to-2026-12-01).
 """
 
 from __future__ import annotations

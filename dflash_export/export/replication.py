@@ -1,9 +1,9 @@
 """Export a deep target by tracing a shallow one: tracing cost that does not grow with the layer count.
 
-Tracing, decomposing and optimizing a target costs a few seconds per decoder layer (4-5 s at Qwen3-8B
-sizes on 2 cores: most of a 36-layer build; about 20 s per Gated DeltaNet layer of a Qwen3.5 hybrid),
+Tracing, decomposing and optimizing a target costs seconds per decoder layer, more for a Gated DeltaNet
+layer: most of a deep target's build (figures: docs/export.md#layer-replication-tracing-a-template),
 and every decoder layer of one kind exports to the same subgraph on its own weights and caches. So
-`export.export_target` traces a template instead: the same module with every layer kind of the target
+`export.graphs.export_target` traces a template instead: the same module with every layer kind of the target
 twice, in order of first use (`Layout.template_kinds`: 2 layers for Llama / Qwen3, [GDN, attention,
 GDN, attention] for a Qwen3.5 hybrid), optimized as usual, and `replicate_layers` turns it into the
 full graph (the surgery is `replication_graph`):

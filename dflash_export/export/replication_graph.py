@@ -1,4 +1,4 @@
-"""The graph surgery of layer replication (`layer_replication`): cut a traced template into its
+"""The graph surgery of layer replication (`export.replication`): cut a traced template into its
 layers, check that each layer is its kind's copied layer on its own inputs, and copy that layer once
 per layer of the real target.
 

@@ -1,5 +1,5 @@
-"""The Qwen3 / Llama target family (`families.py` hooks): its config reader (`read_target`), the dense
-decoder of `modules.TargetForExport`, exported with its weights streamed from the shards, and its fp32
+"""The Qwen3 / Llama target family (`families/registry.py` hooks): its config reader (`read_target`), the dense
+decoder of `nn.layers.TargetForExport`, exported with its weights streamed from the shards, and its fp32
 reference for `check`.
 """
 
@@ -106,13 +106,13 @@ def check_options(tspec: TargetSpec, tap_layers, source: WeightSource, qconfig, 
 
 def manifest_fields(tspec: TargetSpec) -> dict:
     """Family hook: a dense target's rows are split-invariant (`row_exact`: each row computes the same
-    floats in any call, see `modules.Attention.attend`), which lets the runtime use kernels with int8
+    floats in any call, see `nn.layers.Attention.attend`), which lets the runtime use kernels with int8
     activations and stay lossless."""
     return {"row_exact": True}
 
 
 # This family's target takes proposal ids from a draft that ends in the proposal head (`build`: when
-# the draft has a proposal vocabulary or the LM head is INT4: `families.draft_proposes`).
+# the draft has a proposal vocabulary or the LM head is INT4: `families.registry.draft_proposes`).
 DRAFT_PROPOSES = True
 
 
@@ -124,7 +124,7 @@ def target_export_module(tspec: TargetSpec, dspec: DraftSpec, source: WeightSour
     `draft_proposes`: the module takes proposal ids and holds no proposal head rows.
 
     Returns:
-        (module, {initializer name: reader}) for `export.export_target` or `export._export`.
+        (module, {initializer name: reader}) for `export.graphs.export_target` or `export.graphs._export`.
     """
     extra = {"draft_proposes": True} if draft_proposes else {}
     vocab = None if draft_proposes else dspec.draft_vocab

@@ -1,4 +1,4 @@
-"""The DFlash target graph of a Qwen3.5 hybrid: `modules.TargetForExport`'s interface over the hybrid
+"""The DFlash target graph of a Qwen3.5 hybrid: `nn.layers.TargetForExport`'s interface over the hybrid
 stack of `qwen3_5.Qwen35TargetForExport`.
 
 Inputs: `input_ids [T]`, `draft_hidden [N, d]`, `temperature [1]`, `uniform [U]` as for Qwen3 targets,
@@ -15,8 +15,8 @@ columns the optimizer folds (`_derived_in_graph`). Layer replication traces a 4-
 attention, GDN, attention]) and copies its layers (`replication_layout`; the folded constants are
 computed again per layer by `folded_constants`).
 
-As the Qwen3.5 family (`families.py` hooks) it also recognises and reads the hybrid checkpoints
-(`read_target`, over `hybrid_spec.py`) and tells `train-draft` their weight names and zero-centred norms.
+As the Qwen3.5 family (`families/registry.py` hooks) it also recognises and reads the hybrid checkpoints
+(`read_target`, over `checkpoint/hybrid.py`) and tells `train-draft` their weight names and zero-centred norms.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ NORM_WEIGHT_OFFSET = 1.0
 
 
 # A draft with a proposal vocabulary returns hidden rows the hybrid target ranks itself (chains only);
-# with an INT4 LM head the draft ends in the proposal head (`families.draft_proposes`).
+# with an INT4 LM head the draft ends in the proposal head (`families.registry.draft_proposes`).
 DRAFT_PROPOSES = False
 
 
@@ -147,7 +147,7 @@ def export_inputs(module: HybridDFlashTarget) -> tuple:
 
 
 def replication_layout(module: HybridDFlashTarget):
-    """The hybrid's `layer_replication.Layout`: GDN and full-attention layers with their caches
+    """The hybrid's `export.replication.Layout`: GDN and full-attention layers with their caches
     (`qwen3_5.cache_names`), traced by `export_inputs`, with the constants the optimizer folds from a
     layer's weights (`folded_constants`)."""
 
@@ -164,7 +164,7 @@ def replication_layout(module: HybridDFlashTarget):
 def folded_constants(layer) -> list[tuple[str, np.ndarray]]:
     """The constants the graph optimizer folds from a hybrid decoder layer's weights, as it computes them
     (numpy, in the parameters' dtypes): `1 + w` of each zero-centred norm (fp32), the conv kernel's K
-    columns, and `exp(A_log)` and `-exp(A_log)` (fp32). `layer_replication` recognises them by value in
+    columns, and `exp(A_log)` and `-exp(A_log)` (fp32). `export.replication` recognises them by value in
     the template and computes them again for each layer."""
     out = []
     for name, sub in layer.named_modules():
@@ -195,7 +195,7 @@ def check_weights(tspec: TargetSpec, tap_layers, source) -> None:
 
 
 def export_hybrid_target(module: HybridDFlashTarget, path: Path, replicate: str = "auto") -> None:
-    """Trace and write the hybrid DFlash target graph of a module holding its weights (`export.export_target`:
+    """Trace and write the hybrid DFlash target graph of a module holding its weights (`export.graphs.export_target`:
     dynamo, opset 20, optimized, shared-input GEMMs packed; `replicate` as there). `build` streams the
     weights instead (`export_for_build`)."""
 
@@ -218,7 +218,7 @@ def check_options(tspec: TargetSpec, tap_layers, source, qconfig, proposal_head:
 
 
 def _quantized_names(module: HybridDFlashTarget, qconfig) -> list[str]:
-    """The module's weights `--quant int4` stores as INT4 (`quantize.quantized_names`: the LM head too
+    """The module's weights `--quant int4` stores as INT4 (`quant.int4.quantized_names`: the LM head too
     with `qconfig.lm_head`; raises on a block that does not divide a layer's K)."""
 
     shapes = {k: tuple(p.shape) for k, p in module.named_parameters()}

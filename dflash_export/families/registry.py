@@ -1,13 +1,13 @@
 """Target families behind one small registry: what `load_target_spec`, `build`, `check` and
 `train-draft` ask of a family, in one place.
 
-A family is one module (`dense_target`: Qwen3 and Llama; `qwen3_5_target`: the Qwen3.5/3.6 Gated
-DeltaNet hybrid) sharing the common layers of `modules.py`, naming its export step in `EXPORT_TITLE`
+A family is one module (`families.dense`: Qwen3 and Llama; `families.qwen3_5`: the Qwen3.5/3.6 Gated
+DeltaNet hybrid) sharing the common layers of `nn/layers.py`, naming its export step in `EXPORT_TITLE`
 (build's progress line) and providing these hooks:
 
-- `read_target(model_dir, cfg)`: the :class:`checkpoint.TargetSpec` of a checkpoint whose config.json
+- `read_target(model_dir, cfg)`: the :class:`checkpoint.target.TargetSpec` of a checkpoint whose config.json
   (`cfg`) is the family's, None for another family's (raises DFlashError for the family's checkpoints
-  it cannot take); `checkpoint.load_target_spec` asks the families in FAMILIES order;
+  it cannot take); `families.registry.load_target_spec` asks the families in FAMILIES order;
 - `check_weights(tspec, tap_layers, source)`: every parameter the export module needs has a checkpoint
   tensor of its shape, before any output exists (raises DFlashError naming what is wrong);
 - `check_options(tspec, tap_layers, source, qconfig, proposal_head)`: refuses `build` options the family
@@ -59,7 +59,7 @@ class ExportedTarget:
 
 
 def draft_proposes(vocab_proposes: bool, dspec, qconfig) -> bool:
-    """Whether `build` ends the draft graph in the proposal head (`draft_model.ProposingDraft`; the
+    """Whether `build` ends the draft graph in the proposal head (`nn.draft.ProposingDraft`; the
     target graph then takes proposal ids): for a draft with a proposal vocabulary where the family
     takes it so (`vocab_proposes`: its `DRAFT_PROPOSES`), and always when the LM head is INT4
     (`qconfig.lm_head`). An INT4 head must have one MatMul per graph: onnxruntime fuses

@@ -26,8 +26,8 @@ class DFlashDraft(nn.Module):
             `draft_hidden` rows to compute (row r is block position r + 1), or None for all B - 1.
             Only the last layer is cut to them (its keys and values still come from every block row,
             so the rows it returns equal the uncut forward's): a step verifying 1-3 of 15 proposals
-            then skips most of that layer's matrix products (SmolLM2 2-layer draft: about a third
-            of the draft call).
+            then skips most of that layer's matrix products, a large share of a shallow draft's call
+            (figures: docs/performance.md#the-drafts-rows-cut-draft-call-time-2026-12-03).
 
     Outputs:
         draft_hidden: `[B - 1, d]` (`[R, d]` with `rows`): norm(h) of block positions 1..B-1 (position
@@ -140,7 +140,7 @@ class ProposingDraft(DraftWithRows):
 
     Outputs:
         draft_top_ids: int64 `[R, K]`, K = min(4, V'): each row's candidates in rank order, as target
-            token ids (`modules.proposal_table`).
+            token ids (`nn.layers.proposal_table`).
         draft_top_probs: fp32 `[R, K]`: their softmax probabilities over the proposal vocabulary.
         key_i / value_i: as :class:`DFlashDraft`.
     """

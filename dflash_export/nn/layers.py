@@ -208,7 +208,7 @@ class DecoderLayer(nn.Module):
         `Attention.query`) and the keys; `causal` is the `causal_bias` of the S new rows, `key_ones`
         the `key_ones_for` the P + S keys. The whole
         layer runs inside this module call, so every exported node of it carries the layer's name
-        scope (`model.layers.i`): `layer_replication` cuts one layer's nodes out by that scope.
+        scope (`model.layers.i`): `export.replication` cuts one layer's nodes out by that scope.
         """
         x = self.input_layernorm(h)
         q = self.self_attn.query(x, *rope_q)
@@ -243,13 +243,15 @@ class TargetForExport(nn.Module):
         temperature: fp32 `[1]`; 0 means greedy (argmax), > 0 samples the posterior at T.
         uniform: fp32 `[U]` in [0, 1), U = 1 + N to sample (one uniform per logits row, inverse CDF)
             or U = 0 for greedy decoding: then no softmax/cumsum over the vocabulary runs at all
-            (7% of a 16-row verify on SmolLM2). With temperature 0 the uniforms are ignored.
+            (a measurable share of a verify; figures:
+            docs/performance.md#lm-head-form-packed-projections-sampling-branch-2026-11-30-to-2026-12-01).
+            With temperature 0 the uniforms are ignored.
         tree_depth: int64 `[N]`: proposal i's block position minus 1 (`draft_hidden` row it reads;
             position P + T + tree_depth[i]). A chain's is 0..N-1.
         tree_rank: int64 `[N]` in [0, TREE_RANKS): proposal i is the draft's rank-th candidate there
             (0: its argmax).
         tree_bias: fp32 `[N, N]`: which proposals proposal i attends to (0: its ancestors and itself,
-            the fp32 minimum elsewhere; `attention_tables.tree_bias`). A chain's is causal. With these
+            the fp32 minimum elsewhere; `nn.tables.tree_bias`). A chain's is causal. With these
             three inputs one call verifies a tree of proposals (several candidates for one position),
             as SpecInfer (Miao et al., ASPLOS 2024) and Medusa (Cai et al., ICML 2024) do.
         past_key_i / past_value_i: `[P, Hkv, D]` for each layer i; positions start at P.
@@ -298,7 +300,8 @@ class TargetForExport(nn.Module):
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
         """`h [S, d]` -> fp32 logits `[S, V]`, as `Gemm(h, W, transB=1)`: the tied table is read in place
         (no transposed copy), and onnxruntime pre-packs it as a GEMM's B operand (the (W @ h^T)^T form,
-        with W as operand A, ran at 40% of the memory bandwidth: 12 ms of a 47 ms SmolLM2 step)."""
+        with W as operand A, ran far below the memory bandwidth; figures:
+        docs/performance.md#lm-head-form-packed-projections-sampling-branch-2026-11-30-to-2026-12-01)."""
         return nn.functional.linear(h, self.head_weight()).to(torch.float32)
 
     def propose(self, draft_hidden: torch.Tensor, depth: torch.Tensor | None = None,

@@ -1,7 +1,7 @@
 """Export modules for the Qwen3.5 hybrid target: Gated DeltaNet (GDN) layers and gated full attention.
 
 Numerical reference: transformers' `models/qwen3_5/modeling_qwen3_5.py` (5.24). Sequence axis outermost,
-batch 1, every cache explicit, as in `modules.py`: full-attention layers take past K/V `[P, Hkv, D]` and
+batch 1, every cache explicit, as in `nn/layers.py`: full-attention layers take past K/V `[P, Hkv, D]` and
 return only the new rows.
 
 GDN state design (lagged by one call). A speculative verify processes T new rows of which only a
@@ -291,7 +291,7 @@ class Qwen35TargetForExport(nn.Module):
     def body(self, ids: torch.Tensor, caches: tuple) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """The decoder stack on `ids [S]` (S <= MAX_ROWS) after `caches` (the per-layer inputs above):
         (final-norm hidden `[S, d]`, tap features `[S, k * d]`, the cache outputs in output order), the
-        contract of `modules.TargetForExport.body`."""
+        contract of `nn.layers.TargetForExport.body`."""
         spec = self.spec
         s = ids.shape[0]
         torch._check(s <= MAX_ROWS)

@@ -138,7 +138,7 @@ def search_scale(x: torch.Tensor, weights: list[torch.Tensor], block: int, dtype
 
     Args:
         rows: int64 indices of the rows of `x` the output error is measured on.
-        block, dtype: the INT4 block and scale dtype of `quantize.quantize_rtn`.
+        block, dtype: the INT4 block and scale dtype of `quant.int4.quantize_rtn`.
 
     Returns:
         (fp32 `[K]` scale, the alpha chosen).
@@ -163,7 +163,7 @@ def calibrate(module, source, ids: torch.Tensor, block: int, dtype: torch.dtype,
     """Search every decoder layer's AWQ scales on `ids`.
 
     Args:
-        module: an empty `modules.TargetForExport` of the target (its layers receive their weights here,
+        module: an empty `nn.layers.TargetForExport` of the target (its layers receive their weights here,
             one layer at a time, in fp32, and are emptied again).
         source: the target's `weights.WeightSource`.
         ids: int64 `[B, S]` calibration sequences (`calibration_ids`).

@@ -15,7 +15,7 @@ or above (`DQMatMulToMatMulNBits`); TensorRT builds it as block-quantized INT4 w
 Quantization is round-to-nearest per block (RTN): scale = max|w| / 7 over the block, rounded to the
 graph dtype first, then q = clamp(round(w / scale), -8, 7). The graph's weights are exactly
 `q * scale` computed in the graph dtype: `dequantize` gives that tensor, for references.
-It runs one tensor at a time, inside the streamed weight readers (`weights.py`).
+It runs one tensor at a time, inside the streamed weight readers (`checkpoint/weights.py`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class QuantConfig:
 
     Attributes:
         method: "rtn" (round to nearest) or "awq" (activation-aware scales folded into the checkpoint
-            first, then round to nearest: `awq.py`).
+            first, then round to nearest: `quant/awq.py`).
         block: values per scale along K (a power of two >= 16 dividing every quantized layer's K).
         lm_head: quantize the LM head too (its logits GEMM, and the proposal head rows). A tied
             embedding keeps its table in the graph dtype for the token lookups.
@@ -116,8 +116,8 @@ def draft_quant_plan(dspec, source_shapes: dict, config: QuantConfig) -> dict | 
     q_proj, o_proj and MLP, which run on the verified rows only (`proposal_rows`: 1-3 rows a step on a
     CPU, where fp32 weights are read at memory speed). The layers over the whole block (16 rows) stay
     in the graph dtype: onnxruntime's int8-activation INT4 kernel is slower than fp32 SGEMM there on
-    CPUs (SmolLM2 draft, 2 cores: whole draft INT4 3.6 ms a call against 2.8 ms fp32). Measured:
-    a 1-proposal step 12.38 -> 11.60 ms, acceptance unchanged (tau 1.467 -> 1.472).
+    CPUs, while the INT4 last layer makes a step faster at unchanged acceptance (figures:
+    docs/quantization.md#the-int4-form---quant-int4).
 
     Returns:
         {"method": "rtn", "block": B, "tensors": [names]}, B the largest power of two <= the target's

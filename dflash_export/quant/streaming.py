@@ -10,7 +10,7 @@ from dflash_export.quant.int4 import QuantConfig, proposal_head_block, rewrite_i
 
 
 def streaming_rewrite(treaders: dict, tsource: WeightSource, torch_dtype, qconfig, qnames: list[str], head_config):
-    """The `rewrite(model, packed)` hook of `export._export`: each weight is read (stacked when packed),
+    """The `rewrite(model, packed)` hook of `export.graphs._export`: each weight is read (stacked when packed),
     INT4-quantized when `qconfig` (and the proposal head rows with `head_config`) as its initializer
     is saved."""
     def rewrite(model, packed):

@@ -123,15 +123,16 @@ def generate_dataset(
     `sample_temperature` (seeded; ids `<id>#s<k>`): more target-distribution data from the same prompts,
     which is what a small prompt set limits (the first response stays the greedy one).
 
-    The tap features come from the generation passes themselves (prefill + one step per token), so
-    no second forward over the data is needed. `dtype` (default fp32) is the target's weight dtype for
-    generation: bf16 runs about 2.4x faster on CPUs with native bf16 matmuls (measured on this project's
-    2-core Zen 4, batch 128); its responses are the target's own up to near-tie argmax flips, and its
-    features carry bf16 rounding (about 0.4%), which the draft tolerates. Results are cached in `cache/` (`sequences.json`,
-    `taps.safetensors`) and reused when present. While generating, each batched call's output is also
-    saved (`cache/.partial-*/`), so a run interrupted after hours resumes at the call where it stopped.
-    `fingerprint` (the caller's hash of target, prompts and settings) is stored with both and compared
-    on reuse: saved calls of other settings are regenerated, a finished cache of other settings is refused.
+    The tap features come from the generation passes themselves (prefill + one step per token), so no
+    second forward over the data is needed. `dtype` (default fp32) is the target's weight dtype for
+    generation: bf16 runs much faster on CPUs with native bf16 matmuls (figures:
+    docs/training.md#speed-the-seen-token-softmax-and-bf16); its responses are the target's own up to
+    near-tie argmax flips, and its features carry bf16 rounding (about 0.4%), which the draft tolerates.
+    Results are cached in `cache/` (`sequences.json`, `taps.safetensors`) and reused when present. While
+    generating, each batched call's output is also saved (`cache/.partial-*/`), so a run interrupted
+    after hours resumes at the call where it stopped. `fingerprint` (the caller's hash of target,
+    prompts and settings) is stored with both and compared on reuse: saved calls of other settings are
+    regenerated, a finished cache of other settings is refused.
 
     Raises:
         DFlashError: `cache` holds finished data whose fingerprint differs from `fingerprint`, or damaged

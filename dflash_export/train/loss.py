@@ -106,9 +106,8 @@ def loss_vocabulary(sequences: list[dict], vocab_size: int):
     """The token ids the training softmax runs over: every id that occurs in the training sequences.
 
     The draft only ever has to predict the target's own responses, so a softmax over the ids that occur
-    in them gives the same gradients for the correct logit at a fraction of the LM-head cost (49152 ->
-    6k to 19k rows for SmolLM2, growing with the data; with bf16 autocast 4.1x the positions per second on a
-    2-core CPU, `scripts/train_speed.py`). The
+    in them gives the same gradients for the correct logit at a fraction of the LM-head cost (the rows
+    grow with the data; figures: docs/training.md#speed-the-seen-token-softmax-and-bf16). The
     same idea as the reduced draft vocabularies of EAGLE-3 (Li et al., 2025) and FR-Spec (Zhao et al.,
     2025). Decoding still uses the full LM head (proposals are verified anyway).
 

@@ -184,14 +184,14 @@ class TrainingRun:
         self.updating = False
         # a non-finite loss, or weights beyond fp16's range (a huge --lr blows them up while the loss is
         # still finite), mean the run diverged: stop rather than write or save a broken draft
-        # (measured 1.7 ms for the 7.7M-parameter draft on this CPU: 0.1% of a training step)
+        # (a negligible share of a training step: docs/training.md#the-divergence-checks-cost-2026-12-01)
         peak = max(float(p.detach().abs().max()) for p in self.draft.parameters())
         if not math.isfinite(total) or not peak < 65504:
             raise DFlashError(f"training diverged at step {step + 1} (loss {total:.4g}, largest weight {peak:.3g}); "
                               f"lower --lr (now {args.lr}) and train again")
 
     def save(self, step: int) -> None:
-        """Write the resume state at `step` (see `train_state.save_train_state`)."""
+        """Write the resume state at `step` (see `train.state.save_train_state`)."""
         save_train_state(self.plan.out, step, self.draft, self.opt, self.rng, self.losses, {
             "loss_vocab": self.args.loss_vocab, "amp": self.args.amp, "amp_dtype": dtype_name(self.plan.amp_dtype),
             "settings": self.plan.settings, "config": self.plan.cfg})

@@ -3,7 +3,7 @@ shape (the options, else the `--resume` state's or the `--init-from` draft's, el
 config (`DraftPlan`), and, once the data exist, the draft module with its first weights (random, the
 `--init-from` draft's, or the target's last layers) and the frozen target embeddings and LM-head rows
 the loss reads (`LossHead`). Target-family differences (weight names, zero-centred norms) come from the
-family's hooks (`families.py`).
+family's hooks (`families/registry.py`).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from runtime.errors import DFlashError
 from runtime.manifest import is_hybrid
 
 # Symbolic dims of the exported graphs (dflash_export/export.py; a hybrid target adds "pending_rows",
-# dflash_export/qwen3_5_target.export_inputs).
+# dflash_export/families/qwen3_5.export_inputs).
 TARGET_DIMS = ("new_tokens", "proposals", "past_len", "sampled_rows")
 DRAFT_DIMS = ("context_len", "block_size", "past_context_len", "draft_rows")
 

@@ -37,8 +37,9 @@ class CallCosts:
     at the points measured, at past length `past_len` (`step_s` fits a line through the n > 0 points).
 
     The draft call is inside the n > 0 steps because its cost is not only its own: onnxruntime's
-    target threads idle while the draft runs and the next target call starts cold (measured on 2 cores:
-    a 3-proposal verify took 1.14x a plain step back to back and 1.32x after a draft call)."""
+    target threads idle while the draft runs and the next target call starts cold, so a verify costs
+    more after a draft call than back to back (figures:
+    docs/performance.md#step-cost-measurement-and-acceptance-by-position-2026-12-01)."""
 
     step_ms: dict[int, float]
     past_len: int
@@ -128,7 +129,8 @@ def timed_step(session, n: int, past: int) -> tuple[float, float]:
 def measure(session, rounds: int = 2, past_len: int = 128) -> CallCosts:
     """Time decoding steps at :func:`measurement_points` on `session`: one warm-up step (the largest,
     which sizes the memory arenas), then `rounds` rounds, fastest kept per point (load only ever
-    adds time). About 1 + rounds x points steps: 0.5 s for SmolLM2 fp32 on 2 cores."""
+    adds time). About 1 + rounds x points steps (figures:
+    docs/performance.md#step-cost-measurement-and-acceptance-by-position-2026-12-01)."""
     b = session.block_size
     past = max(0, min(past_len, session.max_seq_len - 2 * b - 1))
     # a step at `past` writes 1 + n rows: keep every point inside the buffers (max_seq_len may be < b)

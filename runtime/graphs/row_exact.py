@@ -1,21 +1,20 @@
 """Does a target row compute the same floats in a one-row call as in a multi-row one?
 
-Speculative decoding is lossless only if a token's outputs do not depend on whether the target saw
-it as row k of a verify call or as the one row of a plain step (bit for bit for every value that
-feeds an int8-activation kernel; the logits may differ by the LM head's own fp32 rounding, see
-`_row_outputs`). The target graph's attention is split-invariant
-(`dflash_export.nn.layers.Attention.attend`), and GEMM kernels give each row the same floats for any
-row count >= 2, but some take another code path for a single row: onnxruntime's
-MatMulNBits at accuracy level 1 everywhere, at level 4 on some CPUs (measured: AVX2 without VNNI;
-identical at block 32 on an AVX-512 VNNI EPYC, not at block 64), and MLAS's fp32 GEMM. In fp32 compute that costs a few ulps
-(about 5e-5 in logits: lossless on every clear-margin step, and no padding is worth 20% of a plain
-step); with int8 activations (level 4) one ulp can move an activation across an int8 rounding
-boundary and the difference grows layer by layer (0.4 in logits, measured). So on such backends
-the session probes once: a one-row call and a two-row call of the same row, compared bit for bit;
-where they differ, every one-row target call runs as two rows (`Session.pad_single_rows`, about
-20% of a plain step). Padding one-row calls is not enough where a kernel also rounds the odd last row
-of a multi-row call as a single row (MatMulNBits at block 64 on that EPYC): such artifacts default to
-level 1 (`ort_backend.default_int4_accuracy_level`).
+Speculative decoding is lossless only if a token's outputs do not depend on whether the target saw it as
+row k of a verify call or as the one row of a plain step (bit for bit for every value that feeds an
+int8-activation kernel; the logits may differ by the LM head's own fp32 rounding, see `_row_outputs`).
+The target graph's attention is split-invariant (`dflash_export.nn.layers.Attention.attend`), and GEMM
+kernels give each row the same floats for any row count >= 2, but some take another code path for a
+single row: onnxruntime's MatMulNBits at accuracy level 1 everywhere, at level 4 on some CPUs (AVX2
+without VNNI; on an AVX-512 VNNI EPYC at block 64 but not at block 32), and MLAS's fp32 GEMM. In fp32
+compute that costs a few ulps (lossless on every clear-margin step, and not worth what padding costs);
+with int8 activations (level 4) one ulp can move an activation across an int8 rounding boundary and the
+difference grows layer by layer (figures: docs/quantization.md#accuracy-levels-and-row-exactness). So on
+such backends the session probes once: a one-row call and a two-row call of the same row, compared bit
+for bit; where they differ, every one-row target call runs as two rows (`Session.pad_single_rows`, a
+noticeable share of a plain step). Padding one-row calls is not enough where a kernel also rounds the
+odd last row of a multi-row call as a single row (MatMulNBits at block 64 on that EPYC): such artifacts
+default to level 1 (`ort_backend.default_int4_accuracy_level`).
 """
 
 from __future__ import annotations

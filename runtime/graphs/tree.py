@@ -2,16 +2,16 @@
 position, and how the accepted path is found.
 
 A chain verifies the draft's top-1 proposal at block positions 1..L. A tree also verifies the draft's
-2nd..(A+1)th candidates for position 1 (`alternatives`), each a child of the last committed token: the
-shipped SmolLM2 draft's top-1 at position 1 is the target's token 41% of the time, its top-4 64%
-(`python scripts/draft_ranks.py`), and on a CPU, extra rows in a verify call cost little next to the
-weights every call reads. Tree verification is SpecInfer's (Miao et al., "SpecInfer: Accelerating
-Large Language Model Serving with Tree-based Speculative Inference and Verification", ASPLOS 2024)
-and Medusa's (Cai et al., ICML 2024): each node attends to its ancestors only (`bias`), sits at the
-position of its depth, and the accepted path is the longest one whose every node equals the target's
-token after its parent. With greedy decoding or graph-side sampling (one uniform per output position,
-`runtime.loop`), the committed tokens are always the target's own: the tree changes which tokens are
-checked, never which are emitted.
+2nd..(A+1)th candidates for position 1 (`alternatives`), each a child of the last committed token: where
+the draft's top-1 at position 1 is not the target's token, one of its next three candidates often is
+(figures: docs/speculation.md#comparing-policies-without-timing-noise), and on a CPU, extra rows in a
+verify call cost little next to the weights every call reads. Tree verification is SpecInfer's (Miao et
+al., "SpecInfer: Accelerating Large Language Model Serving with Tree-based Speculative Inference and
+Verification", ASPLOS 2024) and Medusa's (Cai et al., ICML 2024): each node attends to its ancestors
+only (`bias`), sits at the position of its depth, and the accepted path is the longest one whose every
+node equals the target's token after its parent. With greedy decoding or graph-side sampling (one
+uniform per output position, `runtime.loop`), the committed tokens are always the target's own: the tree
+changes which tokens are checked, never which are emitted.
 
 Node order: the top-1 chain first (node i at depth i), then the alternatives: a chain is accepted
 without moving any row, and an accepted alternative moves one K/V and taps row (`runtime.loop`).
@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import numpy as np
 
-# The most candidates per block position a tree may use: the graph's TopK width (`modules.TREE_RANKS`).
+# The most candidates per block position a tree may use: the graph's TopK width (`nn.layers.TREE_RANKS`).
 TREE_RANKS = 4
 
 

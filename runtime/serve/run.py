@@ -1,5 +1,6 @@
-"""Running the server's app: a listening socket made before uvicorn starts, uvicorn's settings, and a
-background-thread server for tests and benchmarks."""
+"""Running the server's app: a listening socket made before uvicorn starts, uvicorn's settings (its h11
+protocol with a deadline on a request's headers and an OpenAI error body for the connection limit), and
+a background-thread server for tests and benchmarks."""
 
 from __future__ import annotations
 

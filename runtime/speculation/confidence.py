@@ -2,12 +2,12 @@
 
 Where the draft graph ends in the proposal head (`runtime.manifest.draft_proposes`), each draft call
 returns, per block row it computed, its top candidates and their probabilities. The draft's top-1
-probability predicts whether the target accepts that proposal: for the shipped SmolLM2 draft on
-held-out prompts, proposals it gives 0.1-0.2 are the target's token 20% of the time, 0.4-0.5 51%,
-0.9-1.0 90% (`python scripts/draft_ranks.py --per-category 3`, 1,349 anchors). Acceptance itself
-comes in short bursts only (on SmolLM2 INT4 the step after an accepted first proposal accepts its
-first about as often as any step), so a policy that reads only past acceptance cannot tell a good
-step from a bad one; the draft's probabilities can.
+probability predicts whether the target accepts that proposal: the shipped draft's is close to
+calibrated on held-out prompts (figures: docs/performance.md#the-drafts-confidence-2026-12-03).
+Acceptance itself comes in short bursts only (the step after an accepted first proposal accepts its
+first about as often as any step: docs/speculation.md#speculation-that-never-loses---verify-len-auto),
+so a policy that reads only past acceptance cannot tell a good step from a bad one; the draft's
+probabilities can.
 
 So the step verifies the shape with the most expected committed tokens net of what its rows cost,
 the draft's cost being already paid: verifying a chain of L proposals with calibrated probabilities

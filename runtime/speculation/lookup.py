@@ -3,23 +3,23 @@
 A reply often repeats its prompt or itself (code that reuses names, a list, a quoted passage, the
 loops small models fall into). Where the last `n` committed tokens occurred before, the tokens that
 followed them then are a free guess of what follows now. Verifying that guess costs only the extra
-target rows (no draft call): on SmolLM2 INT4, 2 cores, a step verifying 1 proposal costs 1.11x a
-plain step and 3 proposals 1.44x, while the draft call alone costs about 0.3x. This is prompt lookup
+target rows (no draft call), a fraction of a draft call on a CPU. This is prompt lookup
 decoding (Saxena, "Prompt Lookup Decoding", 2023) and llama.cpp's n-gram speculation
 (`common/ngram-cache`); the policy (`runtime.speculation.policy.AdaptiveLength.lookup`) verifies such a
 guess on the steps where it would not call the draft, at the length its own running acceptance
 says pays.
 
-Measured before building it (greedy SmolLM2 replies to the 50 held-out prompts, simulated): with
-n = 3 down to 2, a continuation exists on 33% of steps, its first token is the target's 74% of the
-time, and verifying up to 4 such tokens on those steps commits 1.76 tokens per step on average.
+A simulation on greedy replies to held-out prompts, run before building it, found such continuations
+on many steps and mostly accepted (figures, and the step costs:
+docs/performance.md#lookup-steps-costs-and-a-simulation-2026-12-03).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-# Prior acceptance of a lookup continuation's first token (see the module docstring: 0.74 measured).
+# Prior acceptance of a lookup continuation's first token: a little under the simulated rate
+# (docs/performance.md#lookup-steps-costs-and-a-simulation-2026-12-03).
 LOOKUP_PRIOR = 0.7
 
 
@@ -96,9 +96,9 @@ class LookupLength:
         Declining an offered continuation decays the evidence by `decline_decay` toward the prior:
         only lookup steps bring new evidence, so without it a few early rejections (about 8) would
         rule lookups out for the rest of the request however repetitive it became. With it, where
-        every lookup fails, about one offer in 11 is still verified (one token: on SmolLM2 INT4 a
-        loss of 0.11 of a plain step each), and once they are accepted again lookups are back
-        within 3 offers (`tests/test_lookup.py`)."""
+        every lookup fails, about one offer in 11 is still verified (one token: a small loss each, one
+        extra target row; figures: docs/performance.md#lookup-steps-costs-and-a-simulation-2026-12-03),
+        and once they are accepted again lookups are back within 3 offers (`tests/test_lookup.py`)."""
         n = min(int(available), len(self.verify_s) - 1, len(self.acceptance.trials))
         if n <= 0:
             return 0

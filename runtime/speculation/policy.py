@@ -121,13 +121,13 @@ class AcceptanceEstimate:
     """Running estimate of conditional acceptance by block position.
 
     p_0 = (hits_0 + w * prior) / (trials_0 + w) and p_j = (hits_j + w * carry * p_(j-1)) / (trials_j + w):
-    a position without evidence is taken to accept a little less than the one before it (the shipped
-    SmolLM2 draft's conditional acceptance by position, held-out prompts: 0.45, 0.34, 0.34, 0.19,
-    0.33), so one accepted long probe lifts the whole curve and deep positions are tried once the
-    shallow ones earn it. A step that verified n proposals and
-    accepted a counts a trial at positions 0..min(a, n-1) and a hit at 0..a-1. Evidence decays by
-    `decay` per observed step (about 1 / (1 - decay) steps of memory), so the estimate follows the
-    text being written.
+    a position without evidence is taken to accept a little less than the one before it (as the shipped
+    draft's conditional acceptance by position roughly does; figures:
+    docs/performance.md#step-cost-measurement-and-acceptance-by-position-2026-12-01), so one accepted
+    long probe lifts the whole curve and deep positions are tried once the shallow ones earn it. A step
+    that verified n proposals and accepted a counts a trial at positions 0..min(a, n-1) and a hit at
+    0..a-1. Evidence decays by `decay` per observed step (about 1 / (1 - decay) steps of memory), so the
+    estimate follows the text being written.
 
     Args:
         prior: prior acceptance of the first proposal, in [0, 1].
@@ -210,26 +210,26 @@ class AcceptanceEstimate:
 class AdaptiveLength(Policy):
     """Verify the length with the most expected committed tokens per second (see module docstring).
 
-    A plain step wins unless some n is predicted `margin` times faster (estimates are noisy, and a
-    wrong plain step costs nothing against plain decoding). A plain step is predicted to take
+    A plain step wins unless some n is predicted `margin` times faster (estimates are noisy, and a wrong
+    plain step costs nothing against plain decoding). A plain step is predicted to take
     `plain_scale * S(0)` and a step verifying n > 0 proposals `spec_scale * S(n)`, S from the measured
     step costs (`runtime.graphs.costs.CallCosts`) and each scale a running ratio of observed to
     predicted times of that kind of step: they absorb the growing past and other load, and correct a
     disturbed first measurement of what speculation costs relative to plain decoding (a 2-round
-    measurement on a noisy machine can be 30% off) without changing the curve's shape. When plain
-    decoding wins, a speculative step is still tried after `probe_gap` plain steps so a draft that
-    starts to fit the text is noticed (a probe verifies one proposal, and its time updates
-    `spec_scale`); each probe after which plain decoding still wins doubles the gap (up to
-    `max_probe_gap`). A probe costs more than a plain step (a draft call with its catch-up on the
-    context the plain steps added, and a longer target call: about 0.45 of a plain step on SmolLM2
-    INT4, 2 cores) but commits its accepted token too, so its cost is counted net of what it
-    committed beyond a plain step's one token, as a running mean, and the gap is also at least what
-    keeps that net cost within `probe_budget` of the plain decoding time. The gap may grow to 128
-    plain steps: on an artifact where speculation never pays (SmolLM2 INT4 on 2 cores) each
-    probe is a small loss, and a 128-token reply then pays for one, not two (replayed on 50 held-out
-    prompts, `scripts/policy_replay.py`: 0.992x -> 0.996x plain, fp32 unchanged). One
-    instance lives as long as its Session, so what it learned carries over to the next generate
-    call: a new prompt starts at half the gap it had reached, not at `probe_gap`.
+    measurement on a noisy machine can be far off:
+    docs/performance.md#step-cost-measurement-and-acceptance-by-position-2026-12-01) without changing
+    the curve's shape. When plain decoding wins, a speculative step is still tried after `probe_gap`
+    plain steps so a draft that starts to fit the text is noticed (a probe verifies one proposal, and
+    its time updates `spec_scale`); each probe after which plain decoding still wins doubles the gap (up
+    to `max_probe_gap`). A probe costs more than a plain step (a draft call with its catch-up on the
+    context the plain steps added, and a longer target call) but commits its accepted token too, so its
+    cost is counted net of what it committed beyond a plain step's one token, as a running mean, and the
+    gap is also at least what keeps that net cost within `probe_budget` of the plain decoding time. The
+    gap may grow to 128 plain steps: on an artifact where speculation never pays each probe is a small
+    loss, and a 128-token reply then pays for one, not two (a probe's cost and what the replay showed:
+    docs/speculation.md#speculation-that-never-loses---verify-len-auto). One instance lives as long as
+    its Session, so what it learned carries over to the next generate call: a new prompt starts at half
+    the gap it had reached, not at `probe_gap`.
 
     The policy is composed of parts, each optional beyond the first:
 

@@ -1,4 +1,6 @@
-"""Decode-speed workers for scripts/peer_bench.py: each run loads ONE runtime in a fresh process.
+"""Decode-speed workers for `dflash_export.eval.peer_bench`: each run loads ONE runtime in a fresh process.
+
+Run as a file, never imported (the peers' interpreters need not have this project installed):
 
     python peer_workers.py genai MODEL_DIR PROMPTS.json MAX_NEW_TOKENS THREADS   # the peer's interpreter
     python peer_workers.py llama GGUF_FILE PROMPTS.json MAX_NEW_TOKENS THREADS
