@@ -1,7 +1,10 @@
-"""Shared fixtures: tiny checkpoints, their export modules and ONNX graphs, built once per session.
+"""Shared fixtures: tiny checkpoints, their export modules and ONNX graphs, built once per test run.
 
-Each tiny export takes seconds, so every distinct graph is exported at most once per test session
-(`tiny` caches by key) and shared by all test files.
+Each tiny export takes seconds, so every distinct graph is exported at most once per test run
+(`tiny` caches by key) and shared by all test files and, through `shared_cache.shared_dir`, by all
+pytest-xdist workers: the checkpoints and graphs on disk are built by the first worker that needs
+them and read by the others (tests never change them: copy one first). The modules are loaded in
+each worker from those same checkpoints.
 """
 
 from __future__ import annotations
@@ -34,17 +37,18 @@ class TinyTarget:
     state: dict
     module: object  # TargetForExport, fp32, eval
     taps: tuple[int, ...]
+    _tmp: object = None  # the tmp_path_factory, for the shared export
     _onnx: Path | None = None
-    _onnx_dir: Path | None = None
 
     @property
     def onnx_path(self) -> Path:
         if self._onnx is None:
             from dflash_export.export.graphs import export_target
 
-            path = self._onnx_dir / "target.onnx"
-            export_target(self.module, path)
-            self._onnx = path
+            from shared_cache import shared_dir
+
+            self._onnx = shared_dir(self._tmp, f"tiny_target_{self.kind}_onnx",
+                                    lambda d: export_target(self.module, d / "target.onnx")) / "target.onnx"
         return self._onnx
 
 
@@ -56,17 +60,19 @@ class TinyDraft:
     state: dict
     config: dict
     module: object  # DFlashDraft, fp32, eval
+    kind: str = "default"
+    _tmp: object = None  # the tmp_path_factory, for the shared export
     _onnx: Path | None = None
-    _onnx_dir: Path | None = None
 
     @property
     def onnx_path(self) -> Path:
         if self._onnx is None:
             from dflash_export.export.graphs import export_draft
 
-            path = self._onnx_dir / "draft.onnx"
-            export_draft(self.module, path)
-            self._onnx = path
+            from shared_cache import shared_dir
+
+            self._onnx = shared_dir(self._tmp, f"tiny_draft_{self.kind}_onnx",
+                                    lambda d: export_draft(self.module, d / "draft.onnx")) / "draft.onnx"
         return self._onnx
 
 
@@ -87,13 +93,15 @@ class TinyFactory:
             from dflash_export.families.registry import load_target_spec
             from dflash_export.nn.layers import TargetForExport, load_weights
 
-            root = self._tmp.mktemp(f"target_{kind}")
-            hf_dir = tiny_models.make_target(root / "hf", **TARGET_KINDS[kind])
+            from shared_cache import shared_dir
+
+            hf_dir = shared_dir(self._tmp, f"tiny_target_{kind}",
+                                lambda root: tiny_models.make_target(root / "hf", **TARGET_KINDS[kind])) / "hf"
             spec = load_target_spec(hf_dir)
             state = load_state_dict(hf_dir)
             module = TargetForExport(spec, TARGET_TAPS, torch.float32).eval()
             load_weights(module, state, f"target {hf_dir}")
-            self._targets[kind] = TinyTarget(kind, hf_dir, spec, state, module, TARGET_TAPS, _onnx_dir=root)
+            self._targets[kind] = TinyTarget(kind, hf_dir, spec, state, module, TARGET_TAPS, _tmp=self._tmp)
         return self._targets[kind]
 
     def draft(self, kind: str = "default") -> TinyDraft:
@@ -108,40 +116,45 @@ class TinyFactory:
             from dflash_export.nn.draft import DFlashDraft
             from dflash_export.nn.layers import load_weights
 
+            from shared_cache import shared_dir
+
             target = self.target("qwen3")
-            root = self._tmp.mktemp(f"draft_{kind}")
             # A larger weight scale than the default makes attention far from uniform, so position
             # (RoPE) and masking errors show up clearly.
-            ddir = tiny_models.make_draft(root / "hf", target.hf_dir, scale=0.15)
+            ddir = shared_dir(self._tmp, f"tiny_draft_{kind}",
+                              lambda root: tiny_models.make_draft(root / "hf", target.hf_dir, scale=0.15)) / "hf"
             spec, state = load_draft_spec(ddir, target.spec)
             module = DFlashDraft(spec, torch.float32).eval()
             load_weights(module, state, f"draft {ddir}")
             config = json.loads((ddir / "config.json").read_text())
-            self._drafts[kind] = TinyDraft(ddir, target, spec, state, config, module, _onnx_dir=root)
+            self._drafts[kind] = TinyDraft(ddir, target, spec, state, config, module, kind, _tmp=self._tmp)
         return self._drafts[kind]
 
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> TinyFactory:
-    """Session cache of tiny targets/drafts and their exported graphs (each built at most once)."""
+    """Session cache of tiny targets/drafts and their exported graphs (each built at most once per run)."""
     return TinyFactory(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def smollm2_artifact(tmp_path_factory) -> Path:
     """The real pair (embedded SmolLM2-135M-Instruct + the shipped draft), fp32, max_seq_len 256: one
-    export per test session, shared by the slow tests (it takes 1.5-4 minutes)."""
+    export per test run (shared by the xdist workers, read-only), for the slow tests (it takes about
+    a minute)."""
     from dflash_export.build import BuildOptions, build
 
-    out = tmp_path_factory.mktemp("smollm2") / "art"
-    build(BuildOptions(None, None, out, max_seq_len=256, quiet=True))
-    return out
+    from shared_cache import shared_dir
+
+    return shared_dir(tmp_path_factory, "smollm2", lambda d: build(BuildOptions(None, None, d / "art", max_seq_len=256,
+                                                                                 quiet=True))) / "art"
 
 
 @pytest.fixture(scope="session")
 def hybrid_pair(tmp_path_factory):
     """A tiny random Qwen3.5 hybrid checkpoint and its artifact (`hybrid_fixtures.make_hybrid`), built
-    once per session (about a minute) for the hybrid runtime, check and TensorRT-double tests."""
+    once per test run (shared by the xdist workers, read-only) for the hybrid runtime, check and
+    TensorRT-double tests."""
     from hybrid_fixtures import make_hybrid
 
-    return make_hybrid(tmp_path_factory.mktemp("qwen3_5"))
+    return make_hybrid(tmp_path_factory)

@@ -1,6 +1,6 @@
 """A tiny random Qwen3.5 hybrid for the tests (3 Gated DeltaNet layers, then 1 full-attention layer:
 its caches are past_key_3 / past_value_3), and an oracle draft that makes speculation accept and
-reject blocks on purpose. The artifact is built once per session (`hybrid_pair` in conftest.py)."""
+reject blocks on purpose. The artifact is built once per test run (`hybrid_pair` in conftest.py)."""
 
 from __future__ import annotations
 
@@ -32,22 +32,35 @@ class HybridPair:
 TEST_STREAM_MIN_ELEMENTS = 4096
 
 
-def make_hybrid(root: Path) -> HybridPair:
-    """Save a seeded random Qwen3_5ForCausalLM under `root/target` and build `root/artifact`."""
+def make_hybrid(tmp_path_factory) -> HybridPair:
+    """A seeded random Qwen3_5ForCausalLM saved under `root/target` and built into `root/artifact`, once
+    per test run (`shared_cache.shared_dir`: the first xdist worker builds, the others read). The build's
+    weight reads are kept in `root/build_reads.json`; every worker loads the model from the checkpoint."""
+    import json
+
     import torch
     import transformers
 
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3_5TextConfig(**CONFIG)
-    cfg._attn_implementation = "eager"
-    model = transformers.Qwen3_5ForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger weights than the init: every part of the layers must matter
-        for name, p in model.named_parameters():
-            if p.ndim == 2 and "embed" not in name:
-                p.mul_(3.0)
-    model.save_pretrained(root / "target", safe_serialization=True)
-    reads, streamed = streamed_build(root / "target", root / "artifact")
-    return HybridPair(model, root / "target", root / "artifact", reads, streamed)
+    from shared_cache import shared_dir
+
+    def make(root: Path) -> None:
+        torch.manual_seed(0)
+        cfg = transformers.Qwen3_5TextConfig(**CONFIG)
+        cfg._attn_implementation = "eager"
+        model = transformers.Qwen3_5ForCausalLM(cfg).eval()
+        with torch.no_grad():  # larger weights than the init: every part of the layers must matter
+            for name, p in model.named_parameters():
+                if p.ndim == 2 and "embed" not in name:
+                    p.mul_(3.0)
+        model.save_pretrained(root / "target", safe_serialization=True)
+        reads, streamed = streamed_build(root / "target", root / "artifact")
+        (root / "build_reads.json").write_text(json.dumps({"reads": reads, "streamed": streamed}))
+
+    root = shared_dir(tmp_path_factory, "qwen3_5_hybrid", make)
+    model = transformers.Qwen3_5ForCausalLM.from_pretrained(root / "target", dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    recorded = json.loads((root / "build_reads.json").read_text())
+    return HybridPair(model, root / "target", root / "artifact", recorded["reads"], recorded["streamed"])
 
 
 def streamed_build(target: Path, out: Path) -> tuple[dict, list]:

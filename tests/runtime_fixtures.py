@@ -1,8 +1,9 @@
 """Helpers for the runtime tests (test_decoding, test_errors, test_no_torch, test_cli).
 
-Tiny target/draft pairs are exported ONCE per test session: `artifact(kind, tmp_path_factory)` caches
-by kind at module level, so test files that each wrap it in their own session fixture still share
-one build. Kinds:
+Tiny target/draft pairs are exported ONCE per test run: `artifact(kind, tmp_path_factory)` caches by
+kind at module level, so test files that each wrap it in their own session fixture still share one
+build, and the build itself is shared by the xdist workers (`shared_cache.shared_dir`: built by the
+first worker that needs it, read by all; tests copy an artifact before changing it). Kinds:
 
 - "qwen3": random untied Qwen3 target (4 layers, GQA 4:2, head_dim 24) + random draft (block 8),
   max_seq_len 64, with a tiny word-level tokenizer ("t0" .. "t95", eos "</s>" = 2).
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
+
+from shared_cache import shared_dir
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root, for subprocesses
 
@@ -92,12 +95,18 @@ def _patch_safetensors(path: Path, fn: Callable[[dict], dict]) -> None:
 
 
 def checkpoints(kind: str, tmp_path_factory) -> Path:
-    """A directory with the tiny checkpoints of `kind` (`target/`, `draft/`), made once per session."""
-    if kind in _CHECKPOINTS:
-        return _CHECKPOINTS[kind]
+    """A directory with the tiny checkpoints of `kind` (`target/`, `draft/`), made once per test run
+    (shared by the xdist workers: read-only)."""
+    if kind not in _CHECKPOINTS:
+        if kind not in ("qwen3", "llama", "ctxfree"):
+            raise KeyError(kind)
+        _CHECKPOINTS[kind] = shared_dir(tmp_path_factory, f"rt_ckpt_{kind}", lambda root: _make_checkpoints(kind, root))
+    return _CHECKPOINTS[kind]
+
+
+def _make_checkpoints(kind: str, root: Path) -> None:
     import tiny_models
 
-    root = tmp_path_factory.mktemp(f"rt_ckpt_{kind}")
     if kind == "qwen3":
         t = tiny_models.make_target(root / "target", family="qwen3", tie=False, seed=0)
         add_word_tokenizer(t)
@@ -117,10 +126,6 @@ def checkpoints(kind: str, tmp_path_factory) -> Path:
             return {k: (np.ones_like(v) if k.endswith("norm.weight") else v) for k, v in st.items()}
 
         _patch_safetensors(d / "model.safetensors", zero_draft)
-    else:
-        raise KeyError(kind)
-    _CHECKPOINTS[kind] = root
-    return root
 
 
 def ctxfree_mask_id(target_dir: Path) -> int:
@@ -132,15 +137,18 @@ def ctxfree_mask_id(target_dir: Path) -> int:
 
 
 def artifact(kind: str, tmp_path_factory) -> Pair:
-    """The built artifact of `kind` (exported once per test session)."""
+    """The built artifact of `kind` (exported once per test run, shared by the xdist workers)."""
     if kind in _ARTIFACTS:
         return _ARTIFACTS[kind]
+    import json
+
     from dflash_export.build import BuildOptions, build
 
     root = checkpoints(kind, tmp_path_factory)
     max_seq_len = {"qwen3": 64, "llama": 48, "ctxfree": 32}[kind]
-    out = tmp_path_factory.mktemp(f"rt_art_{kind}") / "artifact"
-    manifest = build(BuildOptions(str(root / "target"), str(root / "draft"), out, max_seq_len=max_seq_len, quiet=True))
+    out = shared_dir(tmp_path_factory, f"rt_art_{kind}", lambda d: build(
+        BuildOptions(str(root / "target"), str(root / "draft"), d / "artifact", max_seq_len=max_seq_len, quiet=True))) / "artifact"
+    manifest = json.loads((out / "manifest.json").read_text())
     pair = Pair(
         kind=kind,
         target_dir=root / "target",
@@ -156,7 +164,7 @@ def artifact(kind: str, tmp_path_factory) -> Pair:
 
 def proposing_artifact(kind: str, tmp_path_factory, every: int = 2) -> Pair:
     """`kind`'s pair with a proposal vocabulary (every `every`-th id, plus the mask id), so its draft
-    graph ends in the proposal head (`runtime.manifest.draft_proposes`); built once per session."""
+    graph ends in the proposal head (`runtime.manifest.draft_proposes`); built once per test run."""
     key = f"{kind}-proposing-{every}"
     if key in _ARTIFACTS:
         return _ARTIFACTS[key]
@@ -166,13 +174,17 @@ def proposing_artifact(kind: str, tmp_path_factory, every: int = 2) -> Pair:
     from dflash_export.build import BuildOptions, build
 
     base = artifact(kind, tmp_path_factory)
-    root = tmp_path_factory.mktemp(f"rt_art_{key}")
+
+    def make(root: Path) -> None:
+        draft = root / "draft"
+        shutil.copytree(base.draft_dir, draft)
+        vocab_size = lm_head_matrix(base.target_dir).shape[0]
+        ids = sorted({*range(0, vocab_size, every), base.mask_id})
+        (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": ids}))
+        build(BuildOptions(str(base.target_dir), str(draft), root / "artifact", max_seq_len=base.max_seq_len, quiet=True))
+
+    root = shared_dir(tmp_path_factory, f"rt_art_{key}", make)
     draft = root / "draft"
-    shutil.copytree(base.draft_dir, draft)
-    vocab_size = lm_head_matrix(base.target_dir).shape[0]
-    ids = sorted({*range(0, vocab_size, every), base.mask_id})
-    (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": ids}))
-    build(BuildOptions(str(base.target_dir), str(draft), root / "artifact", max_seq_len=base.max_seq_len, quiet=True))
     pair = Pair(kind=key, target_dir=base.target_dir, draft_dir=draft, artifact=root / "artifact",
                 block_size=base.block_size, mask_id=base.mask_id, max_seq_len=base.max_seq_len)
     _ARTIFACTS[key] = pair

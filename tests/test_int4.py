@@ -3,6 +3,7 @@ onnxruntime's MatMulNBits fusion, lossless speculative decoding, and bad input."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import runtime
 import runtime_fixtures as rf
 import tiny_models
 from dflash_export.build import BuildOptions, build
+from shared_cache import shared_dir
 from dflash_export.check.parity import run_check
 from dflash_export.export.checks import check_graph
 from dflash_export.quant.int4 import pack_int4, unpack_int4
@@ -26,26 +28,45 @@ LINEARS = 7  # q, k, v, o, gate, up, down per decoder layer
 GEMMS = 4  # per layer in the graph: q+k+v and gate+up are packed (graph_passes.py)
 
 
+PAIR_KINDS = (("qwen3", "qwen3", False), ("qwen3_tied", "qwen3", True), ("llama", "llama", False))
+
+
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    """Tiny targets (head_dim 24 != 64 / 4 heads, GQA 4:2): Qwen3 untied, Qwen3 tied, Llama untied."""
-    root = tmp_path_factory.mktemp("int4")
-    out = {}
-    for kind, family, tie in (("qwen3", "qwen3", False), ("qwen3_tied", "qwen3", True), ("llama", "llama", False)):
-        t = tiny_models.make_target(root / kind / "target", family=family, tie=tie, layers=3)
-        d = tiny_models.make_draft(root / kind / "draft", t, taps=[0, 2])
-        out[kind] = (t, d)
-    return out
+    """Tiny targets (head_dim 24 != 64 / 4 heads, GQA 4:2): Qwen3 untied, Qwen3 tied, Llama untied
+    (made once per test run, shared by the xdist workers: read-only)."""
+
+    def make(root):
+        for kind, family, tie in PAIR_KINDS:
+            t = tiny_models.make_target(root / kind / "target", family=family, tie=tie, layers=3)
+            tiny_models.make_draft(root / kind / "draft", t, taps=[0, 2])
+
+    root = shared_dir(tmp_path_factory, "int4_pairs", make)
+    return {kind: (root / kind / "target", root / kind / "draft") for kind, _, _ in PAIR_KINDS}
+
+
+@pytest.fixture(scope="module")
+def int4_art(pairs, tmp_path_factory):
+    """`int4_art(kind, dtype="fp32", lm_head=False)`: the INT4 (block 16) build of `pairs[kind]` at max_seq_len 64,
+    built once per test run for every test that needs that same build (read-only: copy it to change it).
+    `int4_art(kind, quant=None)`: the full-precision build of the same pair."""
+
+    def get(kind, dtype="fp32", lm_head=False, quant="int4"):
+        target, draft = pairs[kind]
+        opts = dict(quant="int4", quant_block=16, quant_lm_head=lm_head) if quant == "int4" else {}
+        name = f"int4_art_{kind}_{dtype}_{quant}_{'head' if lm_head else 'nohead'}"
+        return shared_dir(tmp_path_factory, name, lambda d: build(BuildOptions(
+            str(target), str(draft), d / "art", max_seq_len=64, dtype=dtype, quiet=True, **opts))) / "art"
+
+    return get
 
 
 @pytest.mark.parametrize("kind, dtype, lm_head", [("qwen3", "fp32", False), ("qwen3_tied", "fp32", False),
                                                   ("llama", "fp32", False), ("qwen3", "fp16", False),
                                                   ("qwen3", "fp32", True), ("qwen3_tied", "fp32", True)])
-def test_int4_graph_form_and_parity_with_dequantized_modules(pairs, tmp_path, kind, dtype, lm_head):
-    target, draft = pairs[kind]
-    art = tmp_path / "art"
-    manifest = build(BuildOptions(str(target), str(draft), art, max_seq_len=64, dtype=dtype, quiet=True, quant="int4", quant_block=16,
-                     quant_lm_head=lm_head))
+def test_int4_graph_form_and_parity_with_dequantized_modules(int4_art, tmp_path, kind, dtype, lm_head):
+    art = int4_art(kind, dtype, lm_head)  # the build `build(... quant="int4", quant_block=16, quant_lm_head=lm_head)`
+    manifest = json.loads((art / "manifest.json").read_text())
     q = manifest["quantization"]
     head = "model.embed_tokens.weight" if kind == "qwen3_tied" else "lm_head.weight"
     assert (q["method"], q["block"], q["quantized_tensors"], q["lm_head"]) == ("rtn", 16, 3 * LINEARS + lm_head, lm_head)
@@ -90,18 +111,17 @@ def test_int4_graph_form_and_parity_with_dequantized_modules(pairs, tmp_path, ki
         assert max(r.max_abs for r in rep.results if r.max_abs is not None) < 1e-4
 
 
-def test_onnxruntime_fuses_int4_weights_into_matmulnbits(pairs, tmp_path):
+def test_onnxruntime_fuses_int4_weights_into_matmulnbits(int4_art, tmp_path):
     import onnxruntime as ort
 
     from runtime.backends.ort import _optimization_level, disabled_optimizers
 
-    target, draft = pairs["qwen3"]
-    manifest = build(BuildOptions(str(target), str(draft), tmp_path / "art", max_seq_len=64, quiet=True, quant="int4",
-                     quant_block=16))
+    art = int4_art("qwen3")
+    manifest = json.loads((art / "manifest.json").read_text())
     opts = ort.SessionOptions()
     opts.graph_optimization_level = _optimization_level(ort)  # the level and optimizers the runtime runs with
     opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort.InferenceSession(str(tmp_path / "art" / "target.onnx"), opts, providers=["CPUExecutionProvider"],
+    ort.InferenceSession(str(art / "target.onnx"), opts, providers=["CPUExecutionProvider"],
                          disabled_optimizers=disabled_optimizers(manifest))
     ops = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
     if int(_optimization_level(ort)) < int(ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED):
@@ -114,19 +134,20 @@ def test_onnxruntime_fuses_int4_weights_into_matmulnbits(pairs, tmp_path):
     from dflash_export.check.row_split import check
 
     for level in (1, 4):
-        d = check(tmp_path / "art", level=level, past_len=12, proposals=3)
+        d = check(art, level=level, past_len=12, proposals=3)
         assert d["split_padded_logits"] == d["split_padded_keys"] == 0.0, (level, d)
         assert max(d.values()) < 1e-3, (level, d)
 
 
-def test_runtime_defaults_to_int8_activations_only_where_rows_are_exact(pairs, tmp_path):
+def test_runtime_defaults_to_int8_activations_only_where_rows_are_exact(int4_art, tmp_path):
     """INT4 artifacts with a row-exact target run MatMulNBits at level 4 (int8 activations) by default,
     others at level 1; the one-row probe decides padding, and speculative output equals plain output."""
+    import shutil
+
     from runtime.graphs.row_exact import single_row_calls_match
 
-    target, draft = pairs["qwen3"]
-    art = tmp_path / "art"
-    build(BuildOptions(str(target), str(draft), art, max_seq_len=64, quiet=True, quant="int4", quant_block=16))
+    art = tmp_path / "art"  # a copy: its manifest is edited below
+    shutil.copytree(int4_art("qwen3"), art)
     sess = runtime.load(art)
     assert (sess.backend.int4_accuracy_level, sess.backend.int8_activations) == (4, True)
     assert runtime.load(art, int4_accuracy_level=1).backend.int4_accuracy_level == 1
@@ -138,8 +159,6 @@ def test_runtime_defaults_to_int8_activations_only_where_rows_are_exact(pairs, t
     sess.pad_single_rows = True  # padded plain steps give the same ids (the padding row is never read)
     assert sess.generate([3, 9, 27], max_new_tokens=20, stop_token_ids=[], block_size=1).output_ids == plain
     manifest_path = art / "manifest.json"  # an artifact without row_exact (older builds) keeps fp32 compute
-    import json
-
     m = json.loads(manifest_path.read_text())
     # blocks above 32: MatMulNBits rounds a call's odd last row as a one-row call (measured at 64): fp32 compute
     manifest_path.write_text(json.dumps({**m, "quantization": {**m["quantization"], "block": 64}}))
@@ -151,9 +170,7 @@ def test_runtime_defaults_to_int8_activations_only_where_rows_are_exact(pairs, t
     old.generate([3, 9, 27], max_new_tokens=4, stop_token_ids=[])
     assert old.pad_single_rows is False  # no probe without int8 activations
     # fp16 graphs: onnxruntime's CPU fp16 operators round rows by call shape, so fp32 compute
-    half = tmp_path / "half"
-    build(BuildOptions(str(target), str(draft), half, max_seq_len=64, dtype="fp16", quiet=True, quant="int4", quant_block=16))
-    assert runtime.load(half).backend.int4_accuracy_level == 1
+    assert runtime.load(int4_art("qwen3", "fp16")).backend.int4_accuracy_level == 1
 
 
 def test_int4_speculative_equals_plain_with_accepted_blocks(tmp_path_factory, tmp_path):
@@ -323,7 +340,7 @@ def test_opset_21_without_int4_weights_is_refused(tmp_path):
         check_graph(tmp_path / "g.onnx")
 
 
-def test_a_head_that_rounds_by_row_count_is_not_amplified(pairs, tmp_path):
+def test_a_head_that_rounds_by_row_count_is_not_amplified(int4_art):
     """An INT4 LM head shared by the logits and the proposals stays DequantizeLinear + MatMul (onnxruntime
     fuses a DequantizeLinear with one consumer only), and that MatMul may round one row differently from
     two (found by review: 4.8e-7 in logits). The head is the last operation, so that stays fp32 rounding:
@@ -334,9 +351,7 @@ def test_a_head_that_rounds_by_row_count_is_not_amplified(pairs, tmp_path):
 
     from dflash_export.check.row_split import check
 
-    target, draft = pairs["qwen3"]
-    art = tmp_path / "art"
-    build(BuildOptions(str(target), str(draft), art, max_seq_len=64, quiet=True, quant="int4", quant_block=16, quant_lm_head=True))
+    art = int4_art("qwen3", lm_head=True)
     d = check(art, level=4, past_len=12, proposals=3)
     assert d["split_padded_logits"] == d["split_padded_keys"] == 0.0, d
     sess = runtime.load(art)
@@ -347,19 +362,14 @@ def test_a_head_that_rounds_by_row_count_is_not_amplified(pairs, tmp_path):
     assert sess.generate([3, 9, 27], max_new_tokens=20, stop_token_ids=[], verify_len="all").output_ids == plain
 
 
-def test_drift_from_the_full_precision_artifact(pairs, tmp_path, capsys):
+def test_drift_from_the_full_precision_artifact(int4_art, tmp_path, capsys):
     """`dflash_export.check.drift`: an artifact against itself has agreement 1 and KL 0 exactly; the INT4 build
     of the same target drifts (KL > 0); `check --drift-reference` reports it, and a bad reference fails
     before the check runs."""
-    import json
-
     from dflash_export import cli
     from dflash_export.check.drift import measure_drift, prompt_ids
 
-    target, draft = pairs["qwen3"]
-    full, quant = tmp_path / "fp32", tmp_path / "int4"
-    build(BuildOptions(str(target), str(draft), full, max_seq_len=64, quiet=True))
-    build(BuildOptions(str(target), str(draft), quant, max_seq_len=64, quiet=True, quant="int4", quant_block=16))
+    full, quant = int4_art("qwen3", quant=None), int4_art("qwen3")
     ref = runtime.load(full)
     prompts = prompt_ids(ref, Path(__file__).resolve().parents[1] / "models" / "prompts" / "eval.jsonl", 1)
     assert len(prompts) >= 3 and all(len(p) == 12 for p in prompts)  # no tokenizer: seeded id prompts

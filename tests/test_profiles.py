@@ -7,7 +7,8 @@ graph produces. Also: the graphs use only TensorRT 10 ONNX operators, and the 25
 arithmetic of K/V row offsets. Nothing here runs TensorRT.
 
 `tiny_artifact` (below) is the tiny fp32 artifact shared by the TensorRT-related test files
-(test_check, test_trt_backend_double): built once per session.
+(test_check, test_trt_backend_double): built once per test run and shared by the xdist workers
+(read-only: copy it to change it).
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ def tiny_artifact(tmp_path_factory) -> Path:
         from tiny_models import make_draft, make_target
 
         from dflash_export.build import BuildOptions, build
+        from shared_cache import shared_dir
 
-        root = tmp_path_factory.mktemp("trt_tiny")
-        target = make_target(root / "target")
-        draft = make_draft(root / "draft", target)
-        build(BuildOptions(str(target), str(draft), root / "artifact", max_seq_len=64, quiet=True))
-        _CACHE["fp32"] = root / "artifact"
+        def make(root: Path) -> None:
+            target = make_target(root / "target")
+            draft = make_draft(root / "draft", target)
+            build(BuildOptions(str(target), str(draft), root / "artifact", max_seq_len=64, quiet=True))
+
+        _CACHE["fp32"] = shared_dir(tmp_path_factory, "trt_tiny", make) / "artifact"
     return _CACHE["fp32"]
 
 

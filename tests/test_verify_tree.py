@@ -94,6 +94,7 @@ def real_prompts():
     return prompts[:4]
 
 
+@pytest.mark.slow  # the real pair (SmolLM2 export)
 def test_tree_steps_equal_plain_greedy_and_sampled_on_the_real_pair(smollm2_artifact, real_prompts):
     """Fixed trees on SmolLM2 with the shipped draft: the output equals plain decoding, greedy and
     sampled (same seed), and alternatives for the first position are accepted."""
@@ -117,6 +118,7 @@ def test_tree_steps_equal_plain_greedy_and_sampled_on_the_real_pair(smollm2_arti
     assert alternatives_accepted >= 5
 
 
+@pytest.mark.slow  # the real pair (SmolLM2 export)
 def test_tree_requests_are_checked(smollm2_artifact):
     import runtime
 
@@ -142,6 +144,7 @@ def test_tree_requests_are_checked(smollm2_artifact):
     assert sess.check_request([1, 2, 3], GenerationOptions(max_new_tokens=2, verify_len=3)) == sess.block_size
 
 
+@pytest.mark.slow  # the real pair (SmolLM2 export)
 def test_a_tree_near_the_end_of_the_caches_runs_as_its_chain(smollm2_artifact):
     """A request that fills the KV buffers exactly: the alternatives' rows would not fit at the last
     steps, which then verify the chain; the output equals plain decoding and nothing overflows."""
@@ -156,6 +159,7 @@ def test_a_tree_near_the_end_of_the_caches_runs_as_its_chain(smollm2_artifact):
     assert any(len(s["proposed"]) == 4 for s in tree.steps)
 
 
+@pytest.mark.slow  # the real pair (SmolLM2 export)
 def test_a_tree_larger_than_the_scratch_buffers_runs_as_its_chain(smollm2_artifact):
     """block_size 64 with "63+3": 66 nodes do not fit the 64-row scratch buffers (a chain of 63 does);
     it raised IndexError, it now verifies the chain, and the output equals plain decoding."""

@@ -5,8 +5,7 @@ continuation of each prompt; then each artifact reads prompt + continuation one 
 row form of plain decoding) and their next-token distributions are compared position by position:
 top-1 agreement with the reference and mean KL(reference || artifact) in nats. Artifacts run as the
 runtime runs them (an INT4 one at its default MatMulNBits accuracy level unless one is given), so the
-figure is the drift a user gets. Used by `check DIR --drift-reference REF` and
-`scripts/quant_drift.py`; needs no torch.
+figure is the drift a user gets. Used by `check DIR --drift-reference REF`; needs no torch.
 """
 
 from __future__ import annotations

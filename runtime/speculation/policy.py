@@ -41,8 +41,8 @@ TRAINED_DRAFT_PRIOR = 0.45
 UNTRAINED_DRAFT_PRIOR = 0.02
 # Prior of the draft's rank-r candidate for block position 1 being the target's token when ranks < r
 # were not (r = 1, 2, 3: the verify tree's alternatives, `runtime.graphs.tree`). Trained: the shipped SmolLM2
-# draft on held-out prompts (`python scripts/draft_ranks.py --per-category 3`: top-1..4 coverage 0.407,
-# 0.532, 0.594, 0.643, so 0.125 / 0.593, 0.062 / 0.468, 0.049 / 0.406).
+# draft's top-1..4 coverage on held-out prompts as first measured (docs/performance.md: that measurement
+# gave the draft one position too many; `bench ART --draft-ranks` measures it as decoding runs).
 TRAINED_ALTERNATIVE_PRIOR = (0.21, 0.13, 0.12)
 UNTRAINED_ALTERNATIVE_PRIOR = (0.01, 0.01, 0.01)
 
