@@ -16,21 +16,29 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.errors import DFlashError
-from runtime.manifest import MANIFEST_FORMAT, MANIFEST_VERSION
-
 from dflash_export import __version__
-from dflash_export.checkpoint.target import TargetSpec, head_name, safetensors_files
-from dflash_export.families.registry import load_target_spec
 from dflash_export.checkpoint.draft import DraftSpec
 from dflash_export.checkpoint.outputs import check_output_dir, staged_directory
-from dflash_export.drafts.registry import DEFAULT_DRAFT_FAMILY, draft_family, family_of, load_draft
 from dflash_export.checkpoint.sources import SourceHashes, resolve_draft, resolve_target
-from dflash_export.families.registry import target_family
-from dflash_export.quant.int4 import DEFAULT_BLOCKS, BlockMismatch, QuantConfig, quantization_record
+from dflash_export.checkpoint.target import TargetSpec, head_name, safetensors_files
 from dflash_export.checkpoint.weights import WeightSource
+from dflash_export.drafts.registry import (
+    DEFAULT_DRAFT_FAMILY,
+    draft_family,
+    family_of,
+    load_draft,
+)
 from dflash_export.export.checks import check_graph
+from dflash_export.families.registry import load_target_spec, target_family
 from dflash_export.nn.layers import rope_inv_freq
+from dflash_export.quant.int4 import (
+    DEFAULT_BLOCKS,
+    BlockMismatch,
+    QuantConfig,
+    quantization_record,
+)
+from runtime.errors import DFlashError
+from runtime.manifest import MANIFEST_FORMAT, MANIFEST_VERSION
 
 
 @dataclass

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from dataclasses import fields
 import signal
 import sys
+from dataclasses import fields
 from pathlib import Path
 
-from runtime.errors import DFlashError
 from runtime.cli.generate import add_generate_arguments
+from runtime.errors import DFlashError
 
 # Each module has `register(subparsers)` adding its subcommand(s) with `set_defaults(func=...)`,
 # where func(args) returns an exit status and raises DFlashError for user errors.

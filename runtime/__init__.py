@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from runtime.session import GenerationResult, Session
 from runtime.errors import DFlashError
+from runtime.session import GenerationResult, Session
 
 __all__ = ["load", "generate", "Session", "GenerationResult", "DFlashError"]
 

@@ -14,8 +14,8 @@ import ipaddress
 import os
 import sys
 
-from runtime.errors import DFlashError
 from runtime.cli.generate import add_generate_arguments
+from runtime.errors import DFlashError
 from runtime.manifest import load_manifest
 
 API_KEY_ENV = "DFLASH_EXPORT_API_KEY"  # the key without putting it on the command line (visible in ps)
@@ -69,8 +69,8 @@ def cmd_serve(args) -> int:
     import runtime
 
     try:
-        from runtime.serve.run import listen_socket, uvicorn_server
         from runtime.serve.app import create_app
+        from runtime.serve.run import listen_socket, uvicorn_server
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] not in SERVER_LIBRARIES:
             raise
@@ -130,7 +130,6 @@ def _url_host(host: str) -> str:
 def cmd_chat(args) -> int:
     """Load the artifact and chat on stdin/stdout."""
     import runtime
-
     from runtime.cli.chat import run_chat
     from runtime.options import GenerationOptions
 

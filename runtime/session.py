@@ -14,22 +14,31 @@ from typing import Sequence
 
 import numpy as np
 
+from runtime.backends.profiles import MAX_BLOCK_SIZE
 from runtime.backends.select import make_backend
 from runtime.errors import DFlashError
-from runtime.graphs.row_exact import needs_row_padding
 from runtime.graphs import costs as call_costs
-from runtime.backends.profiles import MAX_BLOCK_SIZE
 from runtime.graphs.calls import CachedContext, GraphCalls
+from runtime.graphs.row_exact import needs_row_padding
+from runtime.graphs.tree import TREE_RANKS, VerifyTree, parse_tree, verify_tree
 from runtime.loop import DecodeLoop
 from runtime.manifest import DTYPES, load_manifest
 from runtime.options import GENERATION_OPTION_NAMES, GenerationOptions
-from runtime.text.prompts import PromptEncoding
 from runtime.results import GenerationResult, StreamChunk
+from runtime.speculation.policy import (
+    TRAINED_ALTERNATIVE_PRIOR,
+    TRAINED_DRAFT_PRIOR,
+    UNTRAINED_ALTERNATIVE_PRIOR,
+    UNTRAINED_DRAFT_PRIOR,
+    AcceptanceEstimate,
+    AdaptiveLength,
+    FixedLength,
+    FixedTree,
+    Policy,
+    auto_policy,
+)
 from runtime.stream import GenerationStream
-from runtime.speculation.policy import (TRAINED_ALTERNATIVE_PRIOR, TRAINED_DRAFT_PRIOR, UNTRAINED_ALTERNATIVE_PRIOR,
-                                       UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength, FixedLength, FixedTree,
-                                       Policy, auto_policy)
-from runtime.graphs.tree import TREE_RANKS, VerifyTree, parse_tree, verify_tree
+from runtime.text.prompts import PromptEncoding
 from runtime.text.tokenizer import ChatTokenizer
 
 MAX_BUILD_SEQ_LEN = 1 << 20  # the largest past length the exported graphs declare (their dynamic axis bound)

@@ -16,13 +16,16 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.errors import DFlashError
-from runtime.manifest import draft_proposes, greedy_form_exported, layer_types
-from runtime.graphs.tree import chain_inputs
-
 from dflash_export.check.reference import reference_modules
 from dflash_export.nn.draft import DraftWithRows
-from runtime.manifest import gdn_io_names
+from runtime.errors import DFlashError
+from runtime.graphs.tree import chain_inputs
+from runtime.manifest import (
+    draft_proposes,
+    gdn_io_names,
+    greedy_form_exported,
+    layer_types,
+)
 
 
 @dataclass

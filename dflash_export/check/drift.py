@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_export.train.data import read_prompts
 from runtime.errors import DFlashError
 from runtime.manifest import load_manifest
-from dflash_export.train.data import read_prompts
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "models" / "prompts" / "eval.jsonl"
 DEFAULT_TOKENS = 48  # teacher-forced positions per prompt (`check --drift-tokens`)

@@ -57,14 +57,19 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.backends.base import View
-from runtime.errors import DFlashError
-
-from dflash_export.check.cases import Case, load_reference, reference_cases, run_module, save_reference
+from dflash_export.check.cases import (
+    Case,
+    load_reference,
+    reference_cases,
+    run_module,
+    save_reference,
+)
 from dflash_export.check.drift import check_args_drift, drift_for_check
-from runtime.backends.select import make_backend as runtime_backend
+from runtime.backends.base import View
 from runtime.backends.ort import OrtBackend
 from runtime.backends.profiles import output_shapes
+from runtime.backends.select import make_backend as runtime_backend
+from runtime.errors import DFlashError
 from runtime.manifest import load_manifest
 
 # (a proposing draft's candidate ids too: compared where their rank is clear, `check_cases._rank_margins`)

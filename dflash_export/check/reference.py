@@ -8,15 +8,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.errors import DFlashError
-from runtime.manifest import draft_proposes, draft_rows_exported
 from dflash_export.build import prepare_pair
 from dflash_export.checkpoint.target import file_sha256
-from dflash_export.checkpoint.weights import WeightSource, empty_module, load_module_weights
+from dflash_export.checkpoint.weights import (
+    WeightSource,
+    empty_module,
+    load_module_weights,
+)
 from dflash_export.families.registry import target_family
 from dflash_export.families.shared import upcast_weights_on_use
 from dflash_export.nn.draft import DFlashDraft, DraftWithRows, ProposingDraft
 from dflash_export.quant.int4 import rtn_round_trip
+from runtime.errors import DFlashError
+from runtime.manifest import draft_proposes, draft_rows_exported
 
 
 def verify_sources(manifest: dict) -> tuple[str, str | None]:

@@ -13,9 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_export.checkpoint.target import (
+    AttentionSpec,
+    TargetSpec,
+    check_layer_types,
+    load_state_dict,
+    read_config,
+)
 from runtime.errors import DFlashError
-
-from dflash_export.checkpoint.target import AttentionSpec, TargetSpec, check_layer_types, load_state_dict, read_config
 
 SLIDING = "sliding_attention"
 

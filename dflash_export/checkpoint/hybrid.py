@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.errors import DFlashError
-
 from dflash_export.checkpoint.target import AttentionSpec
+from runtime.errors import DFlashError
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 

@@ -12,12 +12,20 @@ import os
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import DFlashError
+from dflash_export.checkpoint.draft import (
+    DRAFT_VOCAB_FILE,
+    DraftSpec,
+    build_target_layer_ids,
+)
 from dflash_export.checkpoint.outputs import staged_directory
+from dflash_export.checkpoint.target import (
+    TargetSpec,
+    file_sha256,
+    safetensors_files,
+    share_permissions,
+)
+from runtime.errors import DFlashError
 from runtime.files import cache_dir  # converted checkpoints live in the user cache
-
-from dflash_export.checkpoint.target import TargetSpec, file_sha256, safetensors_files, share_permissions
-from dflash_export.checkpoint.draft import DRAFT_VOCAB_FILE, DraftSpec, build_target_layer_ids
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"

@@ -8,10 +8,19 @@ from pathlib import Path
 
 import torch
 
-from dflash_export.checkpoint.draft import DraftSpec, load_draft_spec, parse_draft_config
+from dflash_export.checkpoint.draft import (
+    DraftSpec,
+    load_draft_spec,
+    parse_draft_config,
+)
 from dflash_export.checkpoint.sources import random_draft_config
 from dflash_export.checkpoint.target import TargetSpec, head_name
-from dflash_export.checkpoint.weights import WeightSource, bind_weights, empty_module, placeholder
+from dflash_export.checkpoint.weights import (
+    WeightSource,
+    bind_weights,
+    empty_module,
+    placeholder,
+)
 from dflash_export.drafts.registry import ExportedDraft
 from dflash_export.export.graphs import export_draft
 from dflash_export.families.registry import draft_proposes

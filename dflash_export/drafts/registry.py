@@ -20,8 +20,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from runtime.errors import DFlashError
 from dflash_export.checkpoint.target import TargetSpec, read_config
+from runtime.errors import DFlashError
 
 # architecture (config.json `architectures`) -> the module implementing its hooks
 DRAFT_FAMILIES = {"DFlashDraftModel": "dflash"}

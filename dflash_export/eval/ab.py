@@ -25,8 +25,12 @@ import numpy as np
 
 from runtime.errors import DFlashError
 from runtime.graphs.tree import TREE_RANKS
-from runtime.speculation.policy import (TRAINED_ALTERNATIVE_PRIOR, UNTRAINED_ALTERNATIVE_PRIOR, AcceptanceEstimate,
-                                       auto_policy)
+from runtime.speculation.policy import (
+    TRAINED_ALTERNATIVE_PRIOR,
+    UNTRAINED_ALTERNATIVE_PRIOR,
+    AcceptanceEstimate,
+    auto_policy,
+)
 
 VARIANTS = ("confidence", "before-draft")  # auto's variants built here (they need a proposing draft)
 DEFAULT_ROUNDS = 3  # rounds per prompt (`bench --rounds`): a median over 3 drops one disturbed run

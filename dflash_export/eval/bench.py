@@ -31,18 +31,23 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.graphs.costs import measurement_points
-from runtime.errors import DFlashError
-from runtime.graphs.tree import parse_tree
 from dflash_export.build import prepare_pair
 from dflash_export.eval import ab, draft_ranks, replay
 from dflash_export.eval.torch_loop import torch_spec_generate
-from dflash_export.eval.verify_costs import DEFAULT_PAST_LEN, check_others, curve_inversions, measure_curves, verify_cost_curve
+from dflash_export.eval.verify_costs import (
+    DEFAULT_PAST_LEN,
+    check_others,
+    curve_inversions,
+    measure_curves,
+    verify_cost_curve,
+)
 from dflash_export.eval.verify_costs import table_lines as verify_cost_lines
 from dflash_export.nn.draft import DFlashDraft
 from dflash_export.nn.layers import load_weights
 from dflash_export.train.data import first_per_category, read_prompts
-from runtime.graphs.costs import COSTS_ENV
+from runtime.errors import DFlashError
+from runtime.graphs.costs import COSTS_ENV, measurement_points
+from runtime.graphs.tree import parse_tree
 
 DEFAULT_EVAL = Path(__file__).resolve().parents[2] / "models" / "prompts" / "eval.jsonl"
 DEFAULT_PAST_LENGTHS = (128, 512, 1024, 2000)

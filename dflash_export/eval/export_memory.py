@@ -21,7 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_export.eval.random_checkpoint import QWEN3_VOCAB, SHAPES, qwen3_config, tensor_shapes, write_checkpoint
+from dflash_export.eval.random_checkpoint import (
+    QWEN3_VOCAB,
+    SHAPES,
+    qwen3_config,
+    tensor_shapes,
+    write_checkpoint,
+)
 
 GIB = 1 << 30
 # Shapes besides the released ones. "ci" has ~200M parameters (~390 MB in fp16): big enough that a copy of

@@ -38,8 +38,14 @@ import numpy as np
 from runtime.errors import DFlashError
 from runtime.graphs.costs import CallCosts, timed_step
 from runtime.results import accepted_prefix
-from runtime.speculation.policy import (TRAINED_DRAFT_PRIOR, UNTRAINED_DRAFT_PRIOR, AcceptanceEstimate, AdaptiveLength,
-                                       FixedLength, Policy)
+from runtime.speculation.policy import (
+    TRAINED_DRAFT_PRIOR,
+    UNTRAINED_DRAFT_PRIOR,
+    AcceptanceEstimate,
+    AdaptiveLength,
+    FixedLength,
+    Policy,
+)
 from runtime.speculation.proposals import StepRecord
 
 

@@ -188,8 +188,9 @@ class Load:
 
 def load_test(server, url: str, clients: int, requests: int, max_tokens: int) -> Load:
     """Part 3: `clients` threads, each with its own openai client, `requests` requests each."""
-    import openai
     from concurrent.futures import ThreadPoolExecutor
+
+    import openai
 
     def client_run(seed: int, n: int, want: dict | None) -> tuple[int, int, list]:
         c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)

@@ -12,9 +12,8 @@ import time
 
 import torch
 
-from runtime.errors import DFlashError
-
 from dflash_export.nn.draft import DFlashDraft
+from runtime.errors import DFlashError
 
 
 def _cache_kwarg(model) -> str:

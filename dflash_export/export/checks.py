@@ -10,7 +10,6 @@ import numpy as np
 
 from runtime.errors import DFlashError
 
-
 OPSET = 20
 
 

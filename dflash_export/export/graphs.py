@@ -15,11 +15,10 @@ from pathlib import Path
 
 import torch
 
-
-from dflash_export.export.passes import pack_shared_input_gemms
+from dflash_export.export import replication as lr
 from dflash_export.export.checks import OPSET
 from dflash_export.export.io import draft_io_names, hybrid_target_inputs, lazy_weight
-from dflash_export.export import replication as lr
+from dflash_export.export.passes import pack_shared_input_gemms
 from dflash_export.nn.draft import DraftWithRows
 
 # Above this many bytes of initializers the graph stores its weights as external data, written one tensor at

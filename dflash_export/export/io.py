@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from runtime.graphs.tree import tree_bias_of
 from dflash_export.nn.gated_delta import MAX_ROWS
 from dflash_export.nn.qwen3_5 import hybrid_io_names
+from runtime.graphs.tree import tree_bias_of
 from runtime.manifest import DRAFT_PROPOSAL_OUTPUTS, TREE_INPUTS, TREE_SHAPE_INPUTS
 
 

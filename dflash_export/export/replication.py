@@ -37,10 +37,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from dflash_export.export import replication_graph as rg
-from dflash_export.export.replication_graph import ReplicationError
 from dflash_export.checkpoint.weights import empty_module, placeholder, set_parameter
+from dflash_export.export import replication_graph as rg
 from dflash_export.export.io import lazy_weight, target_inputs, target_io_names
+from dflash_export.export.replication_graph import ReplicationError
 from dflash_export.nn.layers import TargetForExport
 
 __all__ = ["Layout", "ReplicationError", "dense_layout", "replicable", "template_target", "replicate_layers"]
@@ -177,7 +177,10 @@ def replicate_layers(model, module, readers: dict, layout: Layout, template) -> 
         ReplicationError: the template's structure is not what replication relies on (see module doc);
             `model` may be left half-edited then (the caller traces every layer instead).
     """
-    from onnx_ir.passes.common import CommonSubexpressionEliminationPass, DeduplicateInitializersPass
+    from onnx_ir.passes.common import (
+        CommonSubexpressionEliminationPass,
+        DeduplicateInitializersPass,
+    )
 
     graph = model.graph
     plan = rg.Plan(layout.kinds, layout.template_kinds, layout.cache_names,

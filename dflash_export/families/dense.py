@@ -9,29 +9,37 @@ from pathlib import Path
 
 import torch
 
-from runtime.errors import DFlashError
-
+from dflash_export.checkpoint.draft import DraftSpec
 from dflash_export.checkpoint.target import (
-    head_name,
     SUPPORTED_TARGETS,
     AttentionSpec,
     TargetSpec,
     check_layer_types,
+    head_name,
     read_eos_token_ids,
     refuse_quantized,
     safetensors_files,
 )
-from dflash_export.checkpoint.draft import DraftSpec
-from dflash_export.families.registry import ExportedTarget, draft_proposes
-from dflash_export.nn.layers import TargetForExport, cast_for_export
-from dflash_export.quant.int4 import quantized_names
-from dflash_export.checkpoint.weights import WeightSource, bind_weights, check_weight_names, empty_module, load_module_weights
-from dflash_export.families.shared import upcast_weights_on_use
-from dflash_export.quant.streaming import proposal_head_config, streaming_rewrite
+from dflash_export.checkpoint.weights import (
+    WeightSource,
+    bind_weights,
+    check_weight_names,
+    empty_module,
+    load_module_weights,
+)
 from dflash_export.export.graphs import export_target
+from dflash_export.families.registry import ExportedTarget, draft_proposes
+from dflash_export.families.shared import upcast_weights_on_use
+from dflash_export.nn.layers import TargetForExport, cast_for_export
 from dflash_export.quant import awq
 from dflash_export.quant.awq import check_calibration_source
-from dflash_export.quant.int4 import dequantized_source, head_rows_dequantizer
+from dflash_export.quant.int4 import (
+    dequantized_source,
+    head_rows_dequantizer,
+    quantized_names,
+)
+from dflash_export.quant.streaming import proposal_head_config, streaming_rewrite
+from runtime.errors import DFlashError
 from runtime.manifest import draft_proposes as graph_proposes
 
 ARCHITECTURES = tuple(SUPPORTED_TARGETS)  # what read_target takes (the unsupported-target error lists them)

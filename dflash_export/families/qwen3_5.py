@@ -27,21 +27,44 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.errors import DFlashError
-
-from dflash_export.checkpoint.target import TargetSpec, read_eos_token_ids, refuse_quantized, safetensors_files
-from dflash_export.families.registry import ExportedTarget, draft_proposes
-from dflash_export.nn.gated_delta import MAX_ROWS
-from dflash_export.checkpoint.hybrid import HYBRID_ARCHITECTURES, HybridSpec, hybrid_kind, parse_hybrid_config
-from dflash_export.nn.layers import TargetForExport
-from dflash_export.nn.qwen3_5 import Qwen35TargetForExport, ZeroCentredRMSNorm, cache_names, text_state_dict, text_weight_name
-from dflash_export.families.shared import upcast_weights_on_use
-from dflash_export.checkpoint.weights import check_weight_names, empty_module, load_module_weights
+from dflash_export.checkpoint.hybrid import (
+    HYBRID_ARCHITECTURES,
+    HybridSpec,
+    hybrid_kind,
+    parse_hybrid_config,
+)
+from dflash_export.checkpoint.target import (
+    TargetSpec,
+    read_eos_token_ids,
+    refuse_quantized,
+    safetensors_files,
+)
+from dflash_export.checkpoint.weights import (
+    check_weight_names,
+    empty_module,
+    load_module_weights,
+)
 from dflash_export.export.graphs import export_target
 from dflash_export.export.replication import Layout
-from dflash_export.families.dense import ReferenceTarget, set_head_transforms, target_export_module
-from dflash_export.quant.streaming import proposal_head_config, streaming_rewrite
+from dflash_export.families.dense import (
+    ReferenceTarget,
+    set_head_transforms,
+    target_export_module,
+)
+from dflash_export.families.registry import ExportedTarget, draft_proposes
+from dflash_export.families.shared import upcast_weights_on_use
+from dflash_export.nn.gated_delta import MAX_ROWS
+from dflash_export.nn.layers import TargetForExport
+from dflash_export.nn.qwen3_5 import (
+    Qwen35TargetForExport,
+    ZeroCentredRMSNorm,
+    cache_names,
+    text_state_dict,
+    text_weight_name,
+)
 from dflash_export.quant.int4 import dequantized_source, quantized_names
+from dflash_export.quant.streaming import proposal_head_config, streaming_rewrite
+from runtime.errors import DFlashError
 from runtime.manifest import draft_proposes as graph_proposes
 
 ARCHITECTURES = tuple(HYBRID_ARCHITECTURES)  # what read_target takes (the unsupported-target error lists them)

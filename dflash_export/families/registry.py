@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from runtime.errors import DFlashError
 from dflash_export.checkpoint.target import TargetSpec, read_config
+from runtime.errors import DFlashError
 
 # family name (TargetSpec.family) -> the module implementing its hooks (load_target_spec asks them in this order)
 FAMILIES = {"qwen3": "dense", "llama": "dense", "qwen3_5": "qwen3_5"}

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from dflash_export.checkpoint.draft import DraftSpec
-from dflash_export.nn.tables import rope_cos_sin, rope_inv_freq, window_bias
 from dflash_export.nn.layers import DecoderLayer, RMSNorm, proposal_table
+from dflash_export.nn.tables import rope_cos_sin, rope_inv_freq, window_bias
 
 
 class DFlashDraft(nn.Module):

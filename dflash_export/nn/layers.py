@@ -17,12 +17,21 @@ import math
 import torch
 from torch import nn
 
-from dflash_export.nn.tables import (apply_rope, causal_bias, key_ones_for, rope_cos_sin, rope_inv_freq,  # noqa: F401
-                               rope_matrix, tree_bias)
 from dflash_export.checkpoint.target import AttentionSpec, TargetSpec
-from runtime.graphs.tree import TREE_RANKS  # a verify tree's nodes are among the draft's top TREE_RANKS candidates
 from dflash_export.checkpoint.weights import placeholder
+from dflash_export.nn.tables import (  # noqa: F401
+    apply_rope,
+    causal_bias,
+    key_ones_for,
+    rope_cos_sin,
+    rope_inv_freq,
+    rope_matrix,
+    tree_bias,
+)
 from runtime.errors import DFlashError
+from runtime.graphs.tree import (
+    TREE_RANKS,  # a verify tree's nodes are among the draft's top TREE_RANKS candidates
+)
 
 
 def _ranked_rows(scores: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:

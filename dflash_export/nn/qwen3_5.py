@@ -28,8 +28,21 @@ import torch
 from torch import nn
 
 from dflash_export.checkpoint.hybrid import HybridSpec
-from dflash_export.nn.gated_delta import MAX_ROWS, gated_delta_chunk, l2_normalize, softplus
-from dflash_export.nn.layers import MLP, Attention, RMSNorm, apply_rope, causal_bias, rope_cos_sin
+from dflash_export.nn.gated_delta import (
+    MAX_ROWS,
+    gated_delta_chunk,
+    l2_normalize,
+    softplus,
+)
+from dflash_export.nn.layers import (
+    MLP,
+    Attention,
+    RMSNorm,
+    apply_rope,
+    causal_bias,
+    rope_cos_sin,
+)
+
 
 def text_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's text weights under `Qwen3_5ForCausalLM` names: `model.language_model.*` (the

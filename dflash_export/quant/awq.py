@@ -34,12 +34,11 @@ from pathlib import Path
 
 import torch
 
-from runtime.errors import DFlashError
-
-from dflash_export.quant.rtn import dequantize, quantize_rtn
 from dflash_export.checkpoint.target import share_permissions
 from dflash_export.checkpoint.weights import placeholder, set_parameter
 from dflash_export.nn.tables import causal_bias, key_ones_for, rope_cos_sin, rope_matrix
+from dflash_export.quant.rtn import dequantize, quantize_rtn
+from runtime.errors import DFlashError
 
 GRID = 20  # alphas 0, 0.05, ..., 0.95 (the paper's grid)
 CALIBRATION_SEQUENCES = 4

@@ -27,12 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.errors import DFlashError
-
 from dflash_export.export.checks import QUANT_OPSET
-from dflash_export.quant.rtn import dequantize, quantize_rtn
 from dflash_export.export.passes import is_linear_gemm
 from dflash_export.quant.awq import load_scales, scaled_source
+from dflash_export.quant.rtn import dequantize, quantize_rtn
+from runtime.errors import DFlashError
 
 # Decoder linear layers that become INT4 (HF names; a Qwen3.5 hybrid's Gated DeltaNet projections too:
 # a/b with qkv/z, since the four share their input and are packed into one GEMM); the embedding, norms,

@@ -16,12 +16,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.errors import DFlashError
-
-from dflash_export.checkpoint.target import share_permissions
-from dflash_export.train.loss import autocast_dtype, dtype_name
 from dflash_export.checkpoint.sources import cache_dir
-from dflash_export.checkpoint.target import file_sha256
+from dflash_export.checkpoint.target import file_sha256, share_permissions
+from dflash_export.train.loss import autocast_dtype, dtype_name
+from runtime.errors import DFlashError
 
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "models" / "prompts"
 # the shipped training prompts: every train*.jsonl (the held-out evaluation set, eval.jsonl, is not one)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.errors import DFlashError
 from dflash_export.nn.layers import rope_cos_sin
+from runtime.errors import DFlashError
 
 
 def blocks_forward(draft, ctx_feats, block_emb, anchors):

@@ -26,13 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import DFlashError
-
-from dflash_export.train.data import DEFAULT_PROMPTS, TrainingData, prepare_training_data
+from dflash_export.checkpoint.outputs import check_output_dir
+from dflash_export.train.data import (
+    DEFAULT_PROMPTS,
+    TrainingData,
+    prepare_training_data,
+)
 from dflash_export.train.loss import block_loss, dtype_name
 from dflash_export.train.setup import DraftPlan, LossHead, build_draft, plan_draft
 from dflash_export.train.state import restore_train_state, save_train_state, write_draft
-from dflash_export.checkpoint.outputs import check_output_dir
+from runtime.errors import DFlashError
 
 # what train-draft writes into --out: an existing --out holding anything else is refused
 TRAIN_OUTPUT_FILES = ("config.json", "model.safetensors", "training_record.json", "draft_vocab.json", "train_state")

@@ -12,19 +12,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import DFlashError
-
-from dflash_export.checkpoint.target import TargetSpec
-from dflash_export.checkpoint.draft import DraftSpec
-from dflash_export.train.loss import autocast_dtype, loss_vocabulary
-from dflash_export.train.state import check_resume, read_resume_state
-from dflash_export.checkpoint.draft import build_target_layer_ids, load_draft_spec, parse_draft_config
-from dflash_export.checkpoint.sources import EMBEDDED_MASK_TOKEN_ID, random_draft_config, resolve_target
-from dflash_export.checkpoint.target import file_sha256, load_state_dict, read_config
-from dflash_export.families.registry import load_target_spec
-from dflash_export.families.registry import target_family
+from dflash_export.checkpoint.draft import (
+    DraftSpec,
+    build_target_layer_ids,
+    load_draft_spec,
+    parse_draft_config,
+)
+from dflash_export.checkpoint.sources import (
+    EMBEDDED_MASK_TOKEN_ID,
+    random_draft_config,
+    resolve_target,
+)
+from dflash_export.checkpoint.target import (
+    TargetSpec,
+    file_sha256,
+    load_state_dict,
+    read_config,
+)
+from dflash_export.families.registry import load_target_spec, target_family
 from dflash_export.nn.draft import DFlashDraft
 from dflash_export.nn.layers import load_weights
+from dflash_export.train.loss import autocast_dtype, loss_vocabulary
+from dflash_export.train.state import check_resume, read_resume_state
+from runtime.errors import DFlashError
 
 
 @dataclass

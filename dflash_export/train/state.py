@@ -14,11 +14,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from runtime.errors import DFlashError
-
+from dflash_export.checkpoint.draft import DRAFT_VOCAB_FILE
 from dflash_export.checkpoint.target import share_permissions
 from dflash_export.train.loss import dtype_name
-from dflash_export.checkpoint.draft import DRAFT_VOCAB_FILE
+from runtime.errors import DFlashError
 
 # the state's safetensors metadata key holding the JSON of step, losses, RNG state and settings
 STATE_METADATA_KEY = "dflash_export.train.state"

@@ -56,11 +56,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from runtime.backends.profiles import max_block, profiles_to_json, shape_ranges
+from runtime.backends.trt import gpu_info, import_tensorrt
 from runtime.errors import DFlashError
 from runtime.files import write_atomic
 from runtime.manifest import is_hybrid, load_manifest
-from runtime.backends.profiles import max_block, profiles_to_json, shape_ranges
-from runtime.backends.trt import gpu_info, import_tensorrt
 
 PRECISIONS = ("fp16", "bf16", "fp32")
 TIMING_CACHE = "timing.cache"

@@ -17,10 +17,10 @@ import os
 from pathlib import Path
 
 from runtime.backends.base import View
-from runtime.errors import DFlashError
 from runtime.backends.ort import empty_rows_supported
 from runtime.backends.profiles import max_block
 from runtime.backends.trt import CudaMemoryBackend, gpu_info, load_cuda
+from runtime.errors import DFlashError
 
 
 class OrtCudaBackend(CudaMemoryBackend):

@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from runtime.backends.base import ADDRESS_ALIGNMENT, Backend, Buffer, View, is_aligned
-from runtime.errors import DFlashError
 from runtime.backends.profiles import Profile, call_row_limit, max_block, select_profile
+from runtime.errors import DFlashError
 
 # cudaMemcpyKind values (CUDA runtime API).
 H2D, D2H, D2D = 1, 2, 3

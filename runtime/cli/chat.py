@@ -17,8 +17,7 @@ from contextlib import contextmanager
 from typing import TextIO
 
 from runtime.errors import DFlashError
-from runtime.options import DEFAULT_MAX_TOKENS
-from runtime.options import GenerationOptions
+from runtime.options import DEFAULT_MAX_TOKENS, GenerationOptions
 
 HELP = "/reset forgets the conversation, /exit quits; Ctrl-C stops a reply"
 

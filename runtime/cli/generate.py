@@ -12,8 +12,8 @@ import json
 import re
 import sys
 
-from runtime.errors import DFlashError
 from runtime import load
+from runtime.errors import DFlashError
 
 
 def parse_prompt_ids(text: str) -> list[int]:

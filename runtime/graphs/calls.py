@@ -14,13 +14,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.backends.base import View
-from runtime.errors import DFlashError
 from runtime.backends.profiles import MAX_BLOCK_SIZE
-from runtime.manifest import (draft_proposes, draft_rows_exported, greedy_form_exported, layer_types, load_mask_embedding,
-                       proposal_ranks, tree_inputs_exported)
-from runtime.graphs.tree import VerifyTree, verify_tree
+from runtime.errors import DFlashError
 from runtime.graphs.recurrent import RecurrentState
-
+from runtime.graphs.tree import VerifyTree, verify_tree
+from runtime.manifest import (
+    draft_proposes,
+    draft_rows_exported,
+    greedy_form_exported,
+    layer_types,
+    load_mask_embedding,
+    proposal_ranks,
+    tree_inputs_exported,
+)
 
 
 class GraphCalls:

@@ -23,9 +23,6 @@ from runtime.backends.base import Backend
 from runtime.manifest import gdn_io_names
 
 
-
-
-
 class RecurrentState:
     """The Gated DeltaNet layers' states and pending rows of one Session.
 

@@ -39,8 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from runtime.errors import DFlashError
-from runtime.options import GenerationOptions
-from runtime.options import DEFAULT_MAX_TOKENS
+from runtime.options import DEFAULT_MAX_TOKENS, GenerationOptions
 from runtime.serve.params import ApiError, ParsedRequest, parse_request
 from runtime.serve.replies import Reply, as_api_error, sse
 from runtime.serve.worker import Job, QueueFull, ShuttingDown, Worker, stopped_error

@@ -23,10 +23,9 @@ paid or skipped as a whole.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Sequence
 
 import numpy as np
-
-from typing import Sequence
 
 from runtime.graphs.tree import VerifyTree, verify_tree
 from runtime.speculation.confidence import DraftConfidence
