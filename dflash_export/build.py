@@ -119,7 +119,7 @@ class BuildOptions:
         quant: "int4" stores the target's decoder linear layers INT4 weight-only (the DequantizeLinear
             form TensorRT and onnxruntime both load, docs/quantization.md); "none" keeps `dtype` weights.
         quant_block: INT4 values per scale along K (a power of two >= 16 dividing each layer's K);
-            None: the first of 128, 64, 32, 16 that divides every quantized layer's K.
+            None: 32, or 16 where 32 does not divide every quantized layer's K.
         quant_method: "rtn" (round to nearest, the default) or "awq" (activation-aware scales
             calibrated on models/prompts text, folded in before rounding).
         quant_lm_head: with int4, the LM head too (the embedding lookups keep their table).
@@ -184,9 +184,9 @@ def _checked_quant_config(options: BuildOptions, family, tspec: TargetSpec, dspe
             if options.quant_block is not None or block == DEFAULT_BLOCKS[-1]:
                 raise
             continue
-        if qconfig is not None and options.quant_block is None and block != DEFAULT_BLOCKS[0] and not options.quiet:
-            print(f"INT4 block {block} chosen: {DEFAULT_BLOCKS[0]} does not divide every quantized layer's K "
-                  "(--quant-block overrides)", file=sys.stderr)
+        if qconfig is not None and options.quant_block is None and not options.quiet:
+            why = "the default" if block == DEFAULT_BLOCKS[0] else f"{DEFAULT_BLOCKS[0]} does not divide every quantized layer's K"
+            print(f"INT4 block {block} ({why}; --quant-block overrides)", file=sys.stderr)
         return qconfig
     raise AssertionError("unreachable")
 

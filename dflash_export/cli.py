@@ -81,8 +81,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="auto: propose from the draft's draft_vocab.json when present (faster, same output); full: whole vocabulary")
     b.add_argument("--quant", choices=["none", "int4"], default="none",
                    help="int4: decoder linear layers as INT4 weight-only (W4A16) DequantizeLinear, opset 21")
-    b.add_argument("--quant-block", type=int, help="with --quant int4: INT4 values per scale along K (default: the first of 128, 64, 32, 16 "
-                        "that divides every quantized layer's K)")
+    b.add_argument("--quant-block", type=int, help="with --quant int4: INT4 values per scale along K (default 32, or 16 where 32 does not "
+                        "divide every quantized layer's K)")
     b.add_argument("--quant-method", choices=["rtn", "awq"], help="with --quant int4: rtn (round to nearest, default) or awq (activation-aware scales calibrated on models/prompts, folded in before rounding)")
     b.add_argument("--proposal-head", choices=["int4", "full"], default="full",
                    help="the proposal vocabulary's LM-head rows: full (default: the graph dtype) or int4 (they only "

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--top-k", type=int, default=0)
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0, help="sampling seed of the first reply; reply k uses seed + k (default 0)")
     c.add_argument("--verify-len", default=None, help='"auto" (default), "all" or an integer: proposals verified per step')
     c.set_defaults(func=cmd_chat)
     add_generate_arguments(sub.add_parser("generate", help="generate one reply (speculative decoding) and print it"))

@@ -42,7 +42,7 @@ class GenerationResult:
         steps: per step, when requested: {"proposed": [...], "accepted": int, "committed": [...],
             "lookup": bool} ("proposed" is empty on plain steps; "lookup": the proposals were a
             continuation of the request's own text, `runtime.speculation.lookup`, verified without a draft call).
-        policy: the speculation policy that chose the verify lengths ("auto", "fixed" or "fixed-tree";
+        policy: the speculation policy that chose the verify lengths ("auto", "plain", "fixed" or "fixed-tree";
             a tree's steps run as its top-1 chain under top_k / top_p and on chain-only artifacts).
         prompt_tokens: the prompt's length in tokens.
         reused_tokens: prompt tokens whose KV cache rows were reused from the session's previous

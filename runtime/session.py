@@ -199,7 +199,7 @@ class Session(PromptEncoding, GraphCalls):
         unknown = sorted(set(options) - GENERATION_OPTION_NAMES)
         if unknown:  # (named here: the dataclass's TypeError shows Python internals)
             raise DFlashError(f"unknown generation option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the "
-                              f"options are {', '.join(sorted(GENERATION_OPTION_NAMES))} (penalties and logit bias "
+                              f"options are {', '.join(sorted(GENERATION_OPTION_NAMES | {'policy'}))} (penalties and logit bias "
                               "are not supported: they cannot be kept exact)")
         chosen, options = _policy_argument(policy, options)
         opts = GenerationOptions(**options)
@@ -357,9 +357,14 @@ def _policy_argument(policy, options: dict) -> tuple[Policy | None, dict]:
         raise DFlashError("pass either policy or verify_len, not both (a policy name takes verify_len's values)")
     if isinstance(policy, Policy):
         return policy, options
-    if policy == "plain":
+    if policy == "plain" or (isinstance(policy, int) and not isinstance(policy, bool) and policy == 0):
         return FixedLength(0), options
     if isinstance(policy, (str, int)) and not isinstance(policy, bool):
+        try:
+            GenerationOptions(verify_len=policy)
+        except DFlashError:
+            raise DFlashError(f'policy {policy!r} is not a policy name: use "auto", "plain", "all", a number of '
+                              'proposals, a verify tree "L+A" or a runtime.speculation.policy.Policy') from None
         return None, {**options, "verify_len": policy}
     raise DFlashError(f'policy must be a runtime.speculation.policy.Policy or a name ("auto", "plain", "all", an '
                       f'integer or "L+A"), got {type(policy).__name__}')

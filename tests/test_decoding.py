@@ -375,7 +375,7 @@ def test_real_draft_exact_capacity_and_reuse(ctxfree):
     assert (again.output_ids, again.steps) == (fresh.output_ids, fresh.steps)
 
 
-def test_draft_vocab_limits_proposals_never_the_output(ctxfree, tmp_path):
+def test_draft_vocab_limits_proposals_never_the_output(ctxfree, tmp_path, tmp_path_factory):
     """A draft_vocab.json restricts what the draft may propose: with the mask id inside it every block
     is accepted as before; without it the proposals all miss, and the output is still the same."""
     import json
@@ -385,12 +385,18 @@ def test_draft_vocab_limits_proposals_never_the_output(ctxfree, tmp_path):
 
     m, b, vocab_size = ctxfree.mask_id, ctxfree.block_size, rf.lm_head_matrix(ctxfree.target_dir).shape[0]
     for keep_mask in (True, False):
-        draft = tmp_path / f"draft_{keep_mask}"
-        shutil.copytree(ctxfree.draft_dir, draft)
         ids = [i for i in range(0, vocab_size, 2) if i != m] + ([m] if keep_mask else [])
-        (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": ids}))
-        art = tmp_path / f"art_{keep_mask}"
-        manifest = build(BuildOptions(str(ctxfree.target_dir), str(draft), art, max_seq_len=ctxfree.max_seq_len, quiet=True))
+        if keep_mask:  # that build is the session's proposing ctxfree artifact (every 2nd id plus the mask id)
+            proposing = rf.proposing_artifact("ctxfree", tmp_path_factory)
+            assert json.loads((proposing.draft_dir / "draft_vocab.json").read_text())["token_ids"] == sorted(ids)
+            art = proposing.artifact
+            manifest = json.loads((art / "manifest.json").read_text())
+        else:
+            draft = tmp_path / f"draft_{keep_mask}"
+            shutil.copytree(ctxfree.draft_dir, draft)
+            (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": ids}))
+            art = tmp_path / f"art_{keep_mask}"
+            manifest = build(BuildOptions(str(ctxfree.target_dir), str(draft), art, max_seq_len=ctxfree.max_seq_len, quiet=True))
         assert manifest["draft"]["draft_vocab_size"] == len(ids)
         res = runtime.load(art).generate([5, 7, m], max_new_tokens=14, stop_token_ids=[], record_steps=True, verify_len="all")
         assert res.output_ids == [m] * 14

@@ -45,6 +45,7 @@ def six_layer_hybrid(tmp_path_factory):
     return root / "target"
 
 
+@pytest.mark.slow  # two fp16 INT4 builds of a 6-layer hybrid (the full suite runs it)
 def test_replicated_hybrid_build_is_the_full_trace(six_layer_hybrid, tmp_path, monkeypatch):
     """fp16 graph, INT4 layers, every matrix streamed: replicated == traced layer by layer."""
     monkeypatch.setattr(weights_mod, "STREAM_MIN_ELEMENTS", 1000)

@@ -4,6 +4,7 @@ onnxruntime's MatMulNBits fusion, lossless speculative decoding, and bad input."
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import numpy as np
@@ -252,13 +253,28 @@ def test_bad_quant_options_are_refused_before_any_output(pairs, tmp_path, option
     rf.no_partial_output(tmp_path / "art")
 
 
-def test_int4_without_a_block_takes_the_largest_that_divides_every_layer(pairs, tmp_path, capsys):
-    """`build --quant int4` alone works on every target: the first of 128, 64, 32, 16 that divides
-    every quantized layer's K (the tiny Qwen3's K are 64 and 96: 32), said on stderr."""
+def test_int4_without_a_block_takes_32_or_16(pairs, tmp_path, capsys):
+    """`build --quant int4` alone works on every target: block 32, or 16 where 32 does not divide every
+    quantized layer's K (a hidden size of 48 here), said on stderr."""
     target, draft = pairs["qwen3"]
     manifest = build(BuildOptions(str(target), str(draft), tmp_path / "art", max_seq_len=64, quant="int4"))
     assert manifest["quantization"]["block"] == 32
-    assert "INT4 block 32 chosen: 128 does not divide every quantized layer's K" in capsys.readouterr().err
+    assert "INT4 block 32 (the default; --quant-block overrides)" in capsys.readouterr().err
+    from dflash_export.build import _checked_quant_config
+    from dflash_export.quant.int4 import BlockMismatch
+
+    class Family:  # a family whose layers 32 does not divide
+        @staticmethod
+        def check_options(tspec, taps, source, qconfig, proposal_head):
+            if 48 % qconfig.block:
+                raise BlockMismatch(f"K 48, block {qconfig.block}")
+
+    assert _checked_quant_config(BuildOptions(quant="int4"), Family, None, types.SimpleNamespace(target_layer_ids=()),
+                                 None).block == 16
+    assert "INT4 block 16 (32 does not divide every quantized layer's K" in capsys.readouterr().err
+    with pytest.raises(BlockMismatch, match="block 32"):
+        _checked_quant_config(BuildOptions(quant="int4", quant_block=32), Family, None,
+                              types.SimpleNamespace(target_layer_ids=()), None)
 
 
 @pytest.mark.parametrize("options, named", [(dict(quant_block=32), "--quant-block"), (dict(quant_method="rtn"), "--quant-method"),

@@ -103,6 +103,19 @@ def test_runtime_generates_without_torch_or_transformers(qwen, tmp_path, tmp_pat
     assert child["cli"] == [0, sess.generate([5, 6, 7], max_new_tokens=6).output_ids]
 
 
+def test_exporter_command_without_torch_says_what_to_install(qwen):
+    """`python -m dflash_export` on a runtime-only install: one error line naming the extra (no
+    traceback), except `generate`, which is the runtime's command and runs."""
+    run = "import runpy, sys; sys.modules['torch'] = None; runpy.run_module('dflash_export', run_name='__main__')"
+    proc = subprocess.run([sys.executable, "-c", run, "build", "--out", "x"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: the exporter needs torch and the export extra: pip install '.[export]'")
+    proc = subprocess.run([sys.executable, "-c", run, "generate", str(qwen.artifact), "--prompt-ids", "5,6,7",
+                           "--max-new-tokens", "6", "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["output_ids"] == runtime.load(qwen.artifact).generate([5, 6, 7], max_new_tokens=6).output_ids
+
+
 def _module_level_imports(tree: ast.Module) -> list[str]:
     """Modules imported by statements that run at import time (not inside a def or class body)."""
     names = []

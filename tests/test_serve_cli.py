@@ -131,6 +131,19 @@ def test_chat_ctrl_c_stops_the_reply_and_the_chat_goes_on(chat_art, ref):
     assert second == ref.chat(msgs, max_new_tokens=30, stop_token_ids=[]).text
 
 
+def test_chat_reply_k_samples_with_seed_plus_k(chat_art, ref):
+    """Sampled replies are reproducible per turn and not the same draw twice: reply k uses seed + k."""
+    with runtime.load(chat_art) as sess:
+        out, notes = io.StringIO(), io.StringIO()
+        assert run_chat(sess, io.StringIO("t11 t12\nt13\n"), out, notes, max_tokens=6, temperature=1.0, seed=5) == 0
+    first, second = out.getvalue().splitlines()
+    turn1 = [{"role": "user", "content": "t11 t12"}]
+    assert first == ref.chat(turn1, max_new_tokens=6, temperature=1.0, seed=5).text
+    turn2 = turn1 + [{"role": "assistant", "content": first}, {"role": "user", "content": "t13"}]
+    assert second == ref.chat(turn2, max_new_tokens=6, temperature=1.0, seed=6).text
+    assert second != ref.chat(turn2, max_new_tokens=6, temperature=1.0, seed=5).text  # the seed made the difference
+
+
 def test_chat_drops_the_oldest_turns_to_fit(chat_art):
     with runtime.load(chat_art) as sess:
         out, notes = io.StringIO(), io.StringIO()

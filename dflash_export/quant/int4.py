@@ -68,7 +68,9 @@ class BlockMismatch(DFlashError):
     """An INT4 block that does not divide a quantized layer's K (build then tries a smaller default)."""
 
 
-DEFAULT_BLOCKS = (128, 64, 32, 16)  # build's default --quant-block: the first that divides every layer's K
+# build's default --quant-block: the first that divides every quantized layer's K. 32 keeps onnxruntime's
+# int8-activation kernel row-exact on CPUs (docs/quantization.md), so speculation stays lossless at level 4.
+DEFAULT_BLOCKS = (32, 16)
 
 
 def quantized_names(names, shapes: dict, config: QuantConfig, head_name: str | None = None) -> list[str]:

@@ -182,14 +182,15 @@ class OrtBackend(Backend):
         self.int8_activations = self.int4_accuracy_level == 4 and self.providers == ["CPUExecutionProvider"]
         # one IOBinding per graph, and what each name is bound to: a call rebinds only what moved
         self._bindings: dict[str, tuple] = {}
-        # onnxruntime's CPU memory arena keeps every chunk it ever took: after one long prompt the process
-        # holds that prompt's activations for good (a server's RSS: 0.83 GiB loaded, 2.5 GiB after four
-        # 2,000-token prompts of SmolLM2 fp32, never returned). Shrinking it at the end of each run
-        # returns the chunks the run freed (0.95-0.98 GiB after the same prompts; the peak during a
-        # prefill is unchanged), at no measurable cost to decoding: its steps reuse the same few chunks
-        # (SmolLM2 fp32, 2 cores, interleaved, medians of 3: plain decoding within noise, see
-        # docs/performance.md). Without the arena (low_memory) there is nothing to shrink, and
-        # onnxruntime refuses the option.
+        # onnxruntime's CPU memory arena keeps every chunk it ever took, so a long prompt's activations
+        # stayed in the process for good: a server's RSS went from 0.83 GiB loaded to 2.52 GiB after
+        # four 2,000-token prompts (SmolLM2 fp32, max_seq_len 2048), never returned. Shrinking the arena
+        # at the end of each run returns the chunks the run freed: 0.96 GiB after the same prompts (the
+        # peak, during a prefill, 1.76 GiB), prefill time unchanged, and plain decoding within noise
+        # (2 shared cores, interleaved processes and alternating generations in one process, medians:
+        # 8.11 vs 8.07 tok/s). Without the arena (`enable_cpu_mem_arena = False`) RSS ends near 1.0 GiB
+        # but every tensor is a malloc. low_memory has no arena: nothing to shrink, and onnxruntime
+        # refuses the option there. (tests/test_serve_memory.py checks both the option and the RSS.)
         self._run_options = None
         if not low_memory:
             self._run_options = ort.RunOptions()

@@ -40,6 +40,7 @@ class ChatSession:
         self.base = [{"role": "system", "content": system}] if system else []
         self.history = list(self.base)
         self.max_tokens, self.options = max_tokens, options
+        self.turns = 0  # replies so far: turn k samples with seed + k (the same seed would repeat a reply)
         self.interrupted = threading.Event()
 
     def handle(self, line: str) -> bool:
@@ -78,8 +79,10 @@ class ChatSession:
         max_new = self._fit()
         parts = []
         self.interrupted.clear()
+        options = {**self.options, "seed": self.options.get("seed", 0) + self.turns}
+        self.turns += 1
         with _ctrl_c_sets(self.interrupted), self.session.stream(messages=self.history, max_new_tokens=max_new,
-                                                                 **self.options) as stream:
+                                                                 **options) as stream:
             for chunk in stream:
                 self.out.write(chunk.text)
                 self.out.flush()

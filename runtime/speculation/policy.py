@@ -95,10 +95,9 @@ class Policy(ABC):
 class FixedLength(Policy):
     """Always verify `n` proposals (or fewer when the limit says so); `n = 0` is plain decoding."""
 
-    name = "fixed"
-
     def __init__(self, n: int):
         self.n = int(n)
+        self.name = "plain" if self.n == 0 else "fixed"  # (GenerationResult.policy)
 
     def proposals(self, limit: int) -> Shape:
         return min(self.n, limit)
