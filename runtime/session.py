@@ -339,6 +339,10 @@ class Session(PromptEncoding, GraphCalls):
                 raise DFlashError(f"verify_len must be between 1 and block_size - 1 = {b - 1} "
                                   f"(got {shown}); block_size {b} proposes {b - 1} token{'s' if b != 2 else ''} per step")
         vocab = int(self.manifest["target"]["vocab_size"])
+        outside = [t for t in (opts.stop_token_ids or ()) if not 0 <= t < vocab]
+        if outside:
+            raise DFlashError(f"stop_token_ids holds {outside[0]}, which is not a token id of this model: ids are 0 to "
+                              f"{vocab - 1} (vocabulary size {vocab})")
         if opts.top_k > vocab:
             raise DFlashError(f"top_k {opts.top_k} exceeds the vocabulary size {vocab}")
         return b

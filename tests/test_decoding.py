@@ -286,6 +286,13 @@ def test_exact_capacity(qwen, qwen_rows):
         sess.generate(prompt, max_new_tokens=n + 1, stop_token_ids=[], verify_len="all")
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_refused(qwen):
+    sess = runtime.load(qwen.artifact)
+    with pytest.raises(DFlashError, match=r"stop_token_ids holds 96, which is not a token id of this model: ids are 0 "
+                                          r"to 95 \(vocabulary size 96\)"):
+        sess.generate([5, 6], max_new_tokens=4, stop_token_ids=[3, 96])
+
+
 def test_an_absurd_max_new_tokens_suggests_no_absurd_rebuild(qwen):
     """max_new_tokens far beyond any buffer: the error says how many new tokens fit, and suggests no
     --max-seq-len no export could take."""
