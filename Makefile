@@ -26,14 +26,16 @@ demo: venv
 	# (the first generate on this machine measures its step costs, about a second, and caches them)
 	$(BIN)/python -m dflash_export generate $(ART) --chat --prompt "$(PROMPT)" --max-new-tokens 96
 
-# lint-imports checks the import contracts of pyproject.toml ([tool.importlinter]); -n 2: one worker per core
+# lint-imports checks the import contracts of pyproject.toml ([tool.importlinter]); -n 2: one worker per core;
+# worksteal: a worker that runs out of tests takes half of the other's queue (the slow tests run first:
+# tests/conftest.py). test-fast leaves out the `slow` tests (pyproject.toml's markers): about 3 minutes.
 test: venv
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 test-fast: venv
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -n 2 -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache

@@ -10,6 +10,7 @@ each worker from those same checkpoints.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,25 @@ import pytest
 
 # The suite never reads or writes the user's cache of measured step costs (runtime.graphs.costs).
 os.environ["DFLASH_EXPORT_CALL_COSTS"] = tempfile.mkdtemp(prefix="dflash-test-costs-")
+
+# Under `pytest -n N` the workers share the cores: each worker's torch (and the subprocesses it starts)
+# gets cores / N intra-op threads. Two OpenMP threads per worker on 2 busy cores spin for one another:
+# the SmolLM2 PyTorch loop ran 4x slower with the other core loaded (38.6 s vs 9.3 s for 2 prompts).
+# onnxruntime's threads are the runtime's choice (they stop spinning after each run) and stay as they are.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    if "torch" in sys.modules:  # imported before this file (a plugin): the variable came too late for it
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist worksteal` (the Makefile's), the `slow` tests (the longest: up to minutes each) run
+    first, in their usual order: one worker starts on them while the other runs the rest and then takes
+    over half of the first one's queue, so no long test is left to run alone at the end. (Under the default
+    `--dist load` this order would hand every slow test to the first worker: files keep their order.)"""
+    if config.getoption("dist", "no") == "worksteal":
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: otherwise file order
+
 
 # Tiny targets used by the suite. Taps include layer 0, a middle layer and the LAST layer (whose
 # feature is post-final-norm), so every tap rule is exercised.

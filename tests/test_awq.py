@@ -64,6 +64,7 @@ def test_search_scale_protects_outlier_input_channels():
     assert err(s) < 0.7 * err(torch.ones(64))  # alpha = 0 is plain RTN
 
 
+@pytest.mark.slow  # an AWQ build + check; fast: the AWQ scale search and refusals below and above
 def test_awq_build_passes_check_with_its_stored_scales(tmp_path):
     target = tiny_models.make_target(tmp_path / "t", layers=3)
     draft = tiny_models.make_draft(tmp_path / "d", target, taps=[0, 2])

@@ -382,6 +382,7 @@ def test_real_draft_exact_capacity_and_reuse(ctxfree):
     assert (again.output_ids, again.steps) == (fresh.output_ids, fresh.steps)
 
 
+@pytest.mark.slow  # two more ctxfree builds; fast: test_target_parity::test_draft_vocab_restricts_proposals_only, test_draft_proposes
 def test_draft_vocab_limits_proposals_never_the_output(ctxfree, tmp_path, tmp_path_factory):
     """A draft_vocab.json restricts what the draft may propose: with the mask id inside it every block
     is accepted as before; without it the proposals all miss, and the output is still the same."""

@@ -62,9 +62,14 @@ def int4_art(pairs, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kind, dtype, lm_head", [("qwen3", "fp32", False), ("qwen3_tied", "fp32", False),
-                                                  ("llama", "fp32", False), ("qwen3", "fp16", False),
-                                                  ("qwen3", "fp32", True), ("qwen3_tied", "fp32", True)])
+# `make test-fast` checks the untied fp32 form and a tied table with an INT4 head; the other four (a build
+# each, or a check of a build a fast test reuses) run in the full suite
+@pytest.mark.parametrize("kind, dtype, lm_head", [("qwen3", "fp32", False),
+                                                  pytest.param("qwen3_tied", "fp32", False, marks=pytest.mark.slow),
+                                                  pytest.param("llama", "fp32", False, marks=pytest.mark.slow),
+                                                  pytest.param("qwen3", "fp16", False, marks=pytest.mark.slow),
+                                                  pytest.param("qwen3", "fp32", True, marks=pytest.mark.slow),
+                                                  ("qwen3_tied", "fp32", True)])
 def test_int4_graph_form_and_parity_with_dequantized_modules(int4_art, tmp_path, kind, dtype, lm_head):
     art = int4_art(kind, dtype, lm_head)  # the build `build(... quant="int4", quant_block=16, quant_lm_head=lm_head)`
     manifest = json.loads((art / "manifest.json").read_text())
@@ -174,6 +179,7 @@ def test_runtime_defaults_to_int8_activations_only_where_rows_are_exact(int4_art
     assert runtime.load(int4_art("qwen3", "fp16")).backend.int4_accuracy_level == 1
 
 
+@pytest.mark.slow  # an INT4 build of the 4-layer pair; fast: speculative == plain in test_runtime_defaults_to_int8_...
 def test_int4_speculative_equals_plain_with_accepted_blocks(tmp_path_factory, tmp_path):
     root = rf.checkpoints("qwen3", tmp_path_factory)
     art = tmp_path / "art"
@@ -191,6 +197,7 @@ def test_int4_speculative_equals_plain_with_accepted_blocks(tmp_path_factory, tm
         assert max(res.acceptance_lengths) == (8 if correct is None else 4)
 
 
+@pytest.mark.slow  # a build; runs in the full suite (fast: INT4 heads above)
 def test_int4_proposal_head_ranks_proposals_only(tmp_path_factory, tmp_path):
     """--proposal-head int4 on an fp32 artifact with a proposal vocabulary: only the proposal head rows
     (at the end of the draft graph, which proposes) become INT4 (one DequantizeLinear; block: the
@@ -253,6 +260,7 @@ def test_bad_quant_options_are_refused_before_any_output(pairs, tmp_path, option
     rf.no_partial_output(tmp_path / "art")
 
 
+@pytest.mark.slow  # a build for the default block; runs in the full suite
 def test_int4_without_a_block_takes_32_or_16(pairs, tmp_path, capsys):
     """`build --quant int4` alone works on every target: block 32, or 16 where 32 does not divide every
     quantized layer's K (a hidden size of 48 here), said on stderr."""
@@ -378,6 +386,7 @@ def test_a_head_that_rounds_by_row_count_is_not_amplified(int4_art):
     assert sess.generate([3, 9, 27], max_new_tokens=20, stop_token_ids=[], verify_len="all").output_ids == plain
 
 
+@pytest.mark.slow  # builds the fp32 pair too; runs in the full suite
 def test_drift_from_the_full_precision_artifact(int4_art, tmp_path, capsys):
     """`dflash_export.check.drift`: an artifact against itself has agreement 1 and KL 0 exactly; the INT4 build
     of the same target drifts (KL > 0); `check --drift-reference` reports it, and a bad reference fails

@@ -42,6 +42,7 @@ def five_layers(tmp_path_factory):
     return root, spec, module
 
 
+@pytest.mark.slow  # two exports; fast: every tiny build replicates its layers, and the refusals below
 def test_replicated_target_is_the_full_trace(five_layers):
     root, spec, module = five_layers
     export_target(module, root / "full.onnx", replicate="never")
@@ -124,7 +125,7 @@ def llama_pair(tmp_path_factory):
     return target, draft
 
 
-@pytest.mark.slow  # two fp16 INT4 builds (the full suite runs it; test_replicated_target_is_the_full_trace is fast)
+@pytest.mark.slow  # two fp16 INT4 builds (the full suite runs it)
 def test_build_int4_fp16_streamed_replicated_is_the_full_trace(llama_pair, tmp_path, monkeypatch):
     """`build --dtype fp16 --quant int4 --proposal-head int4` with every matrix streamed: the graph is the
     full trace's, and weights are read only while the file is written."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import runtime_fixtures as rf
+from shared_cache import shared_dir
 
 pytestmark = pytest.mark.slow
 
@@ -34,16 +35,19 @@ def py310_env(tmp_path_factory):
     py = _python310()
     if py is None:
         pytest.skip("no Python 3.10 interpreter on this machine")
-    venv = tmp_path_factory.mktemp("py310") / "venv"
-    subprocess.run([py, "-m", "venv", str(venv)], check=True)
-    pip = subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "-q", "numpy", "onnxruntime==1.23.2", "onnx", "tokenizers", "jinja2",
-         "starlette>=0.40", "uvicorn>=0.30"],  # the runtime and its serve extra (+ onnx to read optimized graphs)
-        capture_output=True, text=True, timeout=600,
-    )
-    if pip.returncode != 0:
-        pytest.skip(f"cannot install the JetPack-6 runtime set from PyPI: {pip.stderr[-300:]}")
-    return venv / "bin" / "python"
+
+    def make(root: Path) -> None:  # once per test run, shared by the xdist workers
+        venv = root / "venv"
+        subprocess.run([py, "-m", "venv", str(venv)], check=True)
+        pip = subprocess.run(
+            [str(venv / "bin" / "pip"), "install", "-q", "numpy", "onnxruntime==1.23.2", "onnx", "tokenizers", "jinja2",
+             "starlette>=0.40", "uvicorn>=0.30"],  # the runtime and its serve extra (+ onnx to read optimized graphs)
+            capture_output=True, text=True, timeout=600,
+        )
+        if pip.returncode != 0:
+            pytest.skip(f"cannot install the JetPack-6 runtime set from PyPI: {pip.stderr[-300:]}")
+
+    return shared_dir(tmp_path_factory, "py310_venv", make) / "venv" / "bin" / "python"
 
 
 def test_runtime_on_python310_onnxruntime_1_23(py310_env, tmp_path_factory):

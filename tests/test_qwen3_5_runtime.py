@@ -214,6 +214,7 @@ def test_multimodal_checkpoint_exports_its_text_model(hybrid, tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # an fp16 INT4 hybrid build; the fast set speculates on the fp32 hybrid
 def test_fp16_int4_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_path):
     """fp16 graphs with INT4 weights (norms, the decay parameters A_log / dt_bias and the recurrent
     state stay fp32; every attention, MLP and Gated DeltaNet projection is INT4 in the DequantizeLinear
@@ -255,6 +256,7 @@ def test_fp16_int4_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_pat
     assert int4.positions == 6 and int4.mean_kl > 0
 
 
+@pytest.mark.slow  # an INT4-head hybrid build; fast: test_int4.py's INT4 heads on dense targets
 def test_int4_lm_head_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_path):
     """--quant-lm-head on a hybrid: the LM head is INT4 too (in the manifest's record), `check` compares
     against a reference whose head rows are dequantized as the graph's (it fails if they are not: the
