@@ -1,0 +1,147 @@
+"""Reading DFlash 2 draft checkpoints (`DFlash2DraftModel`, z-lab/dflash `model.py` of 2026-08): a DFlash
+draft whose layers are wrapped in grouped dynamic convolutions, plus a candidate selector that walks the
+block left to right over the top candidates of the target's LM head.
+
+Config: v1's fields plus `dflash_config.conv_kernel_size`, `conv_group_size`, `selector_rank`,
+`selector_top_k` and the optional `input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`.
+Weights: v1's plus, per layer, `attention_conv` / `mlp_conv` (`base_kernel [2, K, d]`,
+`kernel_projection.weight [2 K d / G, d]`) and `candidate_selector.hidden_projection.weight [r, d]`,
+`candidate_selector.predecessor_codebook` / `successor_codebook` `[V, r]` (stored without `.weight`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_export.checkpoint.draft import (
+    DraftSpec,
+    check_draft_weights,
+    draft_weight_shapes,
+    parse_draft_config,
+)
+from dflash_export.checkpoint.target import TargetSpec, load_state_dict, read_config
+from runtime.errors import DFlashError
+
+ARCHITECTURE = "DFlash2DraftModel"
+SELECTOR = "candidate_selector."
+
+
+@dataclass(frozen=True)
+class DFlash2Spec(DraftSpec):
+    """A validated DFlash 2 checkpoint: a :class:`DraftSpec` plus the convolution and selector sizes.
+
+    Attributes:
+        conv_kernel_size: taps of each dynamic convolution (tap 0: the row itself, tap t: t rows back).
+        conv_group_size: channels sharing one dynamic coefficient (divides hidden_size).
+        selector_rank: r, the width of the selector's codebooks.
+        selector_top_k: candidates per block position (the LM head's top k).
+        input_embedding_scale: factor on the block's target embeddings.
+        output_multiplier: factor on the LM head's logits.
+        final_logit_softcapping: c > 0: logits become c * tanh(logits / c); None: not capped.
+        vocab_size: V, the target's vocabulary (the codebooks' rows).
+    """
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    vocab_size: int = 0
+
+    proposes_itself = True
+
+    def manifest_fields(self) -> dict[str, Any]:
+        """v1's fields plus the family and what its selector and convolutions are."""
+        return {**super().manifest_fields(), "family": "dflash2",
+                "selector": {"rank": self.selector_rank, "top_k": self.selector_top_k, "walk": "in the draft graph"},
+                "conv": {"kernel_size": self.conv_kernel_size, "group_size": self.conv_group_size},
+                "input_embedding_scale": self.input_embedding_scale, "output_multiplier": self.output_multiplier,
+                "final_logit_softcapping": self.final_logit_softcapping}
+
+
+def _positive_int(dcfg: dict, name: str, where: str, default: int | None = None) -> int:
+    value = dcfg.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DFlashError(f"draft {where}: dflash_config.{name} {value!r} must be a positive integer")
+    return value
+
+
+def _number(dcfg: dict, name: str, where: str, default: float | None) -> float | None:
+    value = dcfg.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise DFlashError(f"draft {where}: dflash_config.{name} {value!r} must be a positive number")
+    return float(value)
+
+
+def parse_dflash2_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc_in_features: int | None) -> DFlash2Spec:
+    """Validate a DFlash 2 config dict against its target (v1's checks, `parse_draft_config`, plus the
+    convolution and selector fields).
+
+    Raises:
+        DFlashError: any v1 problem; a missing or non-positive conv or selector size; a group size that
+            does not divide hidden_size; selector_top_k above the vocabulary.
+    """
+    base = parse_draft_config(cfg, target, where, fc_in_features, architecture=ARCHITECTURE)
+    dcfg = cfg.get("dflash_config") or {}
+    sizes = {name: _positive_int(dcfg, name, where) if name in dcfg else None
+             for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}
+    missing = [name for name, v in sizes.items() if v is None]
+    if missing:
+        raise DFlashError(f"draft {where} is a {ARCHITECTURE} but its dflash_config lacks {missing}; "
+                          "it is not a complete DFlash 2 config")
+    d = base.arch.hidden_size
+    if d % sizes["conv_group_size"]:
+        raise DFlashError(f"draft {where}: conv_group_size {sizes['conv_group_size']} does not divide hidden_size {d}")
+    if sizes["selector_top_k"] > target.vocab_size:
+        raise DFlashError(f"draft {where}: selector_top_k {sizes['selector_top_k']} exceeds the target vocabulary "
+                          f"({target.vocab_size})")
+    softcap = _number(dcfg, "final_logit_softcapping", where, None)
+    return DFlash2Spec(**base.__dict__, **sizes,
+                       input_embedding_scale=_number(dcfg, "input_embedding_scale", where, 1.0),
+                       output_multiplier=_number(dcfg, "output_multiplier", where, 1.0),
+                       final_logit_softcapping=softcap, vocab_size=target.vocab_size)
+
+
+def dflash2_weight_shapes(spec: DFlash2Spec) -> dict[str, tuple[int, ...]]:
+    """Expected shape of every DFlash 2 weight: v1's (`draft_weight_shapes`) plus the convolutions and
+    the selector (81 tensors for a 5-layer release)."""
+    d, k, groups = spec.arch.hidden_size, spec.conv_kernel_size, spec.arch.hidden_size // spec.conv_group_size
+    shapes = draft_weight_shapes(spec, d)
+    for i in range(spec.arch.num_layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            shapes[f"layers.{i}.{conv}.base_kernel"] = (2, k, d)
+            shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * k * groups, d)
+    shapes[SELECTOR + "hidden_projection.weight"] = (spec.selector_rank, d)
+    shapes[SELECTOR + "predecessor_codebook"] = (spec.vocab_size, spec.selector_rank)
+    shapes[SELECTOR + "successor_codebook"] = (spec.vocab_size, spec.selector_rank)
+    return shapes
+
+
+def load_dflash2_spec(draft_dir: Path, target: TargetSpec) -> tuple[DFlash2Spec, dict[str, torch.Tensor]]:
+    """Validate a DFlash 2 draft directory and load its weights (a leading "model." is stripped; codebooks
+    stored with a `.weight` suffix, as transformers' key mapping writes them, are renamed back).
+
+    Raises:
+        DFlashError: see :func:`parse_dflash2_config`; missing, misshapen or non-finite weights.
+    """
+    draft_dir = Path(draft_dir)
+    cfg = read_config(draft_dir)
+    state = load_state_dict(draft_dir)
+    state = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()}
+    for name in ("predecessor_codebook", "successor_codebook"):
+        if SELECTOR + name + ".weight" in state and SELECTOR + name not in state:
+            state[SELECTOR + name] = state.pop(SELECTOR + name + ".weight")
+    if "fc.weight" not in state:
+        raise DFlashError(f"draft {draft_dir} has no fc.weight; it is not a DFlash draft checkpoint")
+    spec = parse_dflash2_config(cfg, target, str(draft_dir), int(state["fc.weight"].shape[1]))
+    spec = DFlash2Spec(**{**spec.__dict__, "path": draft_dir})
+    check_draft_weights(spec, state, str(draft_dir), dflash2_weight_shapes(spec))
+    return spec, state
