@@ -115,7 +115,8 @@ class DecodeLoop:
         policy keeps after seeing them (`Policy.refine`), whose proposal ids are written for the target
         call. Returns the shape the target verifies."""
         t0 = time.perf_counter()
-        proposal = self.draft.propose(shape.length if isinstance(shape, VerifyTree) else shape, self.anchor_row)
+        proposal = self.draft.propose(shape.length if isinstance(shape, VerifyTree) else shape, self.anchor_row,
+                                      self.out[-1])
         if proposal.probs is not None:
             shape = self._verifiable(self.policy.refine(shape, proposal))
             if shape:

@@ -129,6 +129,21 @@ def draft_proposes(manifest: dict[str, Any]) -> bool:
     return any(o["name"] == DRAFT_PROPOSAL_OUTPUTS[0] for o in outputs)
 
 
+def draft_takes_anchor(manifest: dict[str, Any]) -> bool:
+    """Whether the draft graph takes `anchor_ids` (int64 `[1]`, the last committed token): a DFlash 2
+    draft, whose selector walks the block from it."""
+    inputs = manifest.get("io", {}).get("draft", {}).get("inputs", [])
+    return any(i["name"] == "anchor_ids" for i in inputs)
+
+
+def fixed_draft_block(manifest: dict[str, Any]) -> int | None:
+    """The block size a draft graph is fixed to (its `block_embeddings` rows are a number, not a name:
+    a DFlash 2 draft unrolls its selector over the block), or None where any block runs."""
+    inputs = manifest.get("io", {}).get("draft", {}).get("inputs", [])
+    rows = next((i["shape"][0] for i in inputs if i["name"] == "block_embeddings"), None)
+    return rows if isinstance(rows, int) else None
+
+
 def proposal_ranks(manifest: dict[str, Any]) -> int:
     """K, the candidates per row a proposing draft returns (`draft_top_ids` is `[R, K]`)."""
     out = next(o for o in manifest["io"]["draft"]["outputs"] if o["name"] == DRAFT_PROPOSAL_OUTPUTS[0])

@@ -313,8 +313,10 @@ class Session(PromptEncoding, GraphCalls):
             DFlashError: naming the limit the request exceeds.
         """
         b = self.block_size if opts.block_size is None else opts.block_size
-        if not 1 <= b <= self.max_block:
-            raise DFlashError(f"block_size {b} must be between 1 and {self.max_block}")
+        limit = self.draft_block or self.max_block
+        if not 1 <= b <= limit:
+            fixed = " (the draft's graph is fixed to its block: a DFlash 2 selector walks it)" if self.draft_block else ""
+            raise DFlashError(f"block_size {b} must be between 1 and {limit}{fixed}")
         if len(ids) + opts.max_new_tokens > self.max_seq_len:
             n, total = len(ids), len(ids) + opts.max_new_tokens
             room = self.max_seq_len - n

@@ -25,7 +25,8 @@ def reference_draft(state, cfg, context_hidden, block_emb, rope_theta=None, rope
 
     `rope_tables(cfg, positions)`, when given, supplies the cos/sin tables `[S, D]` (e.g. transformers'
     own, for scaled RoPE); layers the config lists as `sliding_attention` mask keys with |i - j| >=
-    `sliding_window` (tests/test_sliding_drafts.py).
+    `sliding_window` (tests/test_sliding_drafts.py), and are causal inside the block unless the config's
+    `is_causal` says otherwise (which then decides for every layer).
 
     Returns (draft_hidden [B-1, d], [K_ctx_0, V_ctx_0, K_ctx_1, ...] each [C, Hkv, D]) in float64.
     """
@@ -70,10 +71,14 @@ def reference_draft(state, cfg, context_hidden, block_emb, rope_theta=None, rope
         kv_ctx += [k[:c], v[:c]]
         k_rep = k.repeat_interleave(H // Hkv, dim=1)  # repeat_kv: head j uses kv head j // (H / Hkv)
         v_rep = v.repeat_interleave(H // Hkv, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k_rep) / math.sqrt(D)  # no mask: non-causal
-        if types[i] == "sliding_attention":  # block query i sees key j iff |i - j| < window
-            visible = (pos[c:, None] - pos[None, :]).abs() < cfg["sliding_window"]
-            scores = scores.masked_fill(~visible, float("-inf"))
+        scores = torch.einsum("qhd,khd->hqk", q, k_rep) / math.sqrt(D)
+        # the reference's rule (model.py, 2026-08): is_causal decides when set, else sliding layers are causal
+        causal = types[i] == "sliding_attention" if cfg.get("is_causal") is None else cfg["is_causal"]
+        diff = pos[c:, None] - pos[None, :]  # query position - key position
+        visible = diff >= 0 if causal else torch.ones_like(diff, dtype=torch.bool)
+        if types[i] == "sliding_attention":  # within the window: i - j < W (and j - i < W unless causal)
+            visible = visible & (diff < cfg["sliding_window"]) & (causal | (-diff < cfg["sliding_window"]))
+        scores = scores.masked_fill(~visible, float("-inf"))
         attn = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v_rep).reshape(b, H * D)
         h = h + lin(attn, p + "self_attn.o_proj.weight")
         y = rms(h, w[p + "post_attention_layernorm.weight"])

@@ -194,7 +194,7 @@ def test_unsupported_target_architecture(ckpt, tmp_path):
 def test_unsupported_draft_architecture(ckpt, tmp_path):
     d = edit_config(copy_dir(ckpt / "draft", tmp_path / "d"), lambda c: c.update(architectures=["EagleDraftModel"]))
     build_fails(ckpt / "target", d, tmp_path / "art", r"declares architectures \['EagleDraftModel'\]; supported drafts: "
-                r"DFlashDraftModel$")
+                r"DFlashDraftModel, DFlash2DraftModel$")
 
 
 @pytest.mark.slow  # two builds through the CLI; fast: test_failed_rebuild_keeps_the_old_artifact (no partial output)

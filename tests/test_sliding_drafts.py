@@ -127,13 +127,33 @@ def test_spec_reads_layer_types_and_the_raw_window(sliding):
     assert sliding.spec.layer_types == tuple(SLIDING_TYPES)
     assert sliding.spec.sliding_window == WINDOW
     assert "use_sliding_window" not in sliding.config  # transformers' Qwen3Config would drop the window
-    assert sliding.spec.manifest_fields() == {"layer_types": SLIDING_TYPES, "sliding_window": WINDOW}
+    fields = sliding.spec.manifest_fields()
+    assert {k: fields[k] for k in ("layer_types", "sliding_window")} == {"layer_types": SLIDING_TYPES,
+                                                                        "sliding_window": WINDOW}
+    # no is_causal in the config: the reference's rule makes the sliding layer causal inside the block
+    assert fields["block_attention"] == ["causal", "bidirectional"] and "is_causal" in fields["block_attention_rule"]
 
 
 def test_full_draft_spec_defaults(tiny):
     spec = tiny.draft().spec
     assert spec.layer_types == ("full_attention",) * spec.arch.num_layers
-    assert spec.sliding_window is None and spec.manifest_fields() == {}
+    assert spec.sliding_window is None and spec.causal_layers == (False,) * spec.arch.num_layers
+    assert set(spec.manifest_fields()) == {"block_attention", "block_attention_rule"}
+
+
+@pytest.mark.parametrize("is_causal, types, want", [
+    (None, ["sliding_attention", "full_attention"], (True, False)),   # the rule: sliding layers are causal
+    (False, ["sliding_attention", "full_attention"], (False, False)),  # DFlash 2 releases: bidirectional
+    (True, ["full_attention", "full_attention"], (True, True)),        # set: it decides for every layer
+])
+def test_block_causality_follows_the_reference_rule(tiny, is_causal, types, want):
+    extra = {} if is_causal is None else {"is_causal": is_causal}
+    assert _parse(tiny, layer_types=types, sliding_window=WINDOW, **extra).causal_layers == want
+
+
+def test_a_non_boolean_is_causal_is_refused(tiny):
+    with pytest.raises(DFlashError, match=r"is_causal 'yes' must be true, false or absent"):
+        _parse(tiny, is_causal="yes")
 
 
 def _parse(tiny, **changes):
@@ -192,6 +212,23 @@ def test_sliding_module_matches_reference_one_call(sliding, c, b):
     _close(hid, ref_hid, "draft_hidden")
     for j, (got, want) in enumerate(zip(kv, ref_kv)):
         _close(got, want, f"context kv {j}")
+
+
+@pytest.mark.parametrize("is_causal, types", [(False, SLIDING_TYPES), (True, ["full_attention"] * 2)])
+def test_is_causal_drafts_match_reference(tiny, tmp_path_factory, is_causal, types):
+    """A config's is_causal: false keeps sliding layers bidirectional (DFlash 2 releases), true makes
+    full-attention layers causal inside the block; module and cached-context calls follow the reference."""
+    d = Draft(tiny, tmp_path_factory, f"causal_{is_causal}", layers=2, layer_types=types, sliding_window=WINDOW,
+              is_causal=is_causal)
+    assert d.spec.causal_layers == (is_causal, is_causal)
+    ctx, block = d.inputs(9, 8, seed=3)
+    ref_hid, ref_kv = reference_draft(d.state, d.config, ctx, block)
+    for hid, past in (d.run(ctx, block, d.empty_past()), d.split_run(ctx, block, [4])):
+        _close(hid, ref_hid, "draft_hidden")
+        for j, (got, want) in enumerate(zip(past, ref_kv)):
+            _close(got, want, f"context kv {j}")
+    flipped, _ = reference_draft(d.state, {**d.config, "is_causal": not is_causal}, ctx, block)
+    assert float((ref_hid - flipped).abs().max()) > 1e-3  # sensitivity: the rule changes the rows
 
 
 @pytest.mark.parametrize("cuts", [(3,), (1, 2, 3, 4, 5, 6), (12,), (20, 21)])
@@ -257,7 +294,7 @@ def test_sliding_onnx_matches_module_and_passes_graph_check(sliding):
     from dflash_export.export.checks import check_graph
 
     report = check_graph(sliding.onnx_path)  # TensorRT 10 operators, no weight stored twice
-    assert "Abs" in report["ops"]
+    assert "And" in report["ops"]  # the causal window: 0 <= i - j < W (a bidirectional one is |i - j| < W: Abs)
     sess = _session(sliding.onnx_path)
     # Pc = 0 with the window biting inside the new rows, then Pc > W (13 cached rows) with C < W - 1 and C > W
     for pc, c, b in [(0, 6, 8), (0, 1, 2), (13, 2, 8), (13, 7, 4), (0, 20, 16)]:
@@ -360,6 +397,7 @@ def test_yarn_sliding_module_matches_reference(yarn, cuts):
     assert float((hid.double() - wrong).abs().max()) > 1e-3  # sensitivity: unscaled RoPE is clearly different
 
 
+@pytest.mark.slow  # a build; fast: the sliding/YaRN graph and module tests above
 def test_build_and_generate_with_a_sliding_yarn_draft(yarn, tmp_path):
     """End to end: the manifest records the window, the runtime loads the sliding draft (its graph
     inputs are still past K/V per layer), speculative output equals plain and `check` passes."""

@@ -146,3 +146,80 @@ def record_weight_reads(monkeypatch) -> list[tuple[str, bool]]:
     monkeypatch.setattr(weights_mod.WeightSource, "read_as", read_as)
     monkeypatch.setattr(export_mod, "save_graph", save_graph)
     return reads
+
+
+def make_dflash2_draft(
+    out: Path,
+    target_dir: Path,
+    layers: int = 2,
+    block_size: int = 8,
+    mask_token_id: int = VOCAB - 1,
+    taps: list[int] | None = None,
+    seed: int = 2,
+    scale: float = 0.15,
+    rank: int = 32,
+    top_k: int = 8,
+    group: int = 16,
+    dflash_config: dict | None = None,
+    state_fn=None,
+    **overrides,
+) -> Path:
+    """Save a random DFlash 2 draft in the released format (z-lab/dflash's `dflash2-config.json` and its
+    81-tensor header for 5 layers: per layer v1's 13 plus `attention_conv` / `mlp_conv` `base_kernel`
+    and `kernel_projection.weight`; the selector's `hidden_projection.weight` and its two codebooks,
+    stored without `.weight`). All layers sliding (window 2048), `is_causal: false`, as released.
+    `dflash_config` entries and `overrides` patch the config; `state_fn(state, cfg)` may edit the weights."""
+    from safetensors.torch import save_file
+
+    from dflash_export.families.registry import load_target_spec
+
+    tspec = load_target_spec(target_dir)
+    a = tspec.arch
+    d = a.hidden_size
+    taps = taps if taps is not None else [1, a.num_layers - 1]
+    dcfg = {"block_size": block_size, "conv_group_size": group, "conv_kernel_size": 2, "mask_token_id": mask_token_id,
+            "selector_rank": rank, "selector_top_k": top_k, "target_layer_ids": taps, **(dflash_config or {})}
+    cfg = {
+        "architectures": ["DFlash2DraftModel"], "attention_bias": False, "is_causal": False, "dflash_config": dcfg,
+        "head_dim": 16, "hidden_act": "silu", "hidden_size": d, "intermediate_size": 2 * d,
+        "layer_types": ["sliding_attention"] * layers, "max_window_layers": layers, "model_type": "qwen3",
+        "num_attention_heads": 4, "num_hidden_layers": layers, "num_key_value_heads": 2,
+        "num_target_layers": a.num_layers, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "sliding_window": 2048,
+        "tie_word_embeddings": False, "use_sliding_window": True, "vocab_size": tspec.vocab_size,
+    }
+    cfg.update(overrides)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, s=scale):
+        return s * torch.randn(shape, generator=gen)
+
+    state = {"fc.weight": rand(d, len(taps) * d), "hidden_norm.weight": 1.0 + rand(d, s=0.1),
+             "norm.weight": 1.0 + rand(d, s=0.1),
+             "candidate_selector.hidden_projection.weight": rand(rank, d),
+             "candidate_selector.predecessor_codebook": rand(tspec.vocab_size, rank, s=1.0),
+             "candidate_selector.successor_codebook": rand(tspec.vocab_size, rank, s=1.0)}
+    hd, heads, kv, inter = 16, 4, 2, 2 * d
+    for i in range(layers):
+        p = f"layers.{i}."
+        state.update({
+            p + "input_layernorm.weight": 1.0 + rand(d, s=0.1), p + "post_attention_layernorm.weight": 1.0 + rand(d, s=0.1),
+            p + "self_attn.q_proj.weight": rand(heads * hd, d), p + "self_attn.k_proj.weight": rand(kv * hd, d),
+            p + "self_attn.v_proj.weight": rand(kv * hd, d), p + "self_attn.o_proj.weight": rand(d, heads * hd),
+            p + "self_attn.q_norm.weight": 1.0 + rand(hd, s=0.1), p + "self_attn.k_norm.weight": 1.0 + rand(hd, s=0.1),
+            p + "mlp.gate_proj.weight": rand(inter, d), p + "mlp.up_proj.weight": rand(inter, d),
+            p + "mlp.down_proj.weight": rand(d, inter),
+        })
+        for conv in ("attention_conv", "mlp_conv"):
+            # base: tap 0 near 1 (the row itself), tap 1 small; dynamic coefficients small
+            base = rand(2, 2, d, s=0.2)
+            base[:, 0] += 1.0
+            state[p + conv + ".base_kernel"] = base
+            state[p + conv + ".kernel_projection.weight"] = rand(2 * 2 * (d // group), d, s=0.1)
+    if state_fn is not None:
+        state = state_fn(state, cfg)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

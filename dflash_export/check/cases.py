@@ -76,6 +76,15 @@ def _rank_margins(dmod, feed: dict, ranks: int) -> np.ndarray:
     return np.minimum(gaps[:, :ranks], above[:, :ranks]).astype(np.float32)
 
 
+def _selector_margins(dmod, feed: dict) -> np.ndarray:
+    """A DFlash 2 draft's `[R, 4]` id margins (`nn.dflash2.DFlash2Draft.selector_margins`)."""
+    import torch
+
+    args = [torch.from_numpy(np.ascontiguousarray(a.astype(np.float32) if a.dtype.kind == "f" else a)) for a in feed.values()]
+    with torch.no_grad():
+        return dmod.selector_margins(*args).numpy().astype(np.float32)
+
+
 def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None = None, seed: int = 0, modules=None) -> list[Case]:
     """The four teacher-forced cases with fp32 PyTorch reference outputs (see the module doc)."""
     import torch
@@ -124,7 +133,7 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
     block = np.concatenate([prefill.ref["next_embeddings"][:1], np.broadcast_to(mask_row, (B - 1, hidden))])
     dprefill = run("draft", "draft_prefill", feed(
         "draft", context_hidden=prefill.ref["taps"], block_embeddings=block, proposal_rows=np.arange(B - 1),
-        **kv(None, 0, dl, dkv, dhd)), dmod)
+        anchor_ids=prefill.ref["next_ids"][:1], **kv(None, 0, dl, dkv, dhd)), dmod)
     proposals = ({"proposal_ids": dprefill.ref["draft_top_ids"][:, 0]} if proposes
                  else {"draft_hidden": dprefill.ref["draft_hidden"]})
     verify = run("target", "verify", feed(
@@ -142,12 +151,13 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
     dstep = run("draft", "draft_step", feed(
         "draft", context_hidden=verify.ref["taps"][:c], block_embeddings=block2,
         proposal_rows=np.arange(min(2, B - 1)),  # a step verifying 2 proposals: the last layer cut to them
-        **kv(dprefill.ref, T, dl, dkv, dhd)), dmod)
+        anchor_ids=verify.ref["next_ids"][c - 1 : c], **kv(dprefill.ref, T, dl, dkv, dhd)), dmod)
     for case in (prefill, verify):
         case.margins["next_ids"] = _margins(case.ref["logits"])
     if proposes:
         for case in (dprefill, dstep):
-            case.margins["draft_top_ids"] = _rank_margins(dmod, case.feed, case.ref["draft_top_ids"].shape[1])
+            case.margins["draft_top_ids"] = (_selector_margins(dmod, case.feed) if hasattr(dmod, "selector_margins")
+                                             else _rank_margins(dmod, case.feed, case.ref["draft_top_ids"].shape[1]))
     return [prefill, dprefill, verify, dstep]
 
 

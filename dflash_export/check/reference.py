@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_export.build import prepare_pair
+from dflash_export.checkpoint.dflash2 import DFlash2Spec
 from dflash_export.checkpoint.target import file_sha256
 from dflash_export.checkpoint.weights import (
     WeightSource,
@@ -17,6 +18,7 @@ from dflash_export.checkpoint.weights import (
 )
 from dflash_export.families.registry import target_family
 from dflash_export.families.shared import upcast_weights_on_use
+from dflash_export.nn.dflash2 import DFlash2Draft
 from dflash_export.nn.draft import DFlashDraft, DraftWithRows, ProposingDraft
 from dflash_export.quant.int4 import rtn_round_trip
 from runtime.errors import DFlashError
@@ -74,6 +76,8 @@ def reference_modules(manifest: dict, artifact_dir: Path | None = None):
             raise DFlashError("an AWQ artifact's reference needs its directory (the scales are stored there)")
         manifest = {**manifest, "quantization": {**quant, "awq_scales": str(Path(artifact_dir) / quant["awq_scales"])}}
     tmod = target_family(tspec.family).reference_target(tspec, dspec, tsource, manifest, vocab)
+    if isinstance(dspec, DFlash2Spec):
+        return tmod, _selector_reference(dspec, dstate, tmod)
     dmod = _reference_draft(dspec, dstate, draft_rows_exported(manifest), manifest)
     if draft_proposes(manifest):
         dmod = _proposing_reference(dmod, tmod)
@@ -93,6 +97,21 @@ def _proposing_reference(dmod, tmod):
 
     vocab = None if tmod.draft_vocab is None else tmod.draft_vocab.tolist()  # None: the whole (INT4) head
     return ReferenceProposingDraft.with_head(dmod, vocab, None)
+
+
+def _selector_reference(dspec, dstate, tmod):
+    """The fp32 reference DFlash 2 draft (`nn.dflash2.DFlash2Draft`), its LM head logits from the
+    reference target's head rows (fp32; INT4 rows as the graph computes with them)."""
+    import torch
+
+    class ReferenceSelectorDraft(DFlash2Draft):
+        def head_scores(self, hidden):
+            return tmod.proposal_scores(hidden.to(torch.float32))
+
+    dmod = empty_module(lambda: ReferenceSelectorDraft(dspec, torch.float32)).eval()
+    dsource = WeightSource(f"draft {dspec.path}", tensors=dstate)
+    upcast_weights_on_use(load_module_weights(dmod, dsource, dsource.where))
+    return dmod
 
 
 def _reference_draft(dspec, dstate, takes_rows: bool = True, manifest: dict | None = None):

@@ -43,6 +43,10 @@ class DraftSpec:
         sliding_window: the window W of the sliding layers, from the RAW config's `sliding_window`
             (a block query at position i sees a key at position j only when |i - j| < W, as
             flash-attention's `window_size=(W - 1, W - 1)` in the reference); None without sliding layers.
+        causal_layers: per draft layer, whether a block position sees only the block positions up to
+            itself (and every context row); the rule of the reference's newest `model.py`: a
+            sliding_attention layer is causal unless the config sets `is_causal`, which otherwise decides
+            for every layer (`block_attention_rule`). All False (bidirectional) when not given.
     """
 
     path: Path | None
@@ -54,10 +58,18 @@ class DraftSpec:
     draft_vocab: tuple[int, ...] | None = None
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    causal_layers: tuple[bool, ...] = ()
+
+    # the draft graph ranks its own proposals (a selector draft; `families.registry.draft_proposes`)
+    proposes_itself = False
 
     def __post_init__(self):
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.arch.num_layers)
+        if not self.causal_layers:
+            object.__setattr__(self, "causal_layers", (False,) * self.arch.num_layers)
+        if len(self.causal_layers) != self.arch.num_layers:
+            raise ValueError(f"{len(self.causal_layers)} causal flags for {self.arch.num_layers} draft layers")
         if len(self.layer_types) != self.arch.num_layers:
             raise ValueError(f"{len(self.layer_types)} layer types for {self.arch.num_layers} draft layers")
         if SLIDING in self.layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
@@ -68,11 +80,32 @@ class DraftSpec:
         return SLIDING in self.layer_types
 
     def manifest_fields(self) -> dict[str, Any]:
-        """What the manifest's draft section records about the layers: `layer_types` and
-        `sliding_window` for a draft with sliding layers, nothing otherwise (the older manifests)."""
-        if not self.has_sliding_layers:
-            return {}
-        return {"layer_types": list(self.layer_types), "sliding_window": self.sliding_window}
+        """What the manifest's draft section records about the layers: how block positions see each
+        other per layer (`block_attention`, and the rule that gave it), plus `layer_types` and
+        `sliding_window` for a draft with sliding layers."""
+        fields: dict[str, Any] = {
+            "block_attention": ["causal" if c else "bidirectional" for c in self.causal_layers],
+            "block_attention_rule": BLOCK_ATTENTION_RULE,
+        }
+        if self.has_sliding_layers:
+            fields.update({"layer_types": list(self.layer_types), "sliding_window": self.sliding_window})
+        return fields
+
+
+BLOCK_ATTENTION_RULE = ("z-lab/dflash model.py (2026-08): config.is_causal decides for every layer when set; "
+                        "otherwise sliding_attention layers are causal inside the block, full_attention layers bidirectional")
+
+
+def block_causality(cfg: dict[str, Any], layer_types: tuple[str, ...], where: str) -> tuple[bool, ...]:
+    """Per layer, whether block positions attend causally to each other (see `BLOCK_ATTENTION_RULE`).
+
+    Raises:
+        DFlashError: `is_causal` present but not a boolean or null.
+    """
+    flag = cfg.get("is_causal")
+    if flag is not None and not isinstance(flag, bool):
+        raise DFlashError(f"draft {where}: is_causal {flag!r} must be true, false or absent")
+    return tuple((t == SLIDING) if flag is None else flag for t in layer_types)
 
 
 def draft_layer_types(cfg: dict[str, Any], where: str, num_layers: int) -> tuple[tuple[str, ...], int | None]:
@@ -126,7 +159,8 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
-def parse_draft_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc_in_features: int | None) -> DraftSpec:
+def parse_draft_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc_in_features: int | None,
+                       architecture: str = "DFlashDraftModel") -> DraftSpec:
     """Validate a draft config dict against its target.
 
     Args:
@@ -134,6 +168,7 @@ def parse_draft_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc_i
         target: the validated target.
         where: how to name the draft in messages.
         fc_in_features: the width of `fc.weight`'s input (None to skip the weight check).
+        architecture: the `architectures` entry the calling draft family reads.
 
     Raises:
         DFlashError: wrong architecture, taps missing/out of range/not matching fc, width or head
@@ -141,8 +176,8 @@ def parse_draft_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc_i
             layer without `sliding_window` (see `draft_layer_types`).
     """
     archs = cfg.get("architectures") or []
-    if archs and "DFlashDraftModel" not in archs:
-        raise DFlashError(f"draft {where} declares architectures {archs}; expected DFlashDraftModel")
+    if archs and architecture not in archs:
+        raise DFlashError(f"draft {where} declares architectures {archs}; expected {architecture}")
     arch = AttentionSpec.from_config(cfg, f"draft {where}")
     layer_types, window = draft_layer_types(cfg, where, arch.num_layers)
     if arch.rope["rope_type"] == "yarn" and arch.rope.get("factor") is None:
@@ -205,6 +240,7 @@ def parse_draft_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc_i
         taps_declared=declared,
         layer_types=layer_types,
         sliding_window=window,
+        causal_layers=block_causality(cfg, layer_types, where),
     )
 
 
@@ -312,13 +348,15 @@ def draft_weight_shapes(spec: DraftSpec, n_target_hidden: int) -> dict[str, tupl
     return shapes
 
 
-def check_draft_weights(spec: DraftSpec, state: dict[str, Any], where: str) -> None:
-    """Check that every expected draft weight exists with the shape the config implies.
+def check_draft_weights(spec: DraftSpec, state: dict[str, Any], where: str,
+                        expected: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Check that every expected draft weight (`expected`: name -> shape; default v1's,
+    `draft_weight_shapes`) exists with the shape the config implies.
 
     Raises:
         DFlashError: a weight is missing or has another shape (e.g. a head layout mismatch).
     """
-    expected = draft_weight_shapes(spec, spec.arch.hidden_size)
+    expected = draft_weight_shapes(spec, spec.arch.hidden_size) if expected is None else expected
     missing = [k for k in expected if k not in state]
     if missing:
         raise DFlashError(f"draft {where} lacks weights {missing[:4]}{' ...' if len(missing) > 4 else ''}")

@@ -56,27 +56,31 @@ def draft_export_module(dspec: DraftSpec, source: WeightSource, dtype) -> tuple:
     return module, bind_weights(module, source, source.where)
 
 
-def _attach_proposal_head(dmod, dreaders: dict, tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, dtype,
-                          qconfig, proposal_head: str) -> tuple:
-    """The draft export module ending in the proposal head (`nn.draft.ProposingDraft`): the target's
-    LM head rows of the draft's proposal vocabulary, streamed into the draft graph as `draft_head`
-    (read when written, added to `dreaders`). Returns (module, the head rows' INT4 config or None):
-    INT4 with the LM head under --quant-lm-head (the same block as the target's head), or with
-    --proposal-head int4."""
-
-
-    if dspec.draft_vocab is None:  # the whole head (an INT4 LM head: `families.registry.draft_proposes`)
-        vocab = None
+def proposal_head_rows(dreaders: dict, tspec: TargetSpec, vocab, tsource: WeightSource, dtype, qconfig,
+                       proposal_head: str) -> tuple:
+    """The target's LM head rows of proposal vocabulary `vocab` (None: all V), streamed into a draft
+    graph as `draft_head` (read when written, added to `dreaders`). Returns (placeholder rows `[V', d]`,
+    their INT4 config or None): INT4 with the LM head under --quant-lm-head (the same block as the
+    target's head), or with --proposal-head int4."""
+    if vocab is None:  # the whole head (an INT4 LM head: `families.registry.draft_proposes`)
         rows = placeholder((tspec.vocab_size, tspec.arch.hidden_size), dtype)
         dreaders["draft_head"] = lambda: tsource.read_as(head_name(tspec), dtype)
     else:
-        vocab = torch.tensor(list(dspec.draft_vocab), dtype=torch.int64)
-        rows = placeholder((len(vocab), tspec.arch.hidden_size), dtype)
-        dreaders["draft_head"] = lambda: torch.index_select(tsource.read_as(head_name(tspec), dtype), 0, vocab)
+        ids = torch.tensor(list(vocab), dtype=torch.int64)
+        rows = placeholder((len(ids), tspec.arch.hidden_size), dtype)
+        dreaders["draft_head"] = lambda: torch.index_select(tsource.read_as(head_name(tspec), dtype), 0, ids)
     if qconfig is not None and qconfig.lm_head:
         config = QuantConfig("rtn", qconfig.block, lm_head=True)
     else:
         config = proposal_head_config(proposal_head, True, qconfig, tspec.arch.hidden_size)
+    return rows, config
+
+
+def _attach_proposal_head(dmod, dreaders: dict, tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, dtype,
+                          qconfig, proposal_head: str) -> tuple:
+    """The draft export module ending in the proposal head (`nn.draft.ProposingDraft`) over its
+    proposal vocabulary (`proposal_head_rows`). Returns (module, the head rows' INT4 config or None)."""
+    rows, config = proposal_head_rows(dreaders, tspec, dspec.draft_vocab, tsource, dtype, qconfig, proposal_head)
     return ProposingDraft.with_head(dmod, dspec.draft_vocab, rows), config
 
 

@@ -24,7 +24,7 @@ from dflash_export.checkpoint.target import TargetSpec, read_config
 from runtime.errors import DFlashError
 
 # architecture (config.json `architectures`) -> the module implementing its hooks
-DRAFT_FAMILIES = {"DFlashDraftModel": "dflash"}
+DRAFT_FAMILIES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
 DEFAULT_DRAFT_FAMILY = "dflash"  # a draft config without `architectures` (older DFlash releases)
 
 

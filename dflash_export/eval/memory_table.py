@@ -35,6 +35,11 @@ QWEN3_5 = {
                        k_heads=16, v_heads=32, gdn_dim=128, conv=4, attention_every=4),
     "Qwen3.5-9B": dict(layers=32, hidden=4096, heads=16, kv_heads=4, head_dim=256, inter=12288, vocab=248320, tie=False,
                        k_heads=16, v_heads=32, gdn_dim=128, conv=4, attention_every=4),
+    # DFlash 2's released target (dflash2-notes): 64 layers, hidden 5120, vocab 248320 published; the rest is
+    # Qwen3.5-27B's layout, ASSUMED. Its draft: the released Qwen3.8-27B-DFlash2 (`dflash2_extra_bytes`).
+    "Qwen3.8-27B + DFlash 2": dict(layers=64, hidden=5120, heads=24, kv_heads=4, head_dim=256, inter=17408,
+                                   vocab=248320, tie=False, k_heads=16, v_heads=48, gdn_dim=128, conv=4,
+                                   attention_every=4, draft="dflash2"),
 }
 # Draft layout: the released z-lab Qwen3-4B/8B drafts (5 layers, target hidden/intermediate, 32/8/128 heads,
 # 5 taps); for 0.6B/1.7B, which have no released draft, the same layout at the target's sizes is ASSUMED, and
@@ -45,7 +50,9 @@ DEVICES = {  # total memory (GiB, shared CPU/GPU)
     "Orin NX 16GB": 16,
     "AGX Orin 64GB": 64,
     "Thor (AGX, 128GB)": 128,
+    "24 GB GPU": 24,  # a desktop card: its own memory (the reserve then stands for CUDA and the context)
 }
+DFLASH2_RANK, DFLASH2_KERNEL, DFLASH2_GROUP = 256, 2, 16
 FP16, FP32 = 2, 4
 
 
@@ -85,7 +92,18 @@ def hybrid_weight_bytes(t: dict, d: dict, int4: bool = False) -> tuple[int, int]
     attn = dict(t, heads=2 * t["heads"])  # the output gate doubles q_proj's rows
     target = (types.count("linear_attention") * _gdn_layer_bytes(t, int4) + types.count("full_attention") * _layer_bytes(attn, int4)
               + t["vocab"] * t["hidden"] * FP16 * (1 if t["tie"] else 2) + t["hidden"] * FP32)
-    return target, weight_bytes(t, d)[1]
+    draft = weight_bytes(t, d)[1] + (dflash2_extra_bytes(t, d) if t.get("draft") == "dflash2" else 0)
+    return target, draft
+
+
+def dflash2_extra_bytes(t: dict, d: dict) -> int:
+    """What a DFlash 2 draft graph holds beyond v1's layers (fp16): two grouped dynamic convolutions per
+    layer (base kernels and kernel projections), the selector (hidden projection, two [vocab, 256]
+    codebooks) and the target's LM head, which moves into the draft graph (the target keeps its own)."""
+    h = d["hidden"]
+    conv = 2 * DFLASH2_KERNEL * h + (2 * DFLASH2_KERNEL * h // DFLASH2_GROUP) * h
+    selector = DFLASH2_RANK * h + 2 * t["vocab"] * DFLASH2_RANK
+    return (d["layers"] * 2 * conv + selector + t["vocab"] * h) * FP16
 
 
 def weight_bytes(t: dict, d: dict, int4: bool = False) -> tuple[int, int]:

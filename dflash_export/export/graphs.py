@@ -205,6 +205,33 @@ def export_draft(module, path: Path, readers: dict | None = None, progress: bool
     _export(module, args, names, dyn, path, readers, progress, rewrite)
 
 
+def export_selector_draft(module, path: Path, readers: dict | None = None, progress: bool = False,
+                          rewrite=None, head_names: list[str] | None = None) -> None:
+    """Export a :class:`nn.dflash2.DFlash2Draft` to `path` with dynamic C (>= 1), R (>= 1) and Pc (>= 0);
+    the block B is the draft's block size, fixed (its selector walk is unrolled over B - 1 positions).
+    `readers`, `rewrite`: as :func:`export_draft`; `head_names`: other names for the outputs before the
+    K/V (a variant module that returns other things, as `eval.selector_walk` measures)."""
+    spec = module.spec
+    a = spec.arch
+    dt = module.compute_dtype
+    c, r, p = 3, 2, 5
+    args = (
+        torch.randn(c, len(spec.target_layer_ids) * a.hidden_size, dtype=dt),
+        torch.randn(spec.block_size, a.hidden_size, dtype=dt),
+        torch.arange(r, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.int64),
+        *[torch.randn(p, a.num_kv_heads, a.head_dim, dtype=dt) for _ in range(2 * a.num_layers)],
+    )
+    C = torch.export.Dim("context_len", min=1, max=1 << 20)
+    R = torch.export.Dim("draft_rows", min=1, max=max(spec.block_size - 1, 2))
+    P = torch.export.Dim("past_context_len", min=0, max=1 << 20)
+    dyn = ({0: C}, None, {0: R}, None, tuple({0: P} for _ in range(2 * a.num_layers)))
+    inputs, outputs = draft_io_names(a.num_layers, selects=True)
+    if head_names is not None:
+        outputs = [*head_names, *outputs[-2 * a.num_layers:]]
+    _export(module, args, (inputs, outputs), dyn, path, readers, progress, rewrite)
+
+
 def export_hybrid_target(module, path) -> None:
     """Export with the project's path (`_export`: dynamo, opset 20, optimized, shared-input
     GEMMs packed) with dynamic T, R, P and Pp. The runtime's graph wiring (proposals, sampling) is not

@@ -24,13 +24,15 @@ def target_io_names(num_layers: int, draft_proposes: bool = False) -> tuple[list
     )
 
 
-def draft_io_names(num_layers: int, proposes: bool = False) -> tuple[list[str], list[str]]:
+def draft_io_names(num_layers: int, proposes: bool = False, selects: bool = False) -> tuple[list[str], list[str]]:
     """Input and output names of the draft graph, in positional order (`proposes`: it ends in the
-    proposal head, `nn.draft.ProposingDraft`)."""
+    proposal head, `nn.draft.ProposingDraft`; `selects`: a DFlash 2 selector, which also takes the
+    block's anchor id, `nn.dflash2.DFlash2Draft`)."""
     kv_in = [f"past_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
     kv_out = [f"{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
-    heads = list(DRAFT_PROPOSAL_OUTPUTS) if proposes else ["draft_hidden"]
-    return ["context_hidden", "block_embeddings", "proposal_rows", *kv_in], [*heads, *kv_out]
+    heads = list(DRAFT_PROPOSAL_OUTPUTS) if proposes or selects else ["draft_hidden"]
+    anchor = ["anchor_ids"] if selects else []
+    return ["context_hidden", "block_embeddings", "proposal_rows", *anchor, *kv_in], [*heads, *kv_out]
 
 
 def lazy_weight(read, dtype, shape, name: str):

@@ -61,13 +61,14 @@ class ExportedTarget:
 def draft_proposes(vocab_proposes: bool, dspec, qconfig) -> bool:
     """Whether `build` ends the draft graph in the proposal head (`nn.draft.ProposingDraft`; the
     target graph then takes proposal ids): for a draft with a proposal vocabulary where the family
-    takes it so (`vocab_proposes`: its `DRAFT_PROPOSES`), and always when the LM head is INT4
+    takes it so (`vocab_proposes`: its `DRAFT_PROPOSES`), always for a draft family whose graph ranks
+    its own proposals (`dspec.proposes_itself`: DFlash 2's selector), and always when the LM head is INT4
     (`qconfig.lm_head`). An INT4 head must have one MatMul per graph: onnxruntime fuses
     `DequantizeLinear -> MatMul` into MatMulNBits only when the INT4 initializer has that one
     consumer, and a target that ranked the draft's rows itself would use its head twice (proposals,
     then logits)."""
     int4_head = qconfig is not None and qconfig.lm_head
-    return bool(int4_head or (vocab_proposes and dspec.draft_vocab is not None))
+    return bool(int4_head or dspec.proposes_itself or (vocab_proposes and dspec.draft_vocab is not None))
 
 
 def target_family(name: str) -> ModuleType:

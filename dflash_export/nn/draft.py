@@ -35,8 +35,9 @@ class DFlashDraft(nn.Module):
         key_i / value_i: `[C, Hkv, D]`: the context K/V rows of the new context, to cache at row Pc.
 
     Positions: context rows take Pc..Pc+C-1, block rows Pc+C..Pc+C+B-1, from the DRAFT's RoPE.
-    Attention is non-causal: every block position sees all context and the whole block. Only block
-    rows query; context rows only give keys and values.
+    Block positions see every context row and the whole block (bidirectional), or, in a layer the
+    spec marks causal (`spec.causal_layers`), the block rows up to themselves. Only block rows
+    query; context rows only give keys and values.
     Sliding layers (`spec.layer_types`, Qwen3.6 drafts) see a key at position j from a query at
     position i only when |i - j| < `spec.sliding_window` (flash-attention's window in the reference);
     they read just the cached rows a block query can see (the last W - 1 - C, none once C >= W - 1).
@@ -57,20 +58,30 @@ class DFlashDraft(nn.Module):
         self.rope_scale = scale
         self.compute_dtype = dtype
         self.sliding = tuple(t == "sliding_attention" for t in spec.layer_types)
+        self.causal = tuple(spec.causal_layers)
 
-    def _window(self, positions: torch.Tensor, q_pos: torch.Tensor, c: int, p: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """The sliding layers' view for queries at `q_pos [Q]`: (first visible cached row, past bias
-        `[g * Q, Pc - start]`, new bias `[g * Q, C + B]`), shared by every sliding layer. A block query
-        at Pc + C + r sees cached row j iff Pc + C + r - j < W, so rows before Pc + C - W + 1 are
-        invisible to all of them (the first block row's window is the widest)."""
-        w = int(self.spec.sliding_window)
+    def _masks(self, positions: torch.Tensor, q_pos: torch.Tensor, c: int, p: int) -> dict:
+        """The layers' views for block queries at `q_pos [Q]`, by (sliding, causal) kind: (first visible
+        cached row, past bias `[g * Q, Pc - start]` or None, new bias `[g * Q, C + B]`), or None for a
+        bidirectional full-attention layer (no mask at all). Shared by the layers of one kind.
+        A sliding query at Pc + C + r sees cached row j iff Pc + C + r - j < W, so rows before
+        Pc + C - W + 1 are invisible to all of them (the first block row's window is the widest);
+        a causal query sees every context row and the block rows up to itself."""
         attn0 = self.layers[0].self_attn
         g = attn0.num_heads // attn0.num_kv_heads
-        # cached rows kept: min(Pc, max(W - 1 - C, 0)), as symbolic sizes (dynamic C and Pc in the graph)
-        keep = torch.sym_min(p, torch.sym_max(w - 1 - c, 0))
-        start = p - keep
-        past_pos = torch.arange(keep, dtype=torch.int64) + start
-        return start, window_bias(q_pos, past_pos, w, g), window_bias(q_pos, positions, w, g)
+        masks: dict = {}
+        for sliding, causal in dict.fromkeys(zip(self.sliding, self.causal)):
+            if not sliding:
+                masks[(False, causal)] = (0, None, window_bias(q_pos, positions, None, g, True)) if causal else None
+                continue
+            w = int(self.spec.sliding_window)
+            # cached rows kept: min(Pc, max(W - 1 - C, 0)), as symbolic sizes (dynamic C and Pc in the graph)
+            keep = torch.sym_min(p, torch.sym_max(w - 1 - c, 0))
+            start = p - keep
+            past_pos = torch.arange(keep, dtype=torch.int64) + start
+            masks[(True, causal)] = (start, window_bias(q_pos, past_pos, w, g, causal),
+                                     window_bias(q_pos, positions, w, g, causal))
+        return masks
 
     def forward(self, context_hidden, block_embeddings, *past, rows=None):
         c = context_hidden.shape[0]
@@ -81,7 +92,7 @@ class DFlashDraft(nn.Module):
         cos_c, sin_c, cos_b, sin_b = cos[:c], sin[:c], cos[c:], sin[c:]
         scale = self.layers[0].self_attn.scale
         cos_q, sin_q = cos_b * scale, sin_b * scale
-        window = self._window(positions, positions[c:], c, p) if any(self.sliding) else None
+        masks = self._masks(positions, positions[c:], c, p)
         ctx = self.hidden_norm(self.fc(context_hidden.to(self.fc.weight.dtype))).to(self.compute_dtype)
         h = block_embeddings.to(self.compute_dtype)
         new_kv = []
@@ -95,20 +106,22 @@ class DFlashDraft(nn.Module):
                 picked = rows + 1  # block position of each returned row
                 h, x = torch.index_select(h, 0, picked), torch.index_select(x, 0, picked)
                 cos_q, sin_q = torch.index_select(cos_q, 0, picked), torch.index_select(sin_q, 0, picked)
-                if self.sliding[i]:
-                    window = self._window(positions, torch.index_select(positions[c:], 0, picked), c, p)
+                masks = self._masks(positions, torch.index_select(positions[c:], 0, picked), c, p)
             q = layer.self_attn.query(x, cos_q, sin_q)
-            k_new, v_new = torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk])
-            if self.sliding[i]:
-                start, past_bias, new_bias = window
-                attn = layer.self_attn.attend(q, past[2 * i][start:], past[2 * i + 1][start:], k_new, v_new,
-                                              new_bias, past_bias)
-            else:
-                attn = layer.self_attn.attend(q, past[2 * i], past[2 * i + 1], k_new, v_new, None)
-            h = h + layer.self_attn.o_proj(attn)
+            h = h + layer.self_attn.o_proj(self._attend(layer, i, q, past, masks, torch.cat([k_ctx, k_blk]),
+                                                        torch.cat([v_ctx, v_blk])))
             h = h + layer.mlp(layer.post_attention_layernorm(h).to(self.compute_dtype))
         out = self.norm(h) if rows is not None else self.norm(h)[1:]
         return (out.to(self.compute_dtype), *new_kv)
+
+    def _attend(self, layer, i: int, q, past, masks: dict, k_new, v_new):
+        """Layer `i`'s attention of block queries `q` over its cached and new context/block rows, masked
+        as its kind says (`_masks`)."""
+        mask = masks[(self.sliding[i], self.causal[i])]
+        if mask is None:
+            return layer.self_attn.attend(q, past[2 * i], past[2 * i + 1], k_new, v_new, None)
+        start, past_bias, new_bias = mask
+        return layer.self_attn.attend(q, past[2 * i][start:], past[2 * i + 1][start:], k_new, v_new, new_bias, past_bias)
 
 
 class DraftWithRows(DFlashDraft):

@@ -85,12 +85,18 @@ def tree_bias(rows: int, proposal_bias: torch.Tensor, group: int) -> torch.Tenso
     return torch.cat([top, bottom], dim=0).repeat(group, 1)
 
 
-def window_bias(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int, group: int) -> torch.Tensor:
-    """fp32 `[group * T, K]` additive mask of a sliding window: 0 where |query_pos - key_pos| < window
-    (flash-attention's `window_size=(window - 1, window - 1)`, non-causal), the fp32 minimum elsewhere;
-    `query_pos [T]`, `key_pos [K]` int64 absolute positions, rows repeated for the `group` query heads
-    sharing a kv head (as `causal_bias`)."""
-    visible = (query_pos[:, None] - key_pos[None, :]).abs() < window
+def window_bias(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, group: int,
+                causal: bool = False) -> torch.Tensor:
+    """fp32 `[group * T, K]` additive mask of a draft layer: 0 where the key is visible, the fp32 minimum
+    elsewhere; `query_pos [T]`, `key_pos [K]` int64 absolute positions, rows repeated for the `group`
+    query heads sharing a kv head (as `causal_bias`). Visible: |query_pos - key_pos| < window
+    (flash-attention's `window_size=(window - 1, window - 1)`; no window: every key), and with
+    `causal` only keys at or before the query (then the window bounds the distance back only)."""
+    diff = query_pos[:, None] - key_pos[None, :]
+    if causal:
+        visible = diff >= 0 if window is None else (diff >= 0) & (diff < window)
+    else:
+        visible = diff.abs() < window
     bias = torch.where(visible, torch.zeros((), dtype=torch.float32), torch.full((), torch.finfo(torch.float32).min))
     return bias.repeat(group, 1)
 

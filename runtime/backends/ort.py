@@ -14,7 +14,7 @@ import numpy as np
 
 from runtime.backends.base import ADDRESS_ALIGNMENT, Backend, Buffer, View
 from runtime.errors import DFlashError
-from runtime.manifest import TREE_INPUTS, TREE_SHAPE_INPUTS, DTYPES, gdn_io_names, draft_proposes, draft_rows_exported, layer_types, tree_inputs_exported
+from runtime.manifest import TREE_INPUTS, TREE_SHAPE_INPUTS, DTYPES, gdn_io_names, draft_proposes, draft_rows_exported, draft_takes_anchor, layer_types, tree_inputs_exported
 
 
 def _ort_version(ort) -> tuple[int, int]:
@@ -94,6 +94,8 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
         lead += list(TREE_SHAPE_INPUTS if proposes else TREE_INPUTS)
     if graph == "draft" and draft_rows_exported(manifest):
         lead.append("proposal_rows")
+    if graph == "draft" and draft_takes_anchor(manifest):
+        lead.append("anchor_ids")
     types = layer_types(manifest[graph])
     expected = list(lead)
     for i, kind in enumerate(types):

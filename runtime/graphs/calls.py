@@ -21,6 +21,8 @@ from runtime.graphs.tree import VerifyTree, verify_tree
 from runtime.manifest import (
     draft_proposes,
     draft_rows_exported,
+    draft_takes_anchor,
+    fixed_draft_block,
     greedy_form_exported,
     layer_types,
     load_mask_embedding,
@@ -83,6 +85,9 @@ class GraphCalls:
         self.proposal_rows = be.alloc(np.int64, mb) if draft_rows_exported(m) else None
         if self.proposal_rows is not None:
             be.write(self.proposal_rows.rows(0, mb), np.arange(mb, dtype=np.int64))
+        # a DFlash 2 draft: its graph's block is fixed (the selector walks it), and it reads the anchor's id
+        self.draft_block = fixed_draft_block(m)
+        self.anchor_ids = be.alloc(np.int64, 1) if draft_takes_anchor(m) else None
         # a verify tree's depth, rank and [N, N] bias (`runtime.graphs.tree`), written when the shape changes
         self.verifies_trees = tree_inputs_exported(m) and self.recurrent is None
         self.tree_depth = self.tree_rank = self.tree_bias = self._tree_written = None
@@ -126,13 +131,18 @@ class GraphCalls:
         """The uniforms (fp32 `[n]`, n <= max_block) the next target call samples rows 0..n-1 with."""
         self.backend.write(self.uniform.rows(0, len(values)), np.asarray(values, np.float32))
 
-    def draft(self, rows: int, block_size: int, anchor_row: int) -> None:
+    def draft(self, rows: int, block_size: int, anchor_row: int, anchor_id: int | None = None) -> None:
         """The step's draft call(s): the block starts with the embedding of the last committed token
-        (row `anchor_row` of the last target call's `next_embeddings`), and the draft reads every
-        pending context row (one call unless the engine's profiles limit the rows per call; the earlier
-        calls compute one row each). The last call computes `rows` rows of block positions 1..rows."""
+        (row `anchor_row` of the last target call's `next_embeddings`; its id `anchor_id`, which a DFlash 2
+        draft's selector starts from), and the draft reads every pending context row (one call unless the
+        engine's profiles limit the rows per call; the earlier calls compute one row each). The last call
+        computes `rows` rows of block positions 1..rows."""
         ctx = self.context
         self.backend.copy(self.block.rows(0, 1), self.next_embeddings.rows(anchor_row, 1))
+        if self.anchor_ids is not None:
+            if anchor_id is None:
+                raise DFlashError("this artifact's draft (DFlash 2) needs the anchor token's id for its draft call")
+            self.backend.write(self.anchor_ids.rows(0, 1), np.array([anchor_id], np.int64))
         limit = (self.backend.max_call_rows("draft") or ctx.pending) if ctx.draft_len > 0 else ctx.pending
         start = ctx.draft_len
         while True:
@@ -315,7 +325,10 @@ class GraphCalls:
         (artifacts built since it exists; older ones compute and write all block_size - 1)."""
         if self.closed:
             raise DFlashError("this Session is closed; load the artifact again")
+        block_size = self.draft_block or block_size  # a fixed block: the rows past the request's are masks too
         inputs = {"context_hidden": self.taps.rows(taps_row, n_context), "block_embeddings": self.block.rows(0, block_size)}
+        if self.anchor_ids is not None:
+            inputs["anchor_ids"] = self.anchor_ids.rows(0, 1)
         if self.proposal_rows is None:
             rows = block_size - 1
         else:

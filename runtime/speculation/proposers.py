@@ -41,12 +41,12 @@ class DraftProposer:
     def __init__(self, calls: GraphCalls, block_size: int):
         self.calls, self.block_size = calls, int(block_size)
 
-    def propose(self, rows: int, anchor_row: int) -> Proposal:
-        """Run the draft for `rows` (1..block_size - 1) block positions after the last committed token,
-        whose embedding is row `anchor_row` of the last target call. Returns the candidates and their
-        probabilities where the draft ends in the proposal head, else an id-less proposal (the target
-        call ranks the draft's hidden rows)."""
-        self.calls.draft(rows, self.block_size, anchor_row)
+    def propose(self, rows: int, anchor_row: int, anchor_id: int) -> Proposal:
+        """Run the draft for `rows` (1..block_size - 1) block positions after the last committed token
+        `anchor_id`, whose embedding is row `anchor_row` of the last target call. Returns the candidates
+        and their probabilities where the draft ends in the proposal head, else an id-less proposal (the
+        target call ranks the draft's hidden rows)."""
+        self.calls.draft(rows, self.block_size, anchor_row, anchor_id)
         if not self.calls.draft_proposes:
             return Proposal(self.source)
         candidates, probs = self.calls.read_draft_proposals(rows)
