@@ -64,26 +64,34 @@ class CandidateSelector(nn.Module):
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> tuple:
         """The walk over `hidden [N, d]` and its fp32 `logits [N, V]` from `anchor_ids` int64 `[1]`.
 
+        Every pairwise score is computed up front, batched: position j's `[k, k]` table scores each of
+        position j - 1's candidates (as predecessor) against each of its own, so the sequential part is
+        one row lookup and one ArgMax per position (the graph unrolls it over the block's N = B - 1).
+
         Returns:
-            (candidates int64 `[N, k]`, their logits U fp32 `[N, k]`, scores fp32 `[N, k]`, the chosen
-            ids int64 `[N]`), candidates in the LM head's rank order.
+            (candidates int64 `[N, k]`, their logits U fp32 `[N, k]`, scores fp32 `[N, k]` given the chosen
+            predecessor, the chosen ids int64 `[N]`), candidates in the LM head's rank order.
         """
         unary, candidates = torch.topk(logits, self.top_k, dim=-1)
-        # a MatMul, not a Gemm: it must not be packed with the LM head's Gemm on the same input (an INT4
-        # head is rewritten by its own name)
-        projected = torch.matmul(hidden, self.hidden_projection.weight.T).to(torch.float32)
-        predecessor = anchor_ids
-        scores, chosen = [], []
-        # index_select: one Gather reading the codebook initializer (advanced indexing would export a
-        # copy of the codebook per position)
-        for j in range(hidden.shape[0]):  # static: the graph unrolls the block's N = B - 1 positions
-            a = torch.index_select(self.predecessor_codebook, 0, predecessor).to(torch.float32) * projected[j : j + 1]
-            successors = torch.index_select(self.successor_codebook, 0, candidates[j]).to(torch.float32)  # [k, r]
-            row = unary[j : j + 1] + a @ successors.T  # [1, k]
-            predecessor = torch.index_select(candidates[j], 0, torch.argmax(row, dim=-1))  # [1]
-            scores.append(row)
-            chosen.append(predecessor)
-        return candidates, unary, torch.cat(scores), torch.cat(chosen)
+        n, k = candidates.shape
+        projected = torch.matmul(hidden, self.hidden_projection.weight.T).to(torch.float32)  # [N, r]
+        # index_select: one Gather reading each codebook initializer (advanced indexing would export copies)
+        successors = torch.index_select(self.successor_codebook, 0, candidates.reshape(-1)).to(torch.float32)
+        successors = successors.view(n, k, -1) * projected[:, None, :]  # B[b] * P h_j  [N, k, r]
+        first = torch.index_select(self.predecessor_codebook, 0, anchor_ids).to(torch.float32)  # [1, r]
+        row = unary[0:1] + torch.matmul(first, successors[0].T)  # [1, k]: the anchor's scores
+        index = torch.argmax(row, dim=-1)
+        scores = [row]
+        if n > 1:
+            before = torch.index_select(self.predecessor_codebook, 0, candidates[:-1].reshape(-1)).to(torch.float32)
+            tables = unary[1:, None, :] + torch.matmul(before.view(n - 1, k, -1), successors[1:].transpose(1, 2))
+            for table in torch.unbind(tables):  # [k, k] per position: row i = predecessor candidate i
+                row = torch.index_select(table, 0, index)
+                index = torch.argmax(row, dim=-1)
+                scores.append(row)
+        scores = torch.cat(scores)
+        chosen = torch.gather(candidates, 1, torch.argmax(scores, dim=-1, keepdim=True))[:, 0]
+        return candidates, unary, scores, chosen
 
 
 class DFlash2Draft(DFlashDraft):
