@@ -20,6 +20,7 @@ import pytest
 import runtime_fixtures as rf
 import tiny_models
 import torch
+from test_trt_backend_double import GPU, FakeTensorRT, doubles  # noqa: F401 - `doubles` is a fixture
 
 import runtime
 from dflash_export.build import BuildOptions, build
@@ -307,7 +308,7 @@ def test_greedy_speculation_equals_plain_under_every_policy(following):
     _, art, _ = following
     sess = runtime.load(art)
     plain = sess.generate([5, 1, 7], max_new_tokens=48, stop_token_ids=[], block_size=1).output_ids
-    for policy in ("auto", "all", 3):
+    for policy in ("auto", "all", 3, "2+3"):  # "2+3": a verify tree of the candidates' ranks
         res = sess.generate([5, 1, 7], max_new_tokens=48, stop_token_ids=[], verify_len=policy)
         assert res.output_ids == plain, policy
     assert max(res.acceptance_lengths) > 2
@@ -325,6 +326,7 @@ def test_a_seed_gives_the_plain_reply(following, sampling):
         assert spec.output_ids == plain.output_ids, (seed, sampling)
 
 
+@pytest.mark.slow  # a measurement (the reference loop at T > 0); fast: test_a_seed_gives_the_plain_reply
 @pytest.mark.parametrize("temperature", [0.5, 1.0])
 def test_sampling_rules_compared(following, temperature):
     """Acceptance per full-block step at T > 0 on the following fixture: this project's rule (the runtime:
@@ -366,6 +368,7 @@ def test_graph_is_standard_and_fixed_to_the_block(dense):
     assert small.output_ids == sess.generate([3, 9], max_new_tokens=20, stop_token_ids=[], block_size=1).output_ids
 
 
+@pytest.mark.slow  # a hybrid build; fast: the dense target against the same reference
 def test_hybrid_target(hybrid_pair, tmp_path):
     """A Qwen3.5 hybrid target with a DFlash 2 draft: proposals and acceptance as the reference's, greedy
     output the HF model's."""
@@ -447,6 +450,7 @@ def test_the_released_shape_has_the_released_81_tensors(tmp_path_factory):
 
 
 # ---- check -------------------------------------------------------------------------------------
+@pytest.mark.slow  # two `check` runs; fast: test_check.py's proposing-draft checks
 def test_check_compares_the_selector_with_the_pytorch_module(dense, tmp_path, capsys):
     """`check` passes (proposal ids equal, their selector probabilities within tolerance) and fails once
     the graph's successor codebook is nudged (the same ids may survive: the probabilities do not)."""
@@ -472,3 +476,47 @@ def test_check_compares_the_selector_with_the_pytorch_module(dense, tmp_path, ca
     onnx.save(model, str(bad / "draft.onnx"))
     assert main(["check", str(bad)]) != 0
     assert re.search(r"^draft_prefill\s+draft_top_probs .* FAIL", capsys.readouterr().out, re.M)
+
+
+# ---- TensorRT (a test double only: nothing ran on TensorRT here) ----------------------------------
+@pytest.mark.slow  # engines through the double; fast: test_trt_backend_double.py
+def test_tensorrt_path_through_the_test_double(dense, tmp_path, doubles):  # noqa: F811
+    """The engine builder's profiles (a fixed block, the anchor input) and the TensorRT backend's bindings,
+    through `test_trt_backend_double`'s TensorRT and CUDA doubles (onnxruntime executes the "engines"):
+    the same steps and output as onnxruntime, greedy and sampled."""
+    import shutil
+
+    from dflash_export.trt.engine import build_engines
+
+    _, art = dense
+    out = tmp_path / "art"
+    shutil.copytree(art, out)
+    build_engines(out, precision="fp32", trt=FakeTensorRT("10.3.0.30"), gpu=GPU, quiet=True)
+    ort_sess, trt_sess = runtime.load(out), runtime.load(out, backend="trt")
+    for kw in (dict(verify_len="all"), dict(verify_len=3, temperature=0.9, seed=2)):
+        a = ort_sess.generate([3, 9, 27], max_new_tokens=24, stop_token_ids=[], record_steps=True, **kw)
+        b = trt_sess.generate([3, 9, 27], max_new_tokens=24, stop_token_ids=[], record_steps=True, **kw)
+        assert b.output_ids == a.output_ids and b.steps == a.steps, kw
+    trt_sess.backend.close()
+    assert not doubles["cuda"].blocks
+
+
+def test_random_released_layout_drafts_load(tmp_path, tmp_path_factory):
+    """`random_checkpoint.dflash2_draft` (the 27B-shape measurements' draft, here at the tiny target's
+    width) writes the released 81-tensor layout and config that `build` reads."""
+    from dflash_export.checkpoint.dflash2 import load_dflash2_spec
+    from dflash_export.eval.random_checkpoint import (
+        DFLASH2_DRAFT,
+        dflash2_draft,
+        write_checkpoint,
+    )
+    from dflash_export.families.registry import load_target_spec
+
+    root = rf.checkpoints("qwen3", tmp_path_factory)
+    tspec = load_target_spec(root / "target")
+    small = dict(DFLASH2_DRAFT, heads=4, kv_heads=2, head_dim=16, rank=32, mask_token_id=95)
+    shapes, config = dflash2_draft(64, 128, tspec.arch.num_layers, tspec.vocab_size, small)
+    write_checkpoint(tmp_path / "draft", shapes, "bf16", 0, 1.0, config)
+    spec, state = load_dflash2_spec(tmp_path / "draft", tspec)
+    assert len(state) == 81 and spec.block_size == 8 and spec.selector_top_k == 16 and spec.sliding_window == 2048
+    assert spec.target_layer_ids == (1, 1, 1, 1, 1) and spec.causal_layers == (False,) * 5

@@ -9,6 +9,7 @@ or exceeds it.
     python scripts/export_memory.py --shapes qwen3-4b qwen3-8b [--work /tmp/export-memory] [--check]
     python scripts/export_memory.py --shapes ci --check          # the small shape the test suite uses
     python scripts/export_memory.py --shapes qwen3.5-4b --check  # a Qwen3.5 Gated DeltaNet hybrid
+    python scripts/export_memory.py --shapes qwen3.8-27b --draft dflash2 [--layers 24] [--quant int4]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from dflash_export.eval.random_checkpoint import (
     QWEN3_VOCAB,
     SHAPES,
+    dflash2_draft,
     qwen3_config,
     tensor_shapes,
     write_checkpoint,
@@ -45,18 +47,24 @@ HYBRID_SHAPES = {
                        intermediate_size=9216, vocab_size=248320, tie_word_embeddings=True),
     "qwen3.5-9b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
                        intermediate_size=12288, vocab_size=248320, tie_word_embeddings=False),
+    # DFlash 2's released target: 64 layers, hidden 5120 and vocab 248320 published; Qwen3.5-27B's other
+    # sizes (24 / 4 heads of 256, intermediate 17408, 48 value GDN heads) ASSUMED (`memory_table.QWEN3_5`)
+    "qwen3.8-27b": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                        intermediate_size=17408, vocab_size=248320, tie_word_embeddings=False, linear_num_value_heads=48),
 }
 _GDN_LAYOUT = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                    linear_value_head_dim=128, linear_conv_kernel_dim=4)
 
 
-def hybrid_checkpoint(name: str) -> tuple[dict, dict]:
-    """(tensor shapes, config.json) of a Qwen3.5 hybrid shape: transformers' own module, built on the
-    meta device (no memory), names the tensors, so the checkpoint is what `build` reads from a real one."""
+def hybrid_checkpoint(name: str, layers: int | None = None) -> tuple[dict, dict]:
+    """(tensor shapes, config.json) of a Qwen3.5 hybrid shape (`layers`: another depth, every 4th layer
+    still full attention): transformers' own module, built on the meta device (no memory), names the
+    tensors, so the checkpoint is what `build` reads from a real one."""
     import torch
     import transformers
 
-    cfg = transformers.Qwen3_5TextConfig(**HYBRID_SHAPES[name], **_GDN_LAYOUT)
+    cfg = transformers.Qwen3_5TextConfig(**{**_GDN_LAYOUT, **HYBRID_SHAPES[name],
+                                            **({"num_hidden_layers": layers} if layers else {})})
     with torch.device("meta"):
         model = transformers.Qwen3_5ForCausalLM(cfg)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()
@@ -65,11 +73,11 @@ def hybrid_checkpoint(name: str) -> tuple[dict, dict]:
     return shapes, config
 
 
-def checkpoint_spec(name: str) -> tuple[dict, dict]:
-    """(tensor shapes, config.json) of a named shape."""
+def checkpoint_spec(name: str, layers: int | None = None) -> tuple[dict, dict]:
+    """(tensor shapes, config.json) of a named shape (`layers`: at another depth)."""
     if name in HYBRID_SHAPES:
-        return hybrid_checkpoint(name)
-    dims = shape_dims(name)
+        return hybrid_checkpoint(name, layers)
+    dims = {**shape_dims(name), **({"layers": layers} if layers else {})}
     return tensor_shapes(**dims), qwen3_config(**dims, dtype="bf16")
 
 
@@ -118,16 +126,25 @@ def ensure_checkpoint(work: Path, name: str, shapes: dict, config: dict) -> Path
 
 
 def measure_shape(work: Path, name: str, dtype: str, check: bool, max_seq_len: int, quant: str = "none",
-                  quant_method: str = "rtn") -> list[dict]:
+                  quant_method: str = "rtn", layers: int | None = None, dflash2: bool = False) -> list[dict]:
     """Build (and check) one shape; returns one row per step. The bound stays that of the unquantized
-    graph dtype for `quant="int4"` (the weights are quantized one tensor at a time)."""
-    shapes, config = checkpoint_spec(name)
-    ckpt = ensure_checkpoint(work, name, shapes, config)
+    graph dtype for `quant="int4"` (the weights are quantized one tensor at a time). `layers`: the shape
+    at another depth; `dflash2`: with a random DFlash 2 draft of the released layout (its weights count)."""
+    shapes, config = checkpoint_spec(name, layers)
+    depth = f"-{layers}l" if layers else ""
+    ckpt = ensure_checkpoint(work, name + depth, shapes, config)
+    draft_args = []
+    if dflash2:
+        dshapes, dconfig = dflash2_draft(config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
+                                         config["vocab_size"])
+        draft_dir = ensure_checkpoint(work, name + depth + "-dflash2-draft", dshapes, dconfig)
+        draft_args = ["--draft", str(draft_dir)]
+        shapes = {**shapes, **{f"draft.{k}": v for k, v in dshapes.items()}}
     weight_bytes = weight_count(shapes) * (2 if dtype == "fp16" else 4)
     label = f"{dtype}{'-int4' if quant == 'int4' else ''}{'-awq' if quant == 'int4' and quant_method == 'awq' else ''}"
-    art = work / f"{name}-{label}-artifact"
+    art = work / f"{name}{depth}-{label}-artifact"
     py = sys.executable
-    steps = [("build", [py, "-m", "dflash_export", "build", "--target", str(ckpt), "--out", str(art),
+    steps = [("build", [py, "-m", "dflash_export", "build", "--target", str(ckpt), "--out", str(art), *draft_args,
                         "--dtype", dtype, "--max-seq-len", str(max_seq_len), "--quant", quant]
               + (["--quant-method", quant_method] if quant == "int4" else []))]
     if check:
@@ -137,7 +154,7 @@ def measure_shape(work: Path, name: str, dtype: str, check: bool, max_seq_len: i
         log = work / f"{name}-{label}-{step}.log"
         status, seconds, rss = run_measured(cmd, log)
         rows.append({
-            "shape": name, "step": step, "dtype": label, "status": status, "weight_bytes": weight_bytes,
+            "shape": name + depth, "step": step, "dtype": label, "status": status, "weight_bytes": weight_bytes,
             "peak_rss_bytes": rss, "ratio": rss / weight_bytes, "bound_bytes": bound_bytes(weight_bytes),
             "within_bound": rss <= bound_bytes(weight_bytes), "seconds": round(seconds, 1),
             "artifact_bytes": dir_bytes(art) if art.is_dir() else None, "log": str(log),
@@ -148,12 +165,12 @@ def measure_shape(work: Path, name: str, dtype: str, check: bool, max_seq_len: i
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = f"{'shape':<11}{'dtype':<15}{'step':<7}{'weights':>10}{'peak RSS':>10}{'ratio':>7}{'bound':>9}  {'ok':<4}{'wall s':>8}{'artifact':>10}"
+    head = f"{'shape':<16}{'dtype':<15}{'step':<7}{'weights':>10}{'peak RSS':>10}{'ratio':>7}{'bound':>9}  {'ok':<4}{'wall s':>8}{'artifact':>10}"
     lines = [head]
     for r in rows:
         art = f"{r['artifact_bytes'] / GIB:.2f}G" if r["artifact_bytes"] else "-"
         ok = "yes" if r["within_bound"] and r["status"] == 0 else ("FAIL" if r["status"] == 0 else f"rc{r['status']}")
-        lines.append(f"{r['shape']:<11}{r['dtype']:<15}{r['step']:<7}{r['weight_bytes'] / GIB:>9.2f}G{r['peak_rss_bytes'] / GIB:>9.2f}G"
+        lines.append(f"{r['shape']:<16}{r['dtype']:<15}{r['step']:<7}{r['weight_bytes'] / GIB:>9.2f}G{r['peak_rss_bytes'] / GIB:>9.2f}G"
                      f"{r['ratio']:>7.2f}{r['bound_bytes'] / GIB:>8.2f}G  {ok:<4}{r['seconds']:>8.1f}{art:>10}")
     return "\n".join(lines)
 
@@ -169,11 +186,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--check", action="store_true", help="also run `check` on each artifact")
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    p.add_argument("--layers", type=int, default=None,
+                   help="build the shapes at this depth (a disk too small for the whole checkpoint and artifact)")
+    p.add_argument("--draft", choices=["untrained", "dflash2"], default="untrained",
+                   help="the draft: build's untrained DFlash one (default) or a random DFlash 2 of the released layout")
     args = p.parse_args(argv)
+    if args.layers is not None and args.layers < 1:
+        p.error(f"--layers {args.layers} must be positive")
     args.work.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.shapes:
-        rows += measure_shape(args.work, name, args.dtype, args.check, args.max_seq_len, args.quant, args.quant_method)
+        rows += measure_shape(args.work, name, args.dtype, args.check, args.max_seq_len, args.quant, args.quant_method,
+                              args.layers, args.draft == "dflash2")
         print(format_rows(rows), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

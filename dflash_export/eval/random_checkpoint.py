@@ -7,7 +7,7 @@ below the checkpoint's size. A copied tokenizer lets the artifacts take text; wi
 
     python scripts/make_random_checkpoint.py OUT --shape qwen3-1.7b [--dtype bf16] [--seed 0] [--tokenizer embedded]
     python scripts/make_random_checkpoint.py OUT --shape custom --hidden 1024 --layers 8 ...
-    python scripts/make_random_checkpoint.py OUT --shape qwen3.8-27b [--layers 32] [--dflash2-draft DRAFT_DIR]
+    python scripts/make_random_checkpoint.py OUT --shape qwen3-8b --dflash2-draft DRAFT_DIR  # + a DFlash 2 draft
 """
 
 from __future__ import annotations
@@ -28,14 +28,6 @@ SHAPES = {
     "qwen3-8b": dict(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288, tie=False),
 }
 QWEN3_VOCAB = 151936
-# Qwen3.5-family hybrids (Gated DeltaNet, every 4th layer full attention). Qwen3.8-27B: 64 layers, hidden 5120
-# and vocab 248320 are published; the other sizes are Qwen3.5-27B's as transformers' configuration reads them
-# (24 / 4 heads of 256, intermediate 17408, 16 key and 48 value GDN heads of 128): ASSUMED for Qwen3.8.
-HYBRID_SHAPES = {
-    "qwen3.8-27b": dict(hidden=5120, layers=64, heads=24, kv_heads=4, head_dim=256, intermediate=17408, tie=False,
-                        k_heads=16, v_heads=48, gdn_dim=128, conv=4),
-}
-HYBRID_VOCAB = 248320
 # The released Qwen3.8-27B-DFlash2 draft (dflash2-notes: 5 layers, 32 / 8 heads of 128, intermediate 17408,
 # sliding window 2048, block 8, selector rank 256 over the top 16, taps [5, 19, 33, 47, 61], mask 248070).
 DFLASH2_DRAFT = dict(layers=5, heads=32, kv_heads=8, head_dim=128, block_size=8, rank=256, top_k=16, group=16,
@@ -68,59 +60,6 @@ def tensor_shapes(hidden, layers, heads, kv_heads, head_dim, intermediate, tie, 
     if not tie:
         shapes["lm_head.weight"] = (vocab, hidden)
     return shapes
-
-
-def hybrid_tensor_shapes(hidden, layers, heads, kv_heads, head_dim, intermediate, tie, k_heads, v_heads, gdn_dim,
-                         conv, vocab=HYBRID_VOCAB) -> dict[str, tuple[int, ...]]:
-    """Every weight of a Qwen3_5ForCausalLM (text) in Hugging Face names and shapes, in checkpoint order:
-    layers i with (i + 1) % 4 == 0 are full attention (gated query: q_proj emits 2 x heads x head_dim),
-    the others Gated DeltaNet."""
-    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
-    conv_dim = 2 * k_heads * gdn_dim + v_heads * gdn_dim
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        if (i + 1) % 4:
-            shapes.update({
-                p + "linear_attn.dt_bias": (v_heads,), p + "linear_attn.A_log": (v_heads,),
-                p + "linear_attn.conv1d.weight": (conv_dim, 1, conv), p + "linear_attn.norm.weight": (gdn_dim,),
-                p + "linear_attn.out_proj.weight": (hidden, v_heads * gdn_dim),
-                p + "linear_attn.in_proj_qkv.weight": (conv_dim, hidden),
-                p + "linear_attn.in_proj_z.weight": (v_heads * gdn_dim, hidden),
-                p + "linear_attn.in_proj_b.weight": (v_heads, hidden), p + "linear_attn.in_proj_a.weight": (v_heads, hidden),
-            })
-        else:
-            shapes.update({
-                p + "self_attn.q_proj.weight": (2 * heads * head_dim, hidden),
-                p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-                p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-                p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-                p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,),
-            })
-        shapes.update({
-            p + "mlp.gate_proj.weight": (intermediate, hidden), p + "mlp.up_proj.weight": (intermediate, hidden),
-            p + "mlp.down_proj.weight": (hidden, intermediate),
-            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-        })
-    shapes["model.norm.weight"] = (hidden,)
-    if not tie:
-        shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
-
-
-def hybrid_config(hidden, layers, heads, kv_heads, head_dim, intermediate, tie, k_heads, v_heads, gdn_dim, conv,
-                  vocab=HYBRID_VOCAB, dtype="bf16") -> dict:
-    """A Qwen3_5ForCausalLM config.json for these sizes (Qwen3.5's RoPE: theta 1e7, a quarter of each head)."""
-    return {
-        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-        "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
-        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "linear_num_key_heads": k_heads, "linear_num_value_heads": v_heads, "linear_key_head_dim": gdn_dim,
-        "linear_value_head_dim": gdn_dim, "linear_conv_kernel_dim": conv, "vocab_size": vocab,
-        "tie_word_embeddings": tie, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-        "torch_dtype": {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype],
-    }
 
 
 def dflash2_draft(hidden: int, intermediate: int, target_layers: int, vocab: int, d: dict = DFLASH2_DRAFT) -> tuple:
@@ -290,25 +229,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Command line (`scripts/make_random_checkpoint.py`); returns the exit status."""
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="directory to create")
-    p.add_argument("--shape", choices=[*SHAPES, *HYBRID_SHAPES, "custom"], required=True)
+    p.add_argument("--shape", choices=[*SHAPES, "custom"], required=True)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-gib", type=float, default=4.0, help="largest shard (default 4 GiB)")
     for flag in ("hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate"):
         p.add_argument(f"--{flag}", type=int, help="custom shape (with --shape custom)")
-    p.add_argument("--vocab", type=int, default=None, help=f"default {QWEN3_VOCAB} ({HYBRID_VOCAB} for a hybrid shape)")
+    p.add_argument("--vocab", type=int, default=QWEN3_VOCAB)
     p.add_argument("--dflash2-draft", type=Path, metavar="DIR",
                    help="also write a random DFlash 2 draft of the released layout (Qwen3.8-27B-DFlash2's) for it")
     p.add_argument("--tie", action="store_true", help="custom shape: tie the LM head to the embedding")
     p.add_argument("--tokenizer", help="'embedded' (SmolLM2's files) or a Hugging Face directory to copy a "
                                        "tokenizer and chat template from (default: none, token ids only)")
     args = p.parse_args(argv)
-    hybrid = args.shape in HYBRID_SHAPES
-    if args.vocab is None:
-        args.vocab = HYBRID_VOCAB if hybrid else QWEN3_VOCAB
-    if hybrid:
-        dims = {**HYBRID_SHAPES[args.shape], **({"layers": args.layers} if args.layers else {})}
-    elif args.shape == "custom":
+    if args.shape == "custom":
         dims = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
                     head_dim=args.head_dim, intermediate=args.intermediate, tie=args.tie)
         missing = [k for k, v in dims.items() if v is None]
@@ -330,9 +264,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except OSError as exc:
         p.error(f"cannot create {args.out} ({exc.strerror or exc}); choose a writable directory")
     t0 = time.perf_counter()
-    shapes = (hybrid_tensor_shapes if hybrid else tensor_shapes)(**dims, vocab=args.vocab)
-    config = (hybrid_config if hybrid else qwen3_config)(**dims, vocab=args.vocab, dtype=args.dtype)
-    total = write_checkpoint(args.out, shapes, args.dtype, args.seed, args.shard_gib, config)
+    shapes = tensor_shapes(**dims, vocab=args.vocab)
+    total = write_checkpoint(args.out, shapes, args.dtype, args.seed, args.shard_gib,
+                             qwen3_config(**dims, vocab=args.vocab, dtype=args.dtype))
     if args.dflash2_draft is not None:
         dshapes, dconfig = dflash2_draft(dims["hidden"], dims["intermediate"], dims["layers"], args.vocab)
         dtotal = write_checkpoint(args.dflash2_draft, dshapes, "bf16", args.seed + 1, 1 << 10, dconfig)
