@@ -56,7 +56,7 @@ class Reference:
         from safetensors.torch import load_file
 
         self.cfg = json.loads((draft_dir / "config.json").read_text())
-        self.dcfg = self.cfg["dflash_config"]
+        self.dcfg = {**self.cfg, **self.cfg["dflash_config"]}  # dflash_config first, else the top level
         self.w = {k: v.to(F64) for k, v in load_file(str(draft_dir / "model.safetensors")).items()}
         self.hf = hf
         self.head = hf.get_output_embeddings().weight.detach().to(F64)
@@ -118,13 +118,15 @@ class Reference:
                 h = h + _convolve(y, dynamic[:, 1], w[conv + "base_kernel"][1], groups)
         return _rms(h, w["norm.weight"], eps)[1:]
 
-    def select(self, hidden: torch.Tensor, anchor: int) -> list[int]:
-        """The selector's argmax walk over the LM head's top-k candidates of each row."""
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head on draft rows, times output_multiplier, soft-capped where set."""
         logits = hidden @ self.head.T * self.dcfg.get("output_multiplier", 1.0)
         cap = self.dcfg.get("final_logit_softcapping")
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        unary, candidates = torch.topk(logits, self.dcfg["selector_top_k"], dim=-1, sorted=False)
+        return torch.tanh(logits / cap) * cap if cap is not None and cap > 0 else logits
+
+    def select(self, hidden: torch.Tensor, anchor: int) -> list[int]:
+        """The selector's argmax walk over the LM head's top-k candidates of each row."""
+        unary, candidates = torch.topk(self.logits(hidden), self.dcfg["selector_top_k"], dim=-1, sorted=False)
         projected = hidden @ self.w["candidate_selector.hidden_projection.weight"].T
         before, after = self.w["candidate_selector.predecessor_codebook"], self.w["candidate_selector.successor_codebook"]
         path, previous = [], anchor
@@ -137,8 +139,7 @@ class Reference:
     def select_sampled(self, hidden: torch.Tensor, anchor: int, temperature: float, gen: torch.Generator):
         """The selector at T > 0: each position samples softmax(scores / T) over its candidates.
         Returns (path, candidates `[N, k]`, q `[N, k]`)."""
-        logits = hidden @ self.head.T * self.dcfg.get("output_multiplier", 1.0)
-        unary, candidates = torch.topk(logits, self.dcfg["selector_top_k"], dim=-1, sorted=False)
+        unary, candidates = torch.topk(self.logits(hidden), self.dcfg["selector_top_k"], dim=-1, sorted=False)
         projected = hidden @ self.w["candidate_selector.hidden_projection.weight"].T
         before, after = self.w["candidate_selector.predecessor_codebook"], self.w["candidate_selector.successor_codebook"]
         path, qs, previous = [], [], anchor
@@ -242,7 +243,10 @@ def dense(tmp_path_factory):
     """(reference, artifact) of a random DFlash 2 draft for the tiny Qwen3 target."""
     root = rf.checkpoints("qwen3", tmp_path_factory)
     out = tmp_path_factory.mktemp("dflash2_dense")
-    draft = tiny_models.make_dflash2_draft(out / "draft", root / "target", block_size=BLOCK)
+    # Muse-Glimmer's optional fields set (the multiplier and scale at the top level: the reference reads both places)
+    draft = tiny_models.make_dflash2_draft(out / "draft", root / "target", block_size=BLOCK,
+                                           dflash_config={"final_logit_softcapping": 4.0},
+                                           output_multiplier=0.8, input_embedding_scale=1.5)
     build(BuildOptions(str(root / "target"), str(draft), out / "art", max_seq_len=128, quiet=True))
     return Reference(draft, rf.hf_model(root / "target")), out / "art"
 
@@ -355,6 +359,7 @@ def test_graph_is_standard_and_fixed_to_the_block(dense):
     manifest = json.loads((art / "manifest.json").read_text())
     d = manifest["draft"]
     assert d["family"] == "dflash2" and d["selector"]["top_k"] == 8 and d["block_attention"] == ["bidirectional"] * 2
+    assert (d["output_multiplier"], d["input_embedding_scale"], d["final_logit_softcapping"]) == (0.8, 1.5, 4.0)
     inputs = {i["name"]: i["shape"] for i in manifest["io"]["draft"]["inputs"]}
     assert inputs["block_embeddings"][0] == BLOCK and inputs["anchor_ids"] == [1]
     model = onnx.load(str(art / "draft.onnx"), load_external_data=False)
@@ -402,7 +407,7 @@ def _rewrite(draft: Path, cfg_fn=None, state_fn=None) -> Path:
     (lambda c: c["dflash_config"].pop("selector_rank"), None, r"dflash_config lacks \['selector_rank'\]"),
     (lambda c: c["dflash_config"].update(conv_group_size=7), None, r"conv_group_size 7 does not divide hidden_size 64"),
     (lambda c: c["dflash_config"].update(selector_top_k=1000), None, r"selector_top_k 1000 exceeds the target vocabulary"),
-    (lambda c: c["dflash_config"].update(output_multiplier="x"), None, r"output_multiplier 'x' must be a positive number"),
+    (lambda c: c["dflash_config"].update(output_multiplier="x"), None, r"output_multiplier 'x' must be a number"),
     (None, lambda s: {k: v for k, v in s.items() if "mlp_conv" not in k}, r"lacks weights \['layers.0.mlp_conv"),
     (None, lambda s: {**s, "candidate_selector.successor_codebook": s["candidate_selector.successor_codebook"][:, :8].contiguous()},
      r"candidate_selector.successor_codebook has shape \(96, 8\) but the config implies \(96, 32\)"),

@@ -3,7 +3,8 @@ draft whose layers are wrapped in grouped dynamic convolutions, plus a candidate
 block left to right over the top candidates of the target's LM head.
 
 Config: v1's fields plus `dflash_config.conv_kernel_size`, `conv_group_size`, `selector_rank`,
-`selector_top_k` and the optional `input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`.
+`selector_top_k` and the optional `input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`
+(each read from `dflash_config`, else from the top level, as the reference reads them).
 Weights: v1's plus, per layer, `attention_conv` / `mlp_conv` (`base_kernel [2, K, d]`,
 `kernel_projection.weight [2 K d / G, d]`) and `candidate_selector.hidden_projection.weight [r, d]`,
 `candidate_selector.predecessor_codebook` / `successor_codebook` `[V, r]` (stored without `.weight`).
@@ -65,6 +66,12 @@ class DFlash2Spec(DraftSpec):
                 "final_logit_softcapping": self.final_logit_softcapping}
 
 
+def _field(cfg: dict, name: str, default=None):
+    """`dflash_config[name]`, else the config's top-level `name` (the reference's `_draft_value`)."""
+    dcfg = cfg.get("dflash_config") or {}
+    return dcfg[name] if name in dcfg else cfg.get(name, default)
+
+
 def _positive_int(dcfg: dict, name: str, where: str, default: int | None = None) -> int:
     value = dcfg.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -72,12 +79,9 @@ def _positive_int(dcfg: dict, name: str, where: str, default: int | None = None)
     return value
 
 
-def _number(dcfg: dict, name: str, where: str, default: float | None) -> float | None:
-    value = dcfg.get(name, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise DFlashError(f"draft {where}: dflash_config.{name} {value!r} must be a positive number")
+def _number(value, name: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise DFlashError(f"draft {where}: {name} {value!r} must be a number")
     return float(value)
 
 
@@ -90,24 +94,25 @@ def parse_dflash2_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc
             does not divide hidden_size; selector_top_k above the vocabulary.
     """
     base = parse_draft_config(cfg, target, where, fc_in_features, architecture=ARCHITECTURE)
-    dcfg = cfg.get("dflash_config") or {}
-    sizes = {name: _positive_int(dcfg, name, where) if name in dcfg else None
-             for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}
-    missing = [name for name, v in sizes.items() if v is None]
+    names = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    missing = [name for name in names if _field(cfg, name) is None]
     if missing:
         raise DFlashError(f"draft {where} is a {ARCHITECTURE} but its dflash_config lacks {missing}; "
                           "it is not a complete DFlash 2 config")
+    sizes = {name: _positive_int({name: _field(cfg, name)}, name, where) for name in names}
     d = base.arch.hidden_size
     if d % sizes["conv_group_size"]:
         raise DFlashError(f"draft {where}: conv_group_size {sizes['conv_group_size']} does not divide hidden_size {d}")
     if sizes["selector_top_k"] > target.vocab_size:
         raise DFlashError(f"draft {where}: selector_top_k {sizes['selector_top_k']} exceeds the target vocabulary "
                           f"({target.vocab_size})")
-    softcap = _number(dcfg, "final_logit_softcapping", where, None)
+    softcap = _field(cfg, "final_logit_softcapping")
+    softcap = None if softcap is None else _number(softcap, "final_logit_softcapping", where)
     return DFlash2Spec(**base.__dict__, **sizes,
-                       input_embedding_scale=_number(dcfg, "input_embedding_scale", where, 1.0),
-                       output_multiplier=_number(dcfg, "output_multiplier", where, 1.0),
-                       final_logit_softcapping=softcap, vocab_size=target.vocab_size)
+                       input_embedding_scale=_number(_field(cfg, "input_embedding_scale", 1.0), "input_embedding_scale", where),
+                       output_multiplier=_number(_field(cfg, "output_multiplier", 1.0), "output_multiplier", where),
+                       final_logit_softcapping=softcap if softcap and softcap > 0 else None,  # <= 0: off, as the reference
+                       vocab_size=target.vocab_size)
 
 
 def dflash2_weight_shapes(spec: DFlash2Spec) -> dict[str, tuple[int, ...]]:

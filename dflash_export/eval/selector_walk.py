@@ -44,7 +44,7 @@ def _modules(spec, seed: int = 0):
         def forward(self, context_hidden, block_embeddings, proposal_rows, anchor_ids, *past):
             hidden, *new_kv = self.hidden_rows(context_hidden, block_embeddings, *past)
             unary, candidates = torch.topk(self.logits(hidden), self.candidate_selector.top_k, dim=-1)
-            projected = torch.matmul(hidden, self.candidate_selector.hidden_projection.weight.T)
+            projected = self.candidate_selector.hidden_projection(hidden)
             return (candidates, unary, projected + proposal_rows.sum() * 0 + anchor_ids.sum() * 0, *new_kv)
 
     torch.manual_seed(seed)

@@ -25,14 +25,19 @@ def is_linear_gemm(node, allow_bias: bool = True) -> bool:
     return not has_bias or (allow_bias and attrs.get("beta", 1.0) == 1.0)
 
 
+# Weights never packed: the LM head rows a draft graph ends in, which INT4 rewriting finds by this name
+# (a DFlash 2 selector's hidden projection reads the same input)
+UNPACKED = ("draft_head",)
+
+
 def _plain_gemm_weight(node):
-    """The constant weight of a bias-free linear Gemm, used only there; else None."""
+    """The constant weight of a bias-free linear Gemm, used only there (and not in UNPACKED); else None."""
     if not is_linear_gemm(node, allow_bias=False):
         return None
     weight = node.inputs[1]
     if weight is None or weight.const_value is None or len(list(weight.uses())) != 1 or not weight.is_initializer():
         return None
-    return weight
+    return None if weight.name in UNPACKED else weight
 
 
 def packed_name(parts: list[str]) -> str:

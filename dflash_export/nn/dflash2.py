@@ -74,7 +74,7 @@ class CandidateSelector(nn.Module):
         """
         unary, candidates = torch.topk(logits, self.top_k, dim=-1)
         n, k = candidates.shape
-        projected = torch.matmul(hidden, self.hidden_projection.weight.T).to(torch.float32)  # [N, r]
+        projected = self.hidden_projection(hidden).to(torch.float32)  # [N, r]
         # index_select: one Gather reading each codebook initializer (advanced indexing would export copies)
         successors = torch.index_select(self.successor_codebook, 0, candidates.reshape(-1)).to(torch.float32)
         successors = successors.view(n, k, -1) * projected[:, None, :]  # B[b] * P h_j  [N, k, r]
