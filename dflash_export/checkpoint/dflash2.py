@@ -12,6 +12,7 @@ Weights: v1's plus, per layer, `attention_conv` / `mlp_conv` (`base_kernel [2, K
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,9 +80,16 @@ def _positive_int(dcfg: dict, name: str, where: str, default: int | None = None)
     return value
 
 
+# Beyond this magnitude a scale overflows fp16 activations (and fp32 logits soon after): every proposal NaN
+SCALE_LIMIT = 1e4
+
+
 def _number(value, name: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise DFlashError(f"draft {where}: {name} {value!r} must be a number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DFlashError(f"draft {where}: {name} {value!r} must be a finite number")
+    if abs(value) > SCALE_LIMIT:
+        raise DFlashError(f"draft {where}: {name} {value!r} is beyond +-{SCALE_LIMIT:g}: the graph's activations would "
+                          "overflow (every proposal NaN); check the config")
     return float(value)
 
 
@@ -111,8 +119,18 @@ def parse_dflash2_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc
     return DFlash2Spec(**base.__dict__, **sizes,
                        input_embedding_scale=_number(_field(cfg, "input_embedding_scale", 1.0), "input_embedding_scale", where),
                        output_multiplier=_number(_field(cfg, "output_multiplier", 1.0), "output_multiplier", where),
-                       final_logit_softcapping=softcap if softcap and softcap > 0 else None,  # <= 0: off, as the reference
+                       final_logit_softcapping=_softcap(softcap, where),
                        vocab_size=target.vocab_size)
+
+
+def _softcap(cap: float | None, where: str) -> float | None:
+    """The soft cap, None when off (<= 0, as the reference); a positive cap below 1e-3 would zero every logit."""
+    if cap is None or cap <= 0:
+        return None
+    if cap < 1e-3:
+        raise DFlashError(f"draft {where}: final_logit_softcapping {cap!r} would squash every logit to 0; "
+                          "use a cap of at least 1e-3, or 0 (off)")
+    return cap
 
 
 def dflash2_weight_shapes(spec: DFlash2Spec) -> dict[str, tuple[int, ...]]:
@@ -142,11 +160,18 @@ def load_dflash2_spec(draft_dir: Path, target: TargetSpec) -> tuple[DFlash2Spec,
     state = load_state_dict(draft_dir)
     state = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()}
     for name in ("predecessor_codebook", "successor_codebook"):
-        if SELECTOR + name + ".weight" in state and SELECTOR + name not in state:
+        if SELECTOR + name + ".weight" in state and SELECTOR + name in state:
+            raise DFlashError(f"draft {draft_dir} holds both {SELECTOR + name} and {SELECTOR + name}.weight; "
+                              "keep one of the two (the same codebook, two spellings)")
+        if SELECTOR + name + ".weight" in state:
             state[SELECTOR + name] = state.pop(SELECTOR + name + ".weight")
     if "fc.weight" not in state:
         raise DFlashError(f"draft {draft_dir} has no fc.weight; it is not a DFlash draft checkpoint")
     spec = parse_dflash2_config(cfg, target, str(draft_dir), int(state["fc.weight"].shape[1]))
     spec = DFlash2Spec(**{**spec.__dict__, "path": draft_dir})
+    rows = getattr(state.get(SELECTOR + "predecessor_codebook"), "shape", (target.vocab_size,))[0]
+    if rows != target.vocab_size:
+        raise DFlashError(f"draft {draft_dir}: its codebooks have {rows} rows but the target's vocabulary has "
+                          f"{target.vocab_size} ids; this draft belongs to another target")
     check_draft_weights(spec, state, str(draft_dir), dflash2_weight_shapes(spec))
     return spec, state

@@ -264,6 +264,9 @@ def load_draft_spec(draft_dir: Path, target: TargetSpec) -> tuple[DraftSpec, dic
     state = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()}
     if "fc.weight" not in state:
         raise DFlashError(f"draft {draft_dir} has no fc.weight; it is not a DFlash draft checkpoint")
+    if any(k.startswith("candidate_selector.") for k in state):
+        raise DFlashError(f"draft {draft_dir} holds DFlash 2 weights (candidate_selector.*) but its config.json declares "
+                          f"architectures {cfg.get('architectures')}; set \"architectures\": [\"DFlash2DraftModel\"]")
     spec = parse_draft_config(cfg, target, str(draft_dir), int(state["fc.weight"].shape[1]))
     check_draft_weights(spec, state, str(draft_dir))
     vocab = read_draft_vocab(draft_dir, target.vocab_size)
@@ -362,9 +365,10 @@ def check_draft_weights(spec: DraftSpec, state: dict[str, Any], where: str,
         raise DFlashError(f"draft {where} lacks weights {missing[:4]}{' ...' if len(missing) > 4 else ''}")
     for k, shape in expected.items():
         if tuple(state[k].shape) != shape:
+            heads = (f" (heads {spec.arch.num_heads}, kv heads {spec.arch.num_kv_heads}, head_dim {spec.arch.head_dim})"
+                     if "self_attn" in k else "")
             raise DFlashError(
-                f"draft {where}: {k} has shape {tuple(state[k].shape)} but the config implies {shape} "
-                f"(heads {spec.arch.num_heads}, kv heads {spec.arch.num_kv_heads}, head_dim {spec.arch.head_dim}); "
+                f"draft {where}: {k} has shape {tuple(state[k].shape)} but the config implies {shape}{heads}; "
                 "config and weights disagree"
             )
     bad = [k for k in expected if state[k].is_floating_point() and not bool(state[k].isfinite().all())]

@@ -59,6 +59,9 @@ def family_of(draft_dir: Path) -> ModuleType:
     if archs and not known:
         raise DFlashError(f"draft {draft_dir} declares architectures {archs}; supported drafts: "
                           f"{', '.join(DRAFT_FAMILIES)}")
+    if len(set(known)) > 1:
+        raise DFlashError(f"draft {draft_dir} declares architectures {archs}, of more than one draft family; "
+                          "keep the one its weights are")
     return draft_family(known[0] if known else DEFAULT_DRAFT_FAMILY)
 
 
