@@ -14,7 +14,17 @@ import numpy as np
 
 from runtime.backends.base import ADDRESS_ALIGNMENT, Backend, Buffer, View
 from runtime.errors import DFlashError
-from runtime.manifest import TREE_INPUTS, TREE_SHAPE_INPUTS, DTYPES, gdn_io_names, draft_proposes, draft_rows_exported, draft_takes_anchor, layer_types, tree_inputs_exported
+from runtime.manifest import (
+    DTYPES,
+    TREE_INPUTS,
+    TREE_SHAPE_INPUTS,
+    draft_proposes,
+    draft_rows_exported,
+    draft_takes_anchor,
+    gdn_io_names,
+    layer_types,
+    tree_inputs_exported,
+)
 
 
 def _ort_version(ort) -> tuple[int, int]:
