@@ -189,33 +189,22 @@ def make_dflash2_draft(
         "tie_word_embeddings": False, "use_sliding_window": True, "vocab_size": tspec.vocab_size,
     }
     cfg.update(overrides)
+    from dflash_export.checkpoint.dflash2 import dflash2_weight_shapes, parse_dflash2_config
+
     gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape, s=scale):
-        return s * torch.randn(shape, generator=gen)
-
-    state = {"fc.weight": rand(d, len(taps) * d), "hidden_norm.weight": 1.0 + rand(d, s=0.1),
-             "norm.weight": 1.0 + rand(d, s=0.1),
-             "candidate_selector.hidden_projection.weight": rand(rank, d),
-             "candidate_selector.predecessor_codebook": rand(tspec.vocab_size, rank, s=1.0),
-             "candidate_selector.successor_codebook": rand(tspec.vocab_size, rank, s=1.0)}
-    hd, heads, kv, inter = 16, 4, 2, 2 * d
-    for i in range(layers):
-        p = f"layers.{i}."
-        state.update({
-            p + "input_layernorm.weight": 1.0 + rand(d, s=0.1), p + "post_attention_layernorm.weight": 1.0 + rand(d, s=0.1),
-            p + "self_attn.q_proj.weight": rand(heads * hd, d), p + "self_attn.k_proj.weight": rand(kv * hd, d),
-            p + "self_attn.v_proj.weight": rand(kv * hd, d), p + "self_attn.o_proj.weight": rand(d, heads * hd),
-            p + "self_attn.q_norm.weight": 1.0 + rand(hd, s=0.1), p + "self_attn.k_norm.weight": 1.0 + rand(hd, s=0.1),
-            p + "mlp.gate_proj.weight": rand(inter, d), p + "mlp.up_proj.weight": rand(inter, d),
-            p + "mlp.down_proj.weight": rand(d, inter),
-        })
-        for conv in ("attention_conv", "mlp_conv"):
-            # base: tap 0 near 1 (the row itself), tap 1 small; dynamic coefficients small
-            base = rand(2, 2, d, s=0.2)
-            base[:, 0] += 1.0
-            state[p + conv + ".base_kernel"] = base
-            state[p + conv + ".kernel_projection.weight"] = rand(2 * 2 * (d // group), d, s=0.1)
+    state = {}
+    for name, shape in dflash2_weight_shapes(parse_dflash2_config(cfg, tspec, "tiny", None)).items():
+        if name.endswith("norm.weight"):
+            state[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith("base_kernel"):  # tap 0 near 1 (the row itself), tap 1 small
+            state[name] = 0.2 * torch.randn(shape, generator=gen)
+            state[name][:, 0] += 1.0
+        elif name.endswith("kernel_projection.weight"):  # small dynamic coefficients
+            state[name] = 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith("codebook"):
+            state[name] = torch.randn(shape, generator=gen)
+        else:
+            state[name] = scale * torch.randn(shape, generator=gen)
     if state_fn is not None:
         state = state_fn(state, cfg)
     out = Path(out)

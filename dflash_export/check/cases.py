@@ -39,13 +39,19 @@ class Case:
     margins: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+def _torch_args(feed: dict) -> list:
+    """A feed's arrays as torch tensors (floats as fp32), in order."""
+    import torch
+
+    return [torch.from_numpy(np.ascontiguousarray(a.astype(np.float32) if a.dtype.kind == "f" else a)) for a in feed.values()]
+
+
 def run_module(module, feed: dict) -> list[np.ndarray]:
     """Run a PyTorch module on a feed (floats as fp32); its outputs as numpy arrays."""
     import torch
 
-    args = [torch.from_numpy(np.ascontiguousarray(a.astype(np.float32) if a.dtype.kind == "f" else a)) for a in feed.values()]
     with torch.no_grad():
-        outs = module(*args)
+        outs = module(*_torch_args(feed))
     return [o.detach().numpy() for o in outs]
 
 
@@ -57,18 +63,12 @@ def _margins(logits: np.ndarray) -> np.ndarray:
     return (top2[..., 1] - top2[..., 0]).astype(np.float32)
 
 
-def _rank_margins(dmod, feed: dict, ranks: int) -> np.ndarray:
-    """fp32 `[R, ranks]`: how clearly each of a proposing draft's top-`ranks` candidates holds its rank
-    (the least score gap to the candidate above or below it; scores are logits, so the gaps are those
-    of the log-probabilities)."""
+def _rank_gaps(scores, ranks: int) -> np.ndarray:
+    """fp32 `[R, ranks]`: for torch `scores [R, V]`, how clearly each of the top-`ranks` holds its rank
+    (the least score gap to the candidate above or below it)."""
     import torch
 
-
-    args = [torch.from_numpy(np.ascontiguousarray(a.astype(np.float32) if a.dtype.kind == "f" else a)) for a in feed.values()]
-    with torch.no_grad():
-        hidden = DraftWithRows.forward(dmod, *args)[0]
-        scores = dmod.proposal_scores(hidden).to(torch.float32)
-        top = torch.topk(scores, min(ranks + 1, scores.shape[-1]), dim=-1).values.numpy()
+    top = torch.topk(scores, min(ranks + 1, scores.shape[-1]), dim=-1).values.numpy()
     gaps = top[:, :-1] - top[:, 1:]  # rank k against rank k + 1
     if gaps.shape[1] < ranks:  # a vocabulary of exactly `ranks` ids: the last rank has nothing below
         gaps = np.concatenate([gaps, np.full((gaps.shape[0], 1), np.inf, np.float32)], axis=1)
@@ -76,13 +76,34 @@ def _rank_margins(dmod, feed: dict, ranks: int) -> np.ndarray:
     return np.minimum(gaps[:, :ranks], above[:, :ranks]).astype(np.float32)
 
 
-def _selector_margins(dmod, feed: dict) -> np.ndarray:
-    """A DFlash 2 draft's `[R, 4]` id margins (`nn.dflash2.DFlash2Draft.selector_margins`)."""
+def _rank_margins(dmod, feed: dict, ranks: int) -> np.ndarray:
+    """fp32 `[R, ranks]`: a proposing draft's `_rank_gaps` over its proposal head's scores (logits, so
+    the gaps are those of the log-probabilities)."""
     import torch
 
-    args = [torch.from_numpy(np.ascontiguousarray(a.astype(np.float32) if a.dtype.kind == "f" else a)) for a in feed.values()]
     with torch.no_grad():
-        return dmod.selector_margins(*args).numpy().astype(np.float32)
+        hidden = DraftWithRows.forward(dmod, *_torch_args(feed))[0]
+        return _rank_gaps(dmod.proposal_scores(hidden).to(torch.float32), ranks)
+
+
+def _selector_margins(dmod, feed: dict, ranks: int) -> np.ndarray:
+    """fp32 `[R, ranks]`: how clearly a DFlash 2 draft's returned candidates are decided: the least of
+    their selector score gaps (`_rank_gaps`), the LM head's gap at the top-k boundary (which candidates
+    exist at all), and every earlier row's choice (a row is scored given the choice before it)."""
+    import torch
+
+    context, block, rows, anchor, *past = _torch_args(feed)
+    with torch.no_grad():
+        hidden = dmod.hidden_rows(context, block, *past)[0]
+        logits = dmod.logits(hidden)
+        scores = dmod.candidate_selector.walk(hidden, logits, anchor)[2]
+        top_k = dmod.candidate_selector.top_k
+        gaps = _rank_gaps(scores, ranks)
+        if top_k < logits.shape[1]:
+            edge = torch.topk(logits, top_k + 1, dim=-1).values.numpy()
+            gaps = np.minimum(gaps, (edge[:, -2] - edge[:, -1])[:, None])
+    earlier = np.concatenate([[np.inf], np.minimum.accumulate(gaps[:, 0])[:-1]]).astype(np.float32)
+    return np.minimum(gaps, earlier[:, None])[rows.numpy()]
 
 
 def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None = None, seed: int = 0, modules=None) -> list[Case]:
@@ -156,8 +177,9 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
         case.margins["next_ids"] = _margins(case.ref["logits"])
     if proposes:
         for case in (dprefill, dstep):
-            case.margins["draft_top_ids"] = (_selector_margins(dmod, case.feed) if hasattr(dmod, "selector_margins")
-                                             else _rank_margins(dmod, case.feed, case.ref["draft_top_ids"].shape[1]))
+            ranks = case.ref["draft_top_ids"].shape[1]
+            case.margins["draft_top_ids"] = (_selector_margins(dmod, case.feed, ranks) if "anchor_ids" in case.feed
+                                             else _rank_margins(dmod, case.feed, ranks))
     return [prefill, dprefill, verify, dstep]
 
 

@@ -24,8 +24,9 @@ from dflash_export.checkpoint.draft import (
     check_draft_weights,
     draft_weight_shapes,
     parse_draft_config,
+    read_draft_checkpoint,
 )
-from dflash_export.checkpoint.target import TargetSpec, load_state_dict, read_config
+from dflash_export.checkpoint.target import TargetSpec
 from runtime.errors import DFlashError
 
 ARCHITECTURE = "DFlash2DraftModel"
@@ -73,8 +74,7 @@ def _field(cfg: dict, name: str, default=None):
     return dcfg[name] if name in dcfg else cfg.get(name, default)
 
 
-def _positive_int(dcfg: dict, name: str, where: str, default: int | None = None) -> int:
-    value = dcfg.get(name, default)
+def _positive_int(value, name: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise DFlashError(f"draft {where}: dflash_config.{name} {value!r} must be a positive integer")
     return value
@@ -107,7 +107,7 @@ def parse_dflash2_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc
     if missing:
         raise DFlashError(f"draft {where} is a {ARCHITECTURE} but its dflash_config lacks {missing}; "
                           "it is not a complete DFlash 2 config")
-    sizes = {name: _positive_int({name: _field(cfg, name)}, name, where) for name in names}
+    sizes = {name: _positive_int(_field(cfg, name), name, where) for name in names}
     d = base.arch.hidden_size
     if d % sizes["conv_group_size"]:
         raise DFlashError(f"draft {where}: conv_group_size {sizes['conv_group_size']} does not divide hidden_size {d}")
@@ -156,17 +156,13 @@ def load_dflash2_spec(draft_dir: Path, target: TargetSpec) -> tuple[DFlash2Spec,
         DFlashError: see :func:`parse_dflash2_config`; missing, misshapen or non-finite weights.
     """
     draft_dir = Path(draft_dir)
-    cfg = read_config(draft_dir)
-    state = load_state_dict(draft_dir)
-    state = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()}
+    cfg, state = read_draft_checkpoint(draft_dir)
     for name in ("predecessor_codebook", "successor_codebook"):
         if SELECTOR + name + ".weight" in state and SELECTOR + name in state:
             raise DFlashError(f"draft {draft_dir} holds both {SELECTOR + name} and {SELECTOR + name}.weight; "
                               "keep one of the two (the same codebook, two spellings)")
         if SELECTOR + name + ".weight" in state:
             state[SELECTOR + name] = state.pop(SELECTOR + name + ".weight")
-    if "fc.weight" not in state:
-        raise DFlashError(f"draft {draft_dir} has no fc.weight; it is not a DFlash draft checkpoint")
     spec = parse_dflash2_config(cfg, target, str(draft_dir), int(state["fc.weight"].shape[1]))
     spec = DFlash2Spec(**{**spec.__dict__, "path": draft_dir})
     rows = getattr(state.get(SELECTOR + "predecessor_codebook"), "shape", (target.vocab_size,))[0]

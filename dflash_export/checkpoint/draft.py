@@ -244,6 +244,26 @@ def parse_draft_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc_i
     )
 
 
+def read_draft_checkpoint(draft_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config dict, state dict) of a draft directory of any draft family, weight names stripped of a
+    leading "model.".
+
+    Raises:
+        DFlashError: only a train-draft resume state, no or a bad config.json, missing or corrupted
+            weights, no fc.weight (not a DFlash draft).
+    """
+    if not (draft_dir / "config.json").exists() and (draft_dir / "train_state" / "state.safetensors").is_file():
+        raise DFlashError(f"draft {draft_dir} holds only a train-draft resume state (the training did not finish); "
+                          f"continue it with `python -m dflash_export train-draft --resume {draft_dir} --out {draft_dir} ...` "
+                          "and the run's other options")
+    cfg = read_config(draft_dir)
+    state = load_state_dict(draft_dir)
+    state = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()}
+    if "fc.weight" not in state:
+        raise DFlashError(f"draft {draft_dir} has no fc.weight; it is not a DFlash draft checkpoint")
+    return cfg, state
+
+
 def load_draft_spec(draft_dir: Path, target: TargetSpec) -> tuple[DraftSpec, dict[str, Any]]:
     """Validate a draft directory and load its weights.
 
@@ -255,15 +275,7 @@ def load_draft_spec(draft_dir: Path, target: TargetSpec) -> tuple[DraftSpec, dic
             weights whose shapes contradict the config (head layout mismatch).
     """
     draft_dir = Path(draft_dir)
-    if not (draft_dir / "config.json").exists() and (draft_dir / "train_state" / "state.safetensors").is_file():
-        raise DFlashError(f"draft {draft_dir} holds only a train-draft resume state (the training did not finish); "
-                          f"continue it with `python -m dflash_export train-draft --resume {draft_dir} --out {draft_dir} ...` "
-                          "and the run's other options")
-    cfg = read_config(draft_dir)
-    state = load_state_dict(draft_dir)
-    state = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in state.items()}
-    if "fc.weight" not in state:
-        raise DFlashError(f"draft {draft_dir} has no fc.weight; it is not a DFlash draft checkpoint")
+    cfg, state = read_draft_checkpoint(draft_dir)
     if any(k.startswith("candidate_selector.") for k in state):
         raise DFlashError(f"draft {draft_dir} holds DFlash 2 weights (candidate_selector.*) but its config.json declares "
                           f"architectures {cfg.get('architectures')}; set \"architectures\": [\"DFlash2DraftModel\"]")

@@ -148,28 +148,6 @@ class DFlash2Draft(DFlashDraft):
         from its reference target)."""
         return nn.functional.linear(hidden.to(self.draft_head.dtype), self.draft_head)
 
-    def selector_margins(self, context_hidden, block_embeddings, proposal_rows, anchor_ids, *past) -> torch.Tensor:
-        """fp32 `[R, 4]`: how clearly each returned candidate is decided (for `check`): the least of its
-        score gap to the neighbouring ranks, the LM head's gap at the top-k boundary (which candidates
-        exist at all), and every earlier row's (a row's candidates are scored given the choice before it)."""
-        hidden, *_ = self.hidden_rows(context_hidden, block_embeddings, *past)
-        logits = self.logits(hidden)
-        _, _, scores, _ = self.candidate_selector.walk(hidden, logits, anchor_ids)
-        k = min(PROPOSAL_RANKS, scores.shape[1])
-        top = torch.topk(scores, min(k + 1, scores.shape[1]), dim=-1).values
-        gaps = top[:, :-1] - top[:, 1:]
-        if gaps.shape[1] < k:
-            gaps = torch.cat([gaps, torch.full((gaps.shape[0], 1), float("inf"))], dim=1)
-        above = torch.cat([torch.full((gaps.shape[0], 1), float("inf")), gaps[:, :-1]], dim=1)
-        ranks = torch.minimum(gaps[:, :k], above[:, :k])
-        top_k = self.candidate_selector.top_k
-        if top_k < logits.shape[1]:
-            edge = torch.topk(logits, top_k + 1, dim=-1).values
-            ranks = torch.minimum(ranks, (edge[:, -2] - edge[:, -1])[:, None])
-        chosen = torch.cummin(ranks[:, :1], dim=0).values  # a row is as clear as the choices before it
-        ranks = torch.minimum(ranks, torch.cat([torch.full((1, 1), float("inf")), chosen[:-1]]))
-        return torch.index_select(ranks, 0, proposal_rows)
-
     def hidden_rows(self, context_hidden, block_embeddings, *past) -> tuple:
         """The layers: (norm(h) of block positions 1..B-1 `[B - 1, d]`, new context K/V...)."""
         c, b, p = context_hidden.shape[0], block_embeddings.shape[0], past[0].shape[0]
