@@ -125,6 +125,8 @@ class BuildOptions:
         quant_lm_head: with int4, the LM head too (the embedding lookups keep their table).
         proposal_head: "full" keeps the proposal vocabulary's head rows in the graph dtype; "int4"
             stores them INT4 (they only rank proposals, which the full head verifies: output unchanged).
+        batched: also export the batched target (`target_batched.onnx`, reading target.onnx's weights
+            file), which `runtime.batching` serves several sequences at once with (dense targets).
         quiet: print no progress.
         overwrite: replace an existing artifact at `out`.
     """
@@ -140,6 +142,7 @@ class BuildOptions:
     quant_method: str | None = None
     quant_lm_head: bool = False
     proposal_head: str = "full"
+    batched: bool = False
     quiet: bool = False
     overwrite: bool = True
 
@@ -212,6 +215,9 @@ def build(options: BuildOptions) -> dict:
     family = target_family(tspec.family)
     draft_kind = family_of(dspec.path) if dspec.path is not None else draft_family(DEFAULT_DRAFT_FAMILY)
     qconfig = _checked_quant_config(o, family, tspec, dspec, tsource)
+    if o.batched and not getattr(family, "BATCHES", False):
+        raise DFlashError(f"--batched needs a Qwen3 or Llama target; {tspec.family} targets (recurrent layers) have no "
+                          "batched graph yet: serve them one request at a time (drop --batched)")
     dtype, quiet, proposal_head, max_seq_len = o.dtype, o.quiet, o.proposal_head, o.max_seq_len
     if o.draft_vocab == "full":
         dspec = replace(dspec, draft_vocab=None)
@@ -229,10 +235,12 @@ def build(options: BuildOptions) -> dict:
             head_config, dquant = drafted.head_config, drafted.quant_plan
             del dstate
         with stage(f"exporting target.onnx ({family.EXPORT_TITLE})"):
+            extra = {"batched_path": tmp / "target_batched.onnx"} if o.batched else {}
             exported = family.export_for_build(tspec, dspec, tsource, tmp / "target.onnx", torch_dtype, qconfig,
-                                               proposal_head, quiet)
+                                               proposal_head, quiet, **extra)
         with stage("checking graphs (TensorRT 10 operators, duplicate weights)"):
-            checks = {g: check_graph(tmp / f"{g}.onnx") for g in ("target", "draft")}
+            graphs = ("target", "draft", "target_batched") if o.batched else ("target", "draft")
+            checks = {g: check_graph(tmp / f"{g}.onnx") for g in graphs}
         with stage("writing tokenizer and manifest"):
             np.save(tmp / "mask_embedding.npy", exported.mask_row.astype(np.float32), allow_pickle=False)
             tok_info = _save_tokenizer(tspec.path, tmp / "tokenizer")
@@ -358,8 +366,11 @@ def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, che
         "stop_token_ids": stop,
         "chat_template": tok_info["chat_template"],
         "special_tokens": tok_info["special_tokens"],
-        "io": {g: _io_spec(tmp / f"{g}.onnx") for g in ("target", "draft")},
+        "io": {g: _io_spec(tmp / f"{g}.onnx") for g in checks},
         "graph_checks": checks,
+        **({"target_batched": {"graph": "target_batched.onnx", "num_layers": a.num_layers, "num_kv_heads": a.num_kv_heads,
+                               "head_dim": a.head_dim, "hidden_size": a.hidden_size, "vocab_size": tspec.vocab_size,
+                               "weights": "target.onnx's data file"}} if "target_batched" in checks else {}),
         "sources": sources,
         "tools": _tool_versions(),
         "host": {"platform": platform.platform(), "cpu_count": os.cpu_count()},

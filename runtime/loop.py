@@ -30,12 +30,12 @@ import numpy as np
 
 from runtime.graphs.tree import VerifyTree
 from runtime.options import GenerationOptions
-from runtime.results import GenerationResult, StreamChunk, accepted_prefix, cut_at_stop
+from runtime.results import GenerationResult, StreamChunk, accepted_prefix
 from runtime.speculation.policy import Policy
 from runtime.speculation.proposals import Choice, Shape, StepRecord
 from runtime.speculation.proposers import DraftProposer, LookupProposer
 from runtime.speculation.sampling import HostSampler
-from runtime.text.incremental import IncrementalText, StopStrings
+from runtime.text.reply import ReplyText
 
 
 class DecodeLoop:
@@ -63,17 +63,14 @@ class DecodeLoop:
             session.logits_buffer()  # the target calls write their logits rows for the host from now on
             self.sampler = HostSampler(opts.temperature, opts.top_k, opts.top_p, session.read_logits_row)
         tok = session.tokenizer
-        self.text = IncrementalText(tok.decode) if tok is not None else None
-        self.stops = StopStrings(opts.stop)
-        self.out: list[int] = []
-        self.reply = ""  # the text streamed so far
+        self.reply = ReplyText(tok.decode if tok is not None else None, opts.stop, stop_ids)
+        self.out = self.reply.out  # the committed ids (the same list)
         self.acceptance: list[int] = []
         self.steps: list[dict] = []
         self.anchor_row = 0  # next_embeddings row holding the embedding of the last committed token
         self.anchor_valid = True  # False when a host sample is not the token whose embedding that row holds
         self.draft = DraftProposer(session, block_size)
         self.lookup: LookupProposer | None = None  # the request's text, indexed for lookups (built in run)
-        self.finish_reason = "length"
         self.result: GenerationResult | None = None
 
     # ---- the calls --------------------------------------------------------------------------
@@ -183,31 +180,7 @@ class DecodeLoop:
     # ---- text -------------------------------------------------------------------------------
     def _commit(self, ids: list[int]) -> StreamChunk:
         """Add committed ids to the reply, cutting at a stop token or stop string."""
-        kept, stopped = cut_at_stop(ids, self.stop_ids)
-        if self.text is None:
-            self.out += kept
-            if stopped:
-                self.finish_reason = "stop"
-            return StreamChunk("", kept)
-        taken, text = [], ""
-        for t in kept:  # one id at a time: a stop string ends the reply at the id that completes it
-            taken.append(t)
-            text += self.stops.feed(self.text.push([t]))
-            if self.stops.stopped:
-                stopped = True
-                break
-        self.out += taken
-        self.reply += text
-        if stopped:
-            self.finish_reason = "stop"
-        return StreamChunk(text, taken)
-
-    def _finish_text(self) -> str:
-        if self.text is None:
-            return ""
-        tail = self.stops.feed(self.text.finish()) + self.stops.finish()
-        self.reply += tail
-        return tail
+        return self.reply.commit(ids)
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> Iterator[StreamChunk]:
@@ -225,7 +198,7 @@ class DecodeLoop:
             self.lookup.extend(chunk.token_ids)
         yield chunk
         max_new = self.opts.max_new_tokens
-        while self.finish_reason != "stop" and len(self.out) < max_new:
+        while self.reply.finish_reason != "stop" and len(self.out) < max_new:
             limit = min(self.b - 1, max_new - len(self.out) - 1)  # never verify more than can be committed
             choice = self._choose(limit)
             source = choice.offer.source if choice.offer is not None else ("draft" if choice.shape else "plain")
@@ -250,7 +223,7 @@ class DecodeLoop:
             if self.opts.record_steps:
                 self.steps.append(record.summary())
             yield chunk
-        tail = self._finish_text()
+        tail = self.reply.finish()
         if tail:
             yield StreamChunk(tail, [])
         t_end = clock()
@@ -261,8 +234,8 @@ class DecodeLoop:
         out = self.out
         return GenerationResult(
             output_ids=list(out),
-            text=self.reply if self.text is not None else None,
-            finish_reason=self.finish_reason,
+            text=self.reply.text if self.reply.has_text else None,
+            finish_reason=self.reply.finish_reason,
             acceptance_lengths=self.acceptance,
             lookup_steps=self.lookup_steps,
             tokens_per_s=len(out) / total if total > 0 else 0.0,

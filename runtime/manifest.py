@@ -202,3 +202,24 @@ TREE_INPUTS = ("tree_depth", "tree_rank", "tree_bias")
 
 # A target taking proposal ids (the draft ranked them) needs only the tree's shape: no ranks.
 TREE_SHAPE_INPUTS = ("tree_depth", "tree_bias")
+
+
+# The batched target graph (`build --batched`, `runtime.batching`): its section and file name, and its
+# inputs before the caches (`dflash_export.nn.batched`)
+BATCHED_GRAPH = "target_batched"
+BATCHED_INPUTS = ("input_ids", "past_lengths", "slot_ids", "logit_rows", "temperature", "uniform")
+
+
+def check_batched_graph(manifest: dict[str, Any], artifact_dir: Path) -> None:
+    """Raise DFlashError unless the artifact has a batched target graph (built with `--batched`)."""
+    section = manifest.get(BATCHED_GRAPH)
+    if not isinstance(section, dict):
+        raise DFlashError(f"{artifact_dir} has no batched target graph; rebuild it with `python -m dflash_export build "
+                          "--batched` to serve several requests at once (or serve with --max-batch 1)")
+    graph = section.get("graph")
+    if not isinstance(graph, str) or Path(graph).name != graph or not (Path(artifact_dir) / graph).is_file():
+        raise DFlashError(f"{artifact_dir}: the batched target graph {graph!r} is missing; the artifact is incomplete, rebuild it")
+    for key in ("num_layers", "num_kv_heads", "head_dim", "vocab_size"):
+        value = section.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DFlashError(f"{artifact_dir}: {BATCHED_GRAPH}.{key} is {value!r}, expected a positive integer; rebuild")

@@ -27,9 +27,11 @@ from dflash_export.checkpoint.weights import (
     empty_module,
     load_module_weights,
 )
+from dflash_export.export.batched import export_batched_target
 from dflash_export.export.graphs import export_target
 from dflash_export.families.registry import ExportedTarget, draft_proposes
 from dflash_export.families.shared import upcast_weights_on_use
+from dflash_export.nn.batched import BatchedTarget
 from dflash_export.nn.layers import TargetForExport, cast_for_export
 from dflash_export.quant import awq
 from dflash_export.quant.awq import check_calibration_source
@@ -119,6 +121,9 @@ def manifest_fields(tspec: TargetSpec) -> dict:
     return {"row_exact": True}
 
 
+# This family exports a batched target too (`build --batched`: `nn.batched.BatchedTarget`).
+BATCHES = True
+
 # This family's target takes proposal ids from a draft that ends in the proposal head (`build`: when
 # the draft has a proposal vocabulary or the LM head is INT4: `families.registry.draft_proposes`).
 DRAFT_PROPOSES = True
@@ -149,9 +154,10 @@ def target_export_module(tspec: TargetSpec, dspec: DraftSpec, source: WeightSour
 
 
 def export_for_build(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource, path: Path, torch_dtype,
-                     qconfig, proposal_head: str, quiet: bool) -> ExportedTarget:
+                     qconfig, proposal_head: str, quiet: bool, batched_path: Path | None = None) -> ExportedTarget:
     """`build`'s target step (family hook): export a Qwen3/Llama target with its weights streamed (each
-    read as its initializer is written, INT4-quantized on the way when `qconfig`)."""
+    read as its initializer is written, INT4-quantized on the way when `qconfig`); with `batched_path`,
+    also the batched target there, reading the target graph's weights file."""
 
     qnames = quantized_names(tsource.names(), tsource.shapes, qconfig, head_name(tspec)) if qconfig else []
     quant_extra = {}
@@ -162,6 +168,11 @@ def export_for_build(tspec: TargetSpec, dspec: DraftSpec, tsource: WeightSource,
     head_config = proposal_head_config(proposal_head, "draft_head" in treaders, qconfig, tspec.arch.hidden_size)
     rewrite = streaming_rewrite(treaders, tsource, torch_dtype, qconfig, qnames, head_config)
     export_target(tmod, path, treaders, progress=not quiet, rewrite=rewrite)
+    if batched_path is not None:
+        bmod, breaders = target_export_module(tspec, dspec, tsource, torch_dtype, module_class=BatchedTarget,
+                                              draft_proposes=True)
+        export_batched_target(bmod, batched_path, breaders, streaming_rewrite(breaders, tsource, torch_dtype, qconfig,
+                                                                              qnames, None), weights_of=path)
     return ExportedTarget(tsource.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(),
                           qnames, head_config, quant_extra)
 

@@ -110,6 +110,14 @@ class Backend(ABC):
     def copy(self, dst: View, src: View) -> None:
         """Copy `src` into `dst` within the backend's memory (same element count)."""
 
+    def scatter(self, dst: "Buffer", rows: np.ndarray, src: View, src_rows: np.ndarray) -> None:
+        """Copy row `src_rows[i]` of `src` (`[n, *shape]`) to row `rows[i]` of `dst` seen as rows of
+        `shape` (a batched step's new K/V rows into their slots, `runtime.batching`). One copy per row
+        here; backends over host memory do it in one indexed assignment."""
+        elems = src.size // src.shape[0]
+        for row, s in zip(np.asarray(rows).tolist(), np.asarray(src_rows).tolist()):
+            self.copy(View(dst, int(row) * elems, src.shape[1:]), View(src.buffer, src.offset + int(s) * elems, src.shape[1:]))
+
     @abstractmethod
     def run(self, graph: str, inputs: dict[str, View], outputs: dict[str, View]) -> None:
         """Run graph "target" or "draft" reading `inputs` and writing `outputs` in place.

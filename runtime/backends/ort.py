@@ -15,6 +15,8 @@ import numpy as np
 from runtime.backends.base import ADDRESS_ALIGNMENT, Backend, Buffer, View
 from runtime.errors import DFlashError
 from runtime.manifest import (
+    BATCHED_GRAPH,
+    BATCHED_INPUTS,
     DTYPES,
     TREE_INPUTS,
     TREE_SHAPE_INPUTS,
@@ -96,6 +98,8 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
         DFlashError: the graph and the manifest disagree (a damaged or hand-edited artifact).
     """
 
+    if graph == BATCHED_GRAPH:
+        return _check_batched_io(inputs, manifest)
     n = int(manifest[graph]["num_layers"])
     proposes = draft_proposes(manifest)
     proposals = "proposal_ids" if proposes else "draft_hidden"
@@ -119,6 +123,17 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
     kv_type = dict(inputs)[f"past_key_{next(i for i, kind in enumerate(types) if kind != 'linear_attention')}"]
     if kv_type != _ORT_TYPES[DTYPES[manifest["dtype"]]]:
         raise DFlashError(f"{graph} graph stores K/V as {kv_type} but the manifest says {manifest['dtype']}; rebuild the artifact")
+
+
+def _check_batched_io(inputs: list[tuple[str, str]], manifest: dict) -> None:
+    """`check_graph_io` for the batched target graph (`runtime.batching`)."""
+    n = int(manifest[BATCHED_GRAPH]["num_layers"])
+    expected = list(BATCHED_INPUTS) + [f"past_{kind}_{i}" for i in range(n) for kind in ("key", "value")]
+    if [name for name, _ in inputs] != expected:
+        raise DFlashError(f"{BATCHED_GRAPH} graph inputs do not match the manifest ({n} layers); the artifact is "
+                          "damaged, rebuild it with --batched")
+    if dict(inputs)["past_key_0"] != _ORT_TYPES[DTYPES[manifest["dtype"]]]:
+        raise DFlashError(f"{BATCHED_GRAPH} graph stores K/V in another dtype than the manifest's {manifest['dtype']}; rebuild")
 
 
 class HostBuffer(Buffer):
@@ -254,6 +269,10 @@ class OrtBackend(Backend):
 
     def copy(self, dst: View, src: View) -> None:
         dst.buffer.host(dst)[...] = src.buffer.host(src).reshape(dst.shape)
+
+    def scatter(self, dst: Buffer, rows: np.ndarray, src: View, src_rows: np.ndarray) -> None:
+        width = src.size // src.shape[0]
+        dst.array.reshape(-1, width)[rows] = src.buffer.host(src).reshape(-1, width)[src_rows]
 
     def run(self, graph: str, inputs: dict[str, View], outputs: dict[str, View]) -> None:
         binding, bound = self._binding(graph, inputs, outputs)

@@ -1,0 +1,95 @@
+"""Export of the batched target graph (`nn.batched.BatchedTarget`), which reads its weights from the
+target graph's own external data file: the artifact holds the weights once however many graphs use
+them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dflash_export.export.graphs import _check_streamed, _trace, save_graph
+from dflash_export.export.passes import pack_shared_input_gemms
+from dflash_export.nn.batched import batched_io_names
+
+# initializers up to this size may be the batched graph's own (index constants); every larger one must
+# be one of the target's weights
+OWN_INITIALIZER_BYTES = 1 << 20
+
+
+def batched_target_inputs(module) -> tuple:
+    """(dummy args, io names, dynamic shapes) to trace a BatchedTarget with. Sizes are distinct and
+    >= 2 (B=2, T=3, K=5, U=4, P=7, S=6) so no dimension is specialised."""
+    a = module.spec.arch
+    dt = module.compute_dtype
+    b, t, k, u, p, s = 2, 3, 5, 4, 7, 6
+    args = (
+        torch.randint(0, module.spec.vocab_size, (b, t), dtype=torch.int64),
+        torch.tensor([4, 2], dtype=torch.int64),
+        torch.tensor([3, 0], dtype=torch.int64),
+        torch.tensor([0, 2, 3, 4, 5], dtype=torch.int64),
+        torch.rand(k, dtype=torch.float32),
+        torch.rand(u, dtype=torch.float32),
+        *[torch.randn(p, s, a.num_kv_heads, a.head_dim, dtype=dt) for _ in range(2 * a.num_layers)],
+    )
+    B = torch.export.Dim("batch", min=1, max=1 << 10)
+    T = torch.export.Dim("rows_per_sequence", min=1, max=1 << 20)
+    K = torch.export.Dim("logit_rows", min=1, max=1 << 20)
+    U = torch.export.Dim("sampled_rows", min=0, max=1 << 20)
+    P = torch.export.Dim("past_len", min=0, max=1 << 20)
+    S = torch.export.Dim("slots", min=1, max=1 << 10)
+    dyn = ({0: B, 1: T}, {0: B}, {0: B}, {0: K}, {0: K}, {0: U}, tuple({0: P, 1: S} for _ in range(2 * a.num_layers)))
+    return args, batched_io_names(a.num_layers), dyn
+
+
+def export_batched_target(module, path: Path, readers: dict, rewrite=None, weights_of: Path | None = None) -> None:
+    """Trace `module` (a BatchedTarget whose weights stream from `readers`), pack and `rewrite` it as the
+    target graph was (`export.graphs._finish`), and write it to `path`. With `weights_of` (the target
+    graph, saved with external data), every weight refers to that graph's data file instead of being
+    written again.
+
+    Raises:
+        AssertionError: a large initializer of this graph that the target graph does not store with
+            the same type and shape (the two exports diverged: a bug).
+    """
+    args, names, dyn = batched_target_inputs(module)
+    model = _trace(module, args, names, dyn, readers)
+    _check_streamed(model, readers)
+    packed = pack_shared_input_gemms(model)
+    if rewrite is not None:
+        rewrite(model, packed)
+    if weights_of is not None and _link_external_weights(model, Path(weights_of)):
+        import onnx_ir as ir
+
+        ir.save(model, str(path))
+        return
+    save_graph(model, Path(path))
+
+
+def _link_external_weights(model, target_path: Path) -> bool:
+    """Point each initializer of `model` at the tensor of the same name in `target_path`'s external data.
+    Returns False where the target graph stores its weights inline (a small model: nothing to share)."""
+    import onnx
+    import onnx_ir as ir
+
+    target = onnx.load(str(target_path), load_external_data=False)
+    stored = {}
+    for t in target.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in t.external_data}
+            stored[t.name] = (info["location"], int(info.get("offset", 0)), int(info["length"]), t.data_type, tuple(t.dims))
+    if not stored:
+        return False
+    for name, value in model.graph.initializers.items():
+        tensor = value.const_value
+        if name not in stored:
+            if tensor.nbytes > OWN_INITIALIZER_BYTES:
+                raise AssertionError(f"batched target weight {name} ({tensor.nbytes} bytes) is not in {target_path.name}")
+            continue
+        location, offset, length, dtype, dims = stored[name]
+        if dtype != tensor.dtype.value or dims != tuple(tensor.shape.numpy()):
+            raise AssertionError(f"batched target weight {name} differs from {target_path.name}'s "
+                                 f"({tensor.dtype}, {tensor.shape} against type {dtype}, {dims})")
+        value.const_value = ir.ExternalTensor(location, offset, length, tensor.dtype, shape=tensor.shape, name=name,
+                                              base_dir=str(target_path.parent))
+    return True

@@ -1,0 +1,116 @@
+"""The batched target graph's static buffers and its one call: several sequences, each in its own cache
+slot at its own past length (`dflash_export.nn.batched` defines the graph).
+
+K/V live position-major, `[max_seq_len, slots, Hkv, D]` per layer and kind, so rows [0, P) of every
+slot are one contiguous view the graph reads in place; a call's new rows come back in scratch buffers
+and are copied to their slots' rows (one indexed copy per layer and kind). Rollback and slot reuse are
+length updates, as in the one-sequence runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.backends.base import View
+from runtime.manifest import BATCHED_GRAPH
+
+
+@dataclass
+class SequenceRows:
+    """One sequence's part of a batched call.
+
+    Attributes:
+        slot: its cache slot.
+        past: cached rows before this call (its first new row sits at this position).
+        ids: the token ids of its new rows (a prefill chunk, or the last committed token).
+        logits: whether its last new row's posterior is wanted (False for a prefill chunk before the last).
+        temperature: sampling temperature of that row (0: greedy).
+        uniform: that row's uniform in [0, 1) where the graph samples it.
+    """
+
+    slot: int
+    past: int
+    ids: list[int]
+    logits: bool = True
+    temperature: float = 0.0
+    uniform: float = 0.0
+
+
+class BatchedCalls:
+    """Buffers and calls of the batched target graph on `backend` (which loaded it as
+    `runtime.manifest.BATCHED_GRAPH`).
+
+    Args:
+        backend: the backend holding the graph.
+        manifest: the artifact's manifest.
+        slots: cache slots (the most sequences one call takes).
+        max_rows: the most rows one call takes (all sequences together, padding included).
+        dtype: numpy dtype of the K/V.
+    """
+
+    def __init__(self, backend, manifest: dict, slots: int, max_rows: int, dtype):
+        sec = manifest[BATCHED_GRAPH]
+        be, self.backend = backend, backend
+        self.slots, self.max_rows = int(slots), int(max_rows)
+        self.max_seq_len = int(manifest["max_seq_len"])
+        hkv, d = int(sec["num_kv_heads"]), int(sec["head_dim"])
+        self.kv = [(be.alloc(dtype, self.max_seq_len, (self.slots, hkv, d)), be.alloc(dtype, self.max_seq_len, (self.slots, hkv, d)))
+                   for _ in range(int(sec["num_layers"]))]
+        self.new_kv = [(be.alloc(dtype, self.max_rows, (hkv, d)), be.alloc(dtype, self.max_rows, (hkv, d))) for _ in self.kv]
+        self.input_ids = be.alloc(np.int64, self.max_rows)
+        self.past_lengths, self.slot_ids = be.alloc(np.int64, self.slots), be.alloc(np.int64, self.slots)
+        self.logit_rows, self.next_ids = be.alloc(np.int64, self.slots), be.alloc(np.int64, self.slots)
+        self.temperature, self.uniform = be.alloc(np.float32, self.slots), be.alloc(np.float32, self.slots)
+        self.logits = be.alloc(np.float32, self.slots, (int(sec["vocab_size"]),))
+        self.skip_sampling = bool(getattr(be, "greedy_without_uniforms", True))
+
+    def run(self, batch: list[SequenceRows], keep_logits: bool = False) -> np.ndarray:
+        """One call on `batch` (at most `slots` sequences, distinct slots, each past + len(ids) within
+        max_seq_len). Writes every new row's K/V to its slot and returns the posterior ids (int64, one
+        per sequence with `logits`, in batch order). With `keep_logits` their fp32 logits rows are left
+        in :attr:`logits` rows 0.. for the host (:meth:`read_logits`).
+
+        A one-row call runs as two rows (the second a padding row nobody reads): kernels that round one
+        row differently from several (`runtime.graphs.row_exact`) then give every row the floats it
+        gets in any batch."""
+        be, b = self.backend, len(batch)
+        t = max(len(s.ids) for s in batch)
+        t = 2 if b * t == 1 else t
+        ids = np.zeros((b, t), np.int64)
+        for i, s in enumerate(batch):
+            ids[i, : len(s.ids)] = s.ids
+        wanted = [i for i, s in enumerate(batch) if s.logits]
+        k = len(wanted)
+        rows = np.array([i * t + len(batch[i].ids) - 1 for i in wanted], np.int64)
+        temps = np.array([batch[i].temperature for i in wanted], np.float32)
+        be.write(View(self.input_ids, 0, (b, t)), ids)
+        be.write(self.past_lengths.rows(0, b), np.array([s.past for s in batch], np.int64))
+        be.write(self.slot_ids.rows(0, b), np.array([s.slot for s in batch], np.int64))
+        be.write(self.logit_rows.rows(0, k), rows)
+        be.write(self.temperature.rows(0, k), temps)
+        sampled = k if (temps > 0).any() or not self.skip_sampling else 0
+        if sampled:
+            be.write(self.uniform.rows(0, k), np.array([batch[i].uniform for i in wanted], np.float32))
+        past = max(s.past for s in batch)
+        inputs = {"input_ids": View(self.input_ids, 0, (b, t)), "past_lengths": self.past_lengths.rows(0, b),
+                  "slot_ids": self.slot_ids.rows(0, b), "logit_rows": self.logit_rows.rows(0, k),
+                  "temperature": self.temperature.rows(0, k), "uniform": self.uniform.rows(0, sampled)}
+        outputs = {"next_ids": self.next_ids.rows(0, k)}
+        if keep_logits:
+            outputs["logits"] = self.logits.rows(0, k)
+        for i, ((key, value), (new_k, new_v)) in enumerate(zip(self.kv, self.new_kv)):
+            inputs[f"past_key_{i}"], inputs[f"past_value_{i}"] = key.rows(0, past), value.rows(0, past)
+            outputs[f"key_{i}"], outputs[f"value_{i}"] = new_k.rows(0, b * t), new_v.rows(0, b * t)
+        be.run(BATCHED_GRAPH, inputs, outputs)
+        src = np.array([i * t + j for i, s in enumerate(batch) for j in range(len(s.ids))], np.int64)
+        dst = np.array([(s.past + j) * self.slots + s.slot for s in batch for j in range(len(s.ids))], np.int64)
+        for (key, value), (new_k, new_v) in zip(self.kv, self.new_kv):
+            be.scatter(key, dst, new_k.rows(0, b * t), src)
+            be.scatter(value, dst, new_v.rows(0, b * t), src)
+        return be.read(self.next_ids.rows(0, k))
+
+    def read_logits(self, row: int) -> np.ndarray:
+        """fp32 `[V]` logits of wanted row `row` of the last call run with `keep_logits`."""
+        return self.backend.read(self.logits.rows(row, 1))[0]
