@@ -14,9 +14,10 @@ import ipaddress
 import os
 import sys
 
+from runtime.batching.engine import DEFAULT_MAX_BATCH
 from runtime.cli.generate import add_generate_arguments
 from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
+from runtime.manifest import BATCHED_GRAPH, load_manifest
 
 API_KEY_ENV = "DFLASH_EXPORT_API_KEY"  # the key without putting it on the command line (visible in ps)
 BACKENDS = ("ort", "ort-cuda", "trt")
@@ -35,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require `Authorization: Bearer KEY` on /v1 requests (default: ${API_KEY_ENV}, else none)")
     s.add_argument("--backend", choices=BACKENDS, default="ort")
-    s.add_argument("--queue-size", type=int, default=16, help="requests that may wait while one generates (default: 16)")
+    s.add_argument("--queue-size", type=int, default=16, help="requests that may wait for a slot (default: 16)")
+    s.add_argument("--max-batch", type=int, default=None,
+                   help="generations decoded at once (needs an artifact built with --batched; default: "
+                        f"{DEFAULT_MAX_BATCH} for such artifacts, else 1: one at a time, with speculative decoding)")
     s.add_argument("--model-name", help="the model id clients use (default: the target checkpoint's name)")
     s.add_argument("--max-connections", type=int, default=64,
                    help="open connections beyond this get 503 at once (default: 64; see the README's Serving limits)")
@@ -66,7 +70,6 @@ def cmd_serve(args) -> int:
                           f"running request, the waiting ones and a /health probe; got {args.max_connections})")
     if args.api_key is not None:
         args.api_key = check_api_key(args.api_key)
-    import runtime
 
     try:
         from runtime.serve.app import create_app
@@ -75,20 +78,47 @@ def cmd_serve(args) -> int:
         if (exc.name or "").partition(".")[0] not in SERVER_LIBRARIES:
             raise
         raise DFlashError(f"the server needs {exc.name}, which is not installed: pip install '.[serve]' (the serve extra, from the dflash_export project directory)") from None
-    load_manifest(args.dir)  # the cheap checks first: a bad directory, then an address in use
+    manifest = load_manifest(args.dir)  # the cheap checks first: a bad directory, then an address in use
+    max_batch = _max_batch(args, manifest)
     sock = listen_socket(args.host, args.port)
-    with contextlib.closing(sock), runtime.load(args.dir, backend=args.backend) as sess:
+    with contextlib.closing(sock), _load_for_serving(args, max_batch) as sess:
         app = create_app(sess, model_name=args.model_name, api_key=args.api_key, queue_size=args.queue_size)
         _warm_up(sess)
         host, port = sock.getsockname()[:2]
         api = app.state.api
+        how = "one generation at a time" if max_batch == 1 else f"up to {max_batch} generations at once"
         print(f"serving {api.model_name!r} on http://{_url_host(host)}:{port}/v1 ({args.backend}, max_seq_len "
-              f"{sess.max_seq_len}, one generation at a time, queue {args.queue_size})", file=sys.stderr, flush=True)
+              f"{sess.max_seq_len}, {how}, queue {args.queue_size})", file=sys.stderr, flush=True)
         if args.api_key is None and not _is_loopback(args.host):
             print(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
                   file=sys.stderr)
         uvicorn_server(app, max_connections=args.max_connections).run(sockets=[sock])
     return 0
+
+
+def _max_batch(args, manifest: dict) -> int:
+    """--max-batch, checked against the artifact and backend (default: batched where the artifact can)."""
+    batched = BATCHED_GRAPH in manifest
+    n = args.max_batch if args.max_batch is not None else (DEFAULT_MAX_BATCH if batched and args.backend == "ort" else 1)
+    if n < 1:
+        raise DFlashError(f"--max-batch must be at least 1 (got {n})")
+    if n > 1 and not batched:
+        raise DFlashError(f"--max-batch {n} needs an artifact built with `python -m dflash_export build --batched`; "
+                          f"{args.dir} has no batched graph (serve it with --max-batch 1, or rebuild it)")
+    if n > 1 and args.backend != "ort":
+        raise DFlashError(f"--max-batch {n} runs on onnxruntime's CPU backend (--backend ort); with --backend "
+                          f"{args.backend} serve one generation at a time (--max-batch 1)")
+    return n
+
+
+def _load_for_serving(args, max_batch: int):
+    import runtime
+
+    if max_batch == 1:
+        return runtime.load(args.dir, backend=args.backend)
+    from runtime.batching import BatchEngine
+
+    return BatchEngine(args.dir, max_batch=max_batch)
 
 
 def check_api_key(key: str) -> str:
@@ -112,8 +142,11 @@ def _warm_up(sess) -> None:
     """One short generation, so the first request does not pay for the step-cost measurement
     (`--verify-len auto` measures it once per device and caches it) or the graphs' first run."""
     ids = sess.encode("Hello")
-    sess.generate(ids, max_new_tokens=2, stop_token_ids=[])
-    sess.reset()
+    if hasattr(sess, "reset"):
+        sess.generate(ids, max_new_tokens=2, stop_token_ids=[])
+        sess.reset()
+    else:  # a BatchEngine
+        sess.generate([ids], max_new_tokens=2, stop_token_ids=[], reuse_prefix=False)
 
 
 def _is_loopback(host: str) -> bool:

@@ -207,7 +207,7 @@ TREE_SHAPE_INPUTS = ("tree_depth", "tree_bias")
 # The batched target graph (`build --batched`, `runtime.batching`): its section and file name, and its
 # inputs before the caches (`dflash_export.nn.batched`)
 BATCHED_GRAPH = "target_batched"
-BATCHED_INPUTS = ("input_ids", "past_lengths", "slot_ids", "logit_rows", "temperature", "uniform")
+BATCHED_INPUTS = ("input_ids", "past_lengths", "key_index", "logit_rows", "temperature", "uniform")
 
 
 def check_batched_graph(manifest: dict[str, Any], artifact_dir: Path) -> None:

@@ -92,9 +92,9 @@ def through_server(client, messages: list[dict], max_tokens: int, reuse: bool) -
 class ServerProcess:
     """`python -m runtime serve DIR --port 0` in a subprocess (its own interpreter and GIL, as deployed)."""
 
-    def __init__(self, artifact: str, backend: str):
+    def __init__(self, artifact: str, backend: str, extra: list[str] | None = None):
         cmd = [sys.executable, "-m", "runtime", "serve", artifact, "--port", "0", "--backend", backend,
-               "--model-name", MODEL]
+               "--model-name", MODEL, *(extra or [])]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         lines = []
         for line in self.proc.stderr:

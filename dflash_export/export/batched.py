@@ -19,26 +19,31 @@ OWN_INITIALIZER_BYTES = 1 << 20
 
 def batched_target_inputs(module) -> tuple:
     """(dummy args, io names, dynamic shapes) to trace a BatchedTarget with. Sizes are distinct and
-    >= 2 (B=2, T=3, K=5, U=4, P=7, S=6) so no dimension is specialised."""
+    >= 2 (B=2, T=3, L=9 keys, K=5, U=4, C=40 cache rows) so no dimension is specialised."""
     a = module.spec.arch
     dt = module.compute_dtype
-    b, t, k, u, p, s = 2, 3, 5, 4, 7, 6
+    b, t, n_keys, k, u, c = 2, 3, 9, 5, 4, 40
+    past = torch.tensor([6, 2], dtype=torch.int64)
+    index = torch.zeros(b, n_keys, dtype=torch.int64)
+    for i in range(b):
+        index[i, : past[i]] = torch.arange(int(past[i])) * 4 + i
+        index[i, past[i]: past[i] + t] = c + i * t + torch.arange(t)
     args = (
         torch.randint(0, module.spec.vocab_size, (b, t), dtype=torch.int64),
-        torch.tensor([4, 2], dtype=torch.int64),
-        torch.tensor([3, 0], dtype=torch.int64),
+        past,
+        index,
         torch.tensor([0, 2, 3, 4, 5], dtype=torch.int64),
         torch.rand(k, dtype=torch.float32),
         torch.rand(u, dtype=torch.float32),
-        *[torch.randn(p, s, a.num_kv_heads, a.head_dim, dtype=dt) for _ in range(2 * a.num_layers)],
+        *[torch.randn(a.num_kv_heads, c, a.head_dim, dtype=dt) for _ in range(2 * a.num_layers)],
     )
     B = torch.export.Dim("batch", min=1, max=1 << 10)
     T = torch.export.Dim("rows_per_sequence", min=1, max=1 << 20)
+    L = torch.export.Dim("keys", min=1, max=1 << 21)
     K = torch.export.Dim("logit_rows", min=1, max=1 << 20)
     U = torch.export.Dim("sampled_rows", min=0, max=1 << 20)
-    P = torch.export.Dim("past_len", min=0, max=1 << 20)
-    S = torch.export.Dim("slots", min=1, max=1 << 10)
-    dyn = ({0: B, 1: T}, {0: B}, {0: B}, {0: K}, {0: K}, {0: U}, tuple({0: P, 1: S} for _ in range(2 * a.num_layers)))
+    C = torch.export.Dim("cache_rows", min=1, max=1 << 30)
+    dyn = ({0: B, 1: T}, {0: B}, {0: B, 1: L}, {0: K}, {0: K}, {0: U}, tuple({1: C} for _ in range(2 * a.num_layers)))
     return args, batched_io_names(a.num_layers), dyn
 
 

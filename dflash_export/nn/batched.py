@@ -7,22 +7,27 @@ over keys laid out per sequence as [its past, its new rows, masked padding] (the
 zeros at the end of every sum over keys, as the masked keys of a verify call do). So a stream's output
 does not depend on what else runs in the batch.
 
-Inputs (B sequences of T rows each, flattened row r = b * T + t):
+The caches are whole static buffers, head-major `[Hkv, max_seq_len * S, D]` (row p * S + s: position
+p of slot s), bound once; each layer gathers only the rows its sequences read, straight into the
+`[Hkv, B, L, D]` layout its MatMuls take (no transpose of the cache).
+
+Inputs (B sequences of T rows each, flattened row r = b * T + t; L keys per sequence):
     input_ids: int64 `[B, T]`.
     past_lengths: int64 `[B]`: sequence b's cached rows; its row t sits at position past_lengths[b] + t.
-    slot_ids: int64 `[B]`: the cache slot of sequence b.
+    key_index: int64 `[B, L]`, L >= max(past_lengths) + T: sequence b's key l is cache row
+        key_index[b, l] when below max_seq_len * S, else new row key_index[b, l] - max_seq_len * S;
+        keys l >= past_lengths[b] + T are padding (masked whatever they index).
     logit_rows: int64 `[K]`: the flattened rows whose logits and next ids are wanted (every row of a
         decoding step; the last row of a prefill chunk), K >= 1.
     temperature: fp32 `[K]`: per logits row; 0 is greedy.
     uniform: fp32 `[U]`, U = K (sample) or 0 (all greedy: the sampling branch is empty).
-    past_key_i / past_value_i: `[P, S, Hkv, D]`: rows [0, P) of every slot of layer i's cache
-        (position-major, so this prefix of all S slots is one contiguous view), P >= max(past_lengths).
+    past_key_i / past_value_i: `[Hkv, max_seq_len * S, D]`: layer i's whole cache.
 
 Outputs:
     next_ids: int64 `[K]`: the posterior id of each logits row (sampled at its temperature).
     logits: fp32 `[K, V]`.
-    key_i / value_i: `[B * T, Hkv, D]`: the new K/V rows, which the runtime writes to row
-        past_lengths[b] + t of slot slot_ids[b].
+    key_i / value_i: `[B * T, Hkv, D]`: the new K/V rows, which the runtime writes to cache row
+        (past_lengths[b] + t) * S + slot of sequence b, in every head.
 """
 
 from __future__ import annotations
@@ -43,24 +48,23 @@ def batched_io_names(num_layers: int) -> tuple[list[str], list[str]]:
     return [*BATCHED_INPUTS, *kv_in], [*BATCHED_OUTPUTS, *kv_out]
 
 
-def key_layout(past_lengths: torch.Tensor, slot_ids: torch.Tensor, past: int, slots: int, rows: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each sequence's keys come from, and which it sees.
+def key_layout(past_lengths: torch.Tensor, key_index: torch.Tensor, cache_rows: int, new_rows: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-call tables of the key layout (see the module docstring), shared by every layer.
 
     Returns:
-        (index int64 `[B * L]` into `cat([past_view.reshape(P * S, ...), new rows])`, L = P + T: key l
-        of sequence b is its cached row l (l < past_b), its new row l - past_b (l < past_b + T), else
-        row 0 (padding, masked); visible bool `[B, T, L]`: row t sees keys l <= past_b + t.)
+        (cache index int64 `[B * L]` (clipped into the cache), new-row index int64 `[B * L]` (clipped
+        into the new rows), is-new bool `[1, B * L, 1]`, visible bool `[B, T, L]`: row t of sequence b
+        sees keys l <= past_b + t.)
     """
-    b = past_lengths.shape[0]
-    keys = torch.arange(past + rows, dtype=torch.int64)[None, :]
-    pb = past_lengths[:, None]
-    cached = keys * slots + slot_ids[:, None]
-    new = past * slots + torch.arange(b, dtype=torch.int64)[:, None] * rows + (keys - pb)
-    index = torch.where(keys < pb, cached, torch.where(keys < pb + rows, new, torch.zeros_like(new)))
-    row = torch.arange(rows, dtype=torch.int64)[None, :, None]
-    visible = keys[:, None, :] <= pb[:, :, None] + row
-    return index.reshape(-1), visible
+    flat = key_index.reshape(-1)
+    is_new = flat >= cache_rows
+    cached = torch.clamp(flat, max=cache_rows - 1)
+    new = torch.clamp(flat - cache_rows, min=0, max=new_rows - 1)
+    rows = new_rows // past_lengths.shape[0]
+    keys = torch.arange(key_index.shape[1], dtype=torch.int64)[None, None, :]
+    visible = keys <= past_lengths[:, None, None] + torch.arange(rows, dtype=torch.int64)[None, :, None]
+    return cached, new, is_new[None, :, None], visible
 
 
 class BatchedTarget(TargetForExport):
@@ -68,20 +72,20 @@ class BatchedTarget(TargetForExport):
     families only (Qwen3 / Llama); it holds no proposal head, taps or embeddings outputs: a batched
     step decodes plainly."""
 
-    def forward(self, input_ids, past_lengths, slot_ids, logit_rows, temperature, uniform, *past):
+    def forward(self, input_ids, past_lengths, key_index, logit_rows, temperature, uniform, *past):
         b, t = input_ids.shape
-        p, slots = past[0].shape[0], past[0].shape[1]
         attn0 = self.model.layers[0].self_attn
         group = attn0.num_heads // attn0.num_kv_heads
         positions = (past_lengths[:, None] + torch.arange(t, dtype=torch.int64)[None, :]).reshape(-1)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
         rot = rope_matrix(cos, sin)
         rot_q = rot * attn0.scale
-        index, visible = key_layout(past_lengths, slot_ids, p, slots, t)
+        tables = key_layout(past_lengths, key_index, past[0].shape[1], b * t)
+        visible = tables[-1]
         lowest = torch.finfo(torch.float32).min
         bias = torch.where(visible, torch.zeros((), dtype=torch.float32), torch.full((), lowest))
-        bias = bias.repeat(1, group, 1)[:, None]  # [B, 1, group * T, L]: rows ordered (head in group, t)
-        key_ones = torch.ones(p + t, 16, dtype=torch.float32)
+        bias = bias.repeat(1, group, 1)  # [B, group * T, L]: rows ordered (head in group, t), as the queries
+        key_ones = torch.ones(key_index.shape[1], 16, dtype=torch.float32)
         h = self.model.embed_tokens(input_ids.reshape(-1))
         new_kv = []
         for layer in self.model.layers:
@@ -89,7 +93,7 @@ class BatchedTarget(TargetForExport):
             q = layer.self_attn.query(x, rot_q, None)
             k, v = layer.self_attn.key_value(x, rot, None)
             i = len(new_kv)
-            out = _attend(layer.self_attn, q, past[i], past[i + 1], k, v, index, bias, key_ones, b, t)
+            out = _attend(layer.self_attn, q, past[i], past[i + 1], k, v, tables[:3], bias, key_ones, b, t)
             h = h + layer.self_attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             new_kv += [k, v]
@@ -98,23 +102,27 @@ class BatchedTarget(TargetForExport):
         return (_posterior(logits, temperature, uniform, self.spec.vocab_size), logits, *new_kv)
 
 
-def _attend(attn, q, past_k, past_v, k, v, index, bias, key_ones, b: int, t: int) -> torch.Tensor:
+def _attend(attn, q, past_k, past_v, k, v, tables, bias, key_ones, b: int, t: int) -> torch.Tensor:
     """Split-invariant attention (`nn.layers._split_invariant_values`) of `q [B * T, H, D]` over each
-    sequence's keys gathered by `index` (`key_layout`). Returns `[B * T, H * D]`."""
+    sequence's keys: its cache rows and its new rows, in the order `tables` (`key_layout`) gives.
+    Returns `[B * T, H * D]`."""
     hkv, d = attn.num_kv_heads, attn.head_dim
     g = attn.num_heads // hkv
+    cached, new, is_new = tables
     n_keys = key_ones.shape[0]
-    keys = torch.index_select(torch.cat([past_k.reshape(-1, hkv, d), k], dim=0), 0, index)
-    values = torch.index_select(torch.cat([past_v.reshape(-1, hkv, d), v], dim=0), 0, index)
-    keys = keys.view(b, n_keys, hkv, d).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-    values = values.view(b, n_keys, hkv, d).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-    qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
-    scores = torch.matmul(qg, keys).to(torch.float32) + bias
+
+    def arranged(cache, rows):  # -> [Hkv, B, L, D]
+        fresh = torch.index_select(rows.permute(1, 0, 2), 1, new)
+        return torch.where(is_new, fresh, torch.index_select(cache, 1, cached)).view(hkv, b, n_keys, d)
+
+    keys, values = arranged(past_k, k), arranged(past_v, v)
+    qg = q.view(b, t, hkv, g, d).permute(2, 0, 3, 1, 4).reshape(hkv, b, g * t, d)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).to(torch.float32) + bias
     e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
     numerator = torch.matmul(e.to(q.dtype), values).to(torch.float32)
     denominator = torch.matmul(e, key_ones)[..., :1]
-    out = (numerator / denominator).to(q.dtype)  # [B, Hkv, g * T, D]
-    return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hkv * g * d)
+    out = (numerator / denominator).to(q.dtype)  # [Hkv, B, g * T, D]
+    return out.view(hkv, b, g, t, d).permute(1, 3, 0, 2, 4).reshape(b * t, hkv * g * d)
 
 
 def _posterior(logits, temperature, uniform, vocab_size: int) -> torch.Tensor:

@@ -110,13 +110,16 @@ class Backend(ABC):
     def copy(self, dst: View, src: View) -> None:
         """Copy `src` into `dst` within the backend's memory (same element count)."""
 
-    def scatter(self, dst: "Buffer", rows: np.ndarray, src: View, src_rows: np.ndarray) -> None:
-        """Copy row `src_rows[i]` of `src` (`[n, *shape]`) to row `rows[i]` of `dst` seen as rows of
-        `shape` (a batched step's new K/V rows into their slots, `runtime.batching`). One copy per row
-        here; backends over host memory do it in one indexed assignment."""
-        elems = src.size // src.shape[0]
+    def scatter_heads(self, dst: "Buffer", rows: np.ndarray, src: View, src_rows: np.ndarray) -> None:
+        """Write row `src_rows[i]` of `src` (`[n, H, D]`) to row `rows[i]` of every head of `dst` (a
+        head-major `[H, N, D]` cache): a batched step's new K/V rows into their slots
+        (`runtime.batching`). One copy per row and head here; host-memory backends do it in one indexed
+        assignment."""
+        heads, d = src.shape[1], src.shape[2]
+        per_head = dst.capacity // heads
         for row, s in zip(np.asarray(rows).tolist(), np.asarray(src_rows).tolist()):
-            self.copy(View(dst, int(row) * elems, src.shape[1:]), View(src.buffer, src.offset + int(s) * elems, src.shape[1:]))
+            for h in range(heads):
+                self.copy(View(dst, h * per_head + int(row) * d, (d,)), View(src.buffer, src.offset + (int(s) * heads + h) * d, (d,)))
 
     @abstractmethod
     def run(self, graph: str, inputs: dict[str, View], outputs: dict[str, View]) -> None:

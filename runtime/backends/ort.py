@@ -270,9 +270,9 @@ class OrtBackend(Backend):
     def copy(self, dst: View, src: View) -> None:
         dst.buffer.host(dst)[...] = src.buffer.host(src).reshape(dst.shape)
 
-    def scatter(self, dst: Buffer, rows: np.ndarray, src: View, src_rows: np.ndarray) -> None:
-        width = src.size // src.shape[0]
-        dst.array.reshape(-1, width)[rows] = src.buffer.host(src).reshape(-1, width)[src_rows]
+    def scatter_heads(self, dst: Buffer, rows: np.ndarray, src: View, src_rows: np.ndarray) -> None:
+        heads, d = src.shape[1], src.shape[2]
+        dst.array.reshape(heads, -1, d)[:, rows, :] = src.buffer.host(src)[src_rows].transpose(1, 0, 2)
 
     def run(self, graph: str, inputs: dict[str, View], outputs: dict[str, View]) -> None:
         binding, bound = self._binding(graph, inputs, outputs)

@@ -1,10 +1,10 @@
 """The batched target graph's static buffers and its one call: several sequences, each in its own cache
 slot at its own past length (`dflash_export.nn.batched` defines the graph).
 
-K/V live position-major, `[max_seq_len, slots, Hkv, D]` per layer and kind, so rows [0, P) of every
-slot are one contiguous view the graph reads in place; a call's new rows come back in scratch buffers
-and are copied to their slots' rows (one indexed copy per layer and kind). Rollback and slot reuse are
-length updates, as in the one-sequence runtime.
+K/V live head-major, `[Hkv, max_seq_len * slots, D]` per layer and kind (row p * slots + s: position p
+of slot s): whole buffers the graph reads in place, bound once. A call's new rows come back in scratch
+buffers and are copied to their slots' rows (one indexed copy per layer and kind). Rollback and slot
+reuse are length updates, as in the one-sequence runtime.
 """
 
 from __future__ import annotations
@@ -56,15 +56,33 @@ class BatchedCalls:
         self.slots, self.max_rows = int(slots), int(max_rows)
         self.max_seq_len = int(manifest["max_seq_len"])
         hkv, d = int(sec["num_kv_heads"]), int(sec["head_dim"])
-        self.kv = [(be.alloc(dtype, self.max_seq_len, (self.slots, hkv, d)), be.alloc(dtype, self.max_seq_len, (self.slots, hkv, d)))
+        self.cache_rows = self.max_seq_len * self.slots
+        self.kv = [(be.alloc(dtype, hkv, (self.cache_rows, d)), be.alloc(dtype, hkv, (self.cache_rows, d)))
                    for _ in range(int(sec["num_layers"]))]
         self.new_kv = [(be.alloc(dtype, self.max_rows, (hkv, d)), be.alloc(dtype, self.max_rows, (hkv, d))) for _ in self.kv]
         self.input_ids = be.alloc(np.int64, self.max_rows)
-        self.past_lengths, self.slot_ids = be.alloc(np.int64, self.slots), be.alloc(np.int64, self.slots)
+        self.past_lengths = be.alloc(np.int64, self.slots)
+        self.key_index = be.alloc(np.int64, self.slots * (self.max_seq_len + self.max_rows))
         self.logit_rows, self.next_ids = be.alloc(np.int64, self.slots), be.alloc(np.int64, self.slots)
         self.temperature, self.uniform = be.alloc(np.float32, self.slots), be.alloc(np.float32, self.slots)
         self.logits = be.alloc(np.float32, self.slots, (int(sec["vocab_size"]),))
         self.skip_sampling = bool(getattr(be, "greedy_without_uniforms", True))
+        # whether a one-row call runs as two rows: decided by `decide_row_padding` (Session's rule)
+        self.pad_single_rows = True
+
+    def decide_row_padding(self) -> bool:
+        """Pad one-row calls only where the backend rounds activations to int8 and a one-row call gives
+        its row other floats than a two-row call (`runtime.graphs.row_exact`'s probe, on slot 0, whose
+        cached ids the caller forgets). Returns the decision."""
+        self.pad_single_rows = False
+        if getattr(self.backend, "int8_activations", False) and self.max_seq_len >= 5:
+            self.run([SequenceRows(0, 0, [1, 2, 3], logits=True)])
+            self.run([SequenceRows(0, 3, [4])])
+            one = [self.backend.read(buf.rows(0, 1)) for pair in self.new_kv for buf in pair]
+            self.run([SequenceRows(0, 3, [4, 5])])
+            two = [self.backend.read(buf.rows(0, 1)) for pair in self.new_kv for buf in pair]
+            self.pad_single_rows = not all(np.array_equal(a, b) for a, b in zip(one, two))
+        return self.pad_single_rows
 
     def run(self, batch: list[SequenceRows], keep_logits: bool = False) -> np.ndarray:
         """One call on `batch` (at most `slots` sequences, distinct slots, each past + len(ids) within
@@ -72,12 +90,12 @@ class BatchedCalls:
         per sequence with `logits`, in batch order). With `keep_logits` their fp32 logits rows are left
         in :attr:`logits` rows 0.. for the host (:meth:`read_logits`).
 
-        A one-row call runs as two rows (the second a padding row nobody reads): kernels that round one
-        row differently from several (`runtime.graphs.row_exact`) then give every row the floats it
-        gets in any batch."""
+        With :attr:`pad_single_rows`, a one-row call runs as two rows (the second a padding row nobody
+        reads): kernels that round one row differently from several (`runtime.graphs.row_exact`) then give
+        every row the floats it gets in any batch."""
         be, b = self.backend, len(batch)
         t = max(len(s.ids) for s in batch)
-        t = 2 if b * t == 1 else t
+        t = 2 if b * t == 1 and self.pad_single_rows else t
         ids = np.zeros((b, t), np.int64)
         for i, s in enumerate(batch):
             ids[i, : len(s.ids)] = s.ids
@@ -86,29 +104,35 @@ class BatchedCalls:
         rows = np.array([i * t + len(batch[i].ids) - 1 for i in wanted], np.int64)
         temps = np.array([batch[i].temperature for i in wanted], np.float32)
         be.write(View(self.input_ids, 0, (b, t)), ids)
-        be.write(self.past_lengths.rows(0, b), np.array([s.past for s in batch], np.int64))
-        be.write(self.slot_ids.rows(0, b), np.array([s.slot for s in batch], np.int64))
+        pasts = np.array([s.past for s in batch], np.int64)
+        n_keys = int(pasts.max()) + t
+        keys = np.arange(n_keys, dtype=np.int64)[None, :]
+        slots = np.array([s.slot for s in batch], np.int64)[:, None]
+        new = self.cache_rows + np.arange(b, dtype=np.int64)[:, None] * t + keys - pasts[:, None]
+        index = np.where(keys < pasts[:, None], keys * self.slots + slots, new)
+        be.write(self.past_lengths.rows(0, b), pasts)
+        be.write(View(self.key_index, 0, (b, n_keys)), index)
         be.write(self.logit_rows.rows(0, k), rows)
         be.write(self.temperature.rows(0, k), temps)
         sampled = k if (temps > 0).any() or not self.skip_sampling else 0
         if sampled:
             be.write(self.uniform.rows(0, k), np.array([batch[i].uniform for i in wanted], np.float32))
-        past = max(s.past for s in batch)
         inputs = {"input_ids": View(self.input_ids, 0, (b, t)), "past_lengths": self.past_lengths.rows(0, b),
-                  "slot_ids": self.slot_ids.rows(0, b), "logit_rows": self.logit_rows.rows(0, k),
+                  "key_index": View(self.key_index, 0, (b, n_keys)), "logit_rows": self.logit_rows.rows(0, k),
                   "temperature": self.temperature.rows(0, k), "uniform": self.uniform.rows(0, sampled)}
         outputs = {"next_ids": self.next_ids.rows(0, k)}
         if keep_logits:
             outputs["logits"] = self.logits.rows(0, k)
         for i, ((key, value), (new_k, new_v)) in enumerate(zip(self.kv, self.new_kv)):
-            inputs[f"past_key_{i}"], inputs[f"past_value_{i}"] = key.rows(0, past), value.rows(0, past)
+            inputs[f"past_key_{i}"], inputs[f"past_value_{i}"] = key.rows(0, key.capacity // key.row_elems), \
+                value.rows(0, value.capacity // value.row_elems)
             outputs[f"key_{i}"], outputs[f"value_{i}"] = new_k.rows(0, b * t), new_v.rows(0, b * t)
         be.run(BATCHED_GRAPH, inputs, outputs)
         src = np.array([i * t + j for i, s in enumerate(batch) for j in range(len(s.ids))], np.int64)
         dst = np.array([(s.past + j) * self.slots + s.slot for s in batch for j in range(len(s.ids))], np.int64)
         for (key, value), (new_k, new_v) in zip(self.kv, self.new_kv):
-            be.scatter(key, dst, new_k.rows(0, b * t), src)
-            be.scatter(value, dst, new_v.rows(0, b * t), src)
+            be.scatter_heads(key, dst, new_k.rows(0, b * t), src)
+            be.scatter_heads(value, dst, new_v.rows(0, b * t), src)
         return be.read(self.next_ids.rows(0, k))
 
     def read_logits(self, row: int) -> np.ndarray:

@@ -174,6 +174,7 @@ class BatchEngine(PromptEncoding):
                                   int4_accuracy_level=int4_accuracy_level)
         rows = max(prefill_chunk, 2 * max_batch)
         self.calls = BatchedCalls(self.backend, m, max_batch, rows, np.dtype(DTYPES[m["dtype"]]))
+        self.calls.decide_row_padding()  # (before any slot holds a sequence: the probe writes slot 0)
         self.slots = SlotTable(max_batch)
         self.cond = threading.Condition()
         self.waiting: deque[_Sequence] = deque()
@@ -196,6 +197,8 @@ class BatchEngine(PromptEncoding):
         Raises:
             DFlashError: bad prompt or options, a request beyond the KV buffers, a closed engine.
         """
+        if self.closed:
+            raise DFlashError("this BatchEngine is closed; load the artifact again")
         unknown = sorted(set(options) - GENERATION_OPTION_NAMES)
         if unknown:
             raise DFlashError(f"unknown generation option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the "

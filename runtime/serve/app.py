@@ -13,7 +13,9 @@ already cover; aiohttp needs C extensions; the standard library's http.server ha
 or disconnect detection. The import is lazy (`runtime/__main__.py` checks for the extra), so
 `import runtime` never needs them.
 
-Serving model: batch 1. Generations run one at a time in a worker thread (runtime/serve_worker.py);
+Serving model: over a Session, batch 1: generations run one at a time in a worker thread
+(runtime/serve/worker.py), with speculative decoding; over a `runtime.batching.BatchEngine` (`serve
+--max-batch N`), up to N at once, joining and leaving the batch at step boundaries. Either way,
 requests are checked and tokenized first (400 at once for a bad one), then wait in a bounded FIFO
 queue (429 with Retry-After when full). A request's headers, then its body, must each arrive within
 `read_timeout` seconds (default 10; 408 otherwise: a client that sends half a request and stalls holds
@@ -38,11 +40,19 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from runtime.batching import BatchEngine
 from runtime.errors import DFlashError
 from runtime.options import DEFAULT_MAX_TOKENS, GenerationOptions
 from runtime.serve.params import ApiError, ParsedRequest, parse_request
 from runtime.serve.replies import Reply, as_api_error, sse
-from runtime.serve.worker import Job, QueueFull, ShuttingDown, Worker, stopped_error
+from runtime.serve.worker import (
+    BatchWorker,
+    Job,
+    QueueFull,
+    ShuttingDown,
+    Worker,
+    stopped_error,
+)
 
 log = logging.getLogger("runtime.serve.app")
 
@@ -103,7 +113,7 @@ class OpenAIApi:
             raise DFlashError(f"read_timeout must be a positive number of seconds (got {read_timeout!r})")
         self.session, self.model_name, self.api_key, self.max_body = session, model_name, api_key, max_body
         self.read_timeout = float(read_timeout)
-        self.worker = Worker(session, queue_size)
+        self.worker = BatchWorker(session, queue_size) if isinstance(session, BatchEngine) else Worker(session, queue_size)
         self.created = int(time.time())
         # one thread checks, tokenizes and queues requests in arrival order, off the event loop
         self._prepare = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-prepare")
@@ -190,8 +200,7 @@ class OpenAIApi:
         except ShuttingDown:
             raise stopped_error() from None
         except QueueFull as exc:
-            raise ApiError(429, f"the server is busy ({exc}; it generates one reply at a time and queues at most "
-                                f"{self.worker.queue_size}); retry later", type="rate_limit_error",
+            raise ApiError(429, f"the server is busy ({exc}; it queues at most {self.worker.queue_size}); retry later", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         return job
 

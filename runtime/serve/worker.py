@@ -171,3 +171,76 @@ def stopped_error() -> ApiError:
     """What a job gets when the server stops before its reply is done (503 shutting_down)."""
     return ApiError(503, "the generation was stopped: the server is shutting down", type="server_error",
                     code="shutting_down")
+
+
+class BatchWorker:
+    """The :class:`Worker` interface over a :class:`runtime.batching.BatchEngine`: jobs run together, up to
+    the engine's slots, joining and leaving at step boundaries; `queue_size` jobs may wait for a slot."""
+
+    def __init__(self, engine, queue_size: int = 16):
+        if queue_size < 1:
+            raise DFlashError(f"queue size must be at least 1 (got {queue_size})")
+        self.engine, self.queue_size = engine, queue_size
+        self.cond = threading.Condition()
+        self.jobs: dict[Job, Any] = {}  # job -> its engine handle, while it runs or waits
+        self.served = 0
+        self._stopping = False
+
+    def start(self) -> None:
+        """Nothing to start: the engine's scheduler thread runs already."""
+
+    def submit(self, job: Job) -> None:
+        """Hand a job to the engine (from any thread).
+
+        Raises:
+            QueueFull: `queue_size` jobs already wait for a slot.
+        """
+        from runtime.options import GenerationOptions
+
+        with self.cond:
+            if self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            if self.engine.status()["waiting"] >= self.queue_size:
+                raise QueueFull(f"{self.queue_size} requests are already waiting for one of {self.engine.max_batch} slots")
+            self.jobs[job] = self.engine.submit(job.ids, GenerationOptions(**job.options),
+                                                on_event=lambda kind, payload: self._event(job, kind, payload))
+            self.cond.notify_all()
+
+    def _event(self, job: Job, kind: str, payload) -> None:
+        if kind == "chunk":
+            job.steps += 1
+        job.emit(kind, payload)
+        if kind != "chunk":
+            self._forget(job)
+
+    def _forget(self, job: Job) -> None:
+        with self.cond:
+            if self.jobs.pop(job, None) is not None:
+                self.served += 1
+            self.cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """Stop a job at the next step boundary (waiting or running; no-op once it finished)."""
+        job.cancelled.set()
+        with self.cond:
+            handle = self.jobs.get(job)
+        if handle is not None:
+            handle.cancel()
+            self._forget(job)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every job (each gets a 503 error event) and the engine's scheduler."""
+        with self.cond:
+            self._stopping = True
+            jobs = list(self.jobs)
+        for job in jobs:
+            self.cancel(job)
+            job.emit("error", stopped_error())
+        self.engine.close()
+
+    def status(self) -> dict:
+        """{"waiting", "running", "queue_size", "served", "slots"} for /health."""
+        engine = self.engine.status()
+        with self.cond:
+            return {"waiting": engine["waiting"], "running": engine["running"] > 0, "streams": engine["running"],
+                    "queue_size": self.queue_size, "served": self.served, "slots": engine["slots"]}

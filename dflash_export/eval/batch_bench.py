@@ -1,0 +1,141 @@
+"""Several clients at once through the server: the batched server (`serve --max-batch M`) against today's
+one-at-a-time server (`--max-batch 1`, speculative decoding), in one run.
+
+    python -m dflash_export.eval.batch_bench ARTIFACT [--streams 1,2,4,8] [--max-tokens 64] [--limit 2]
+        [--rounds 2] [--max-batch 8]
+
+The artifact must be built with `--batched`. Both servers run as subprocesses (`python -m runtime serve`),
+idle while the other is loaded. For each N in --streams and each round, each server (their order
+alternating) gets N concurrent streaming chat clients (the official openai client, one thread each)
+working through the held-out prompts (`models/prompts/eval.jsonl`, --limit per category, greedy,
+--max-tokens each; at least 2N requests so every client sends two). Printed per server and N, medians over
+rounds: aggregate decode tokens/s (completion tokens of all requests / the load's wall time, first
+token included), p50/p95 time to first token, p50/p95 gap between streamed chunks (inter-token latency;
+a speculative chunk can carry several tokens), and replies that differ from the one-at-a-time server's
+reply to the same prompt with one client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from dflash_export.eval.bench import DEFAULT_EVAL, eval_prompts
+from dflash_export.eval.serve_bench import MODEL, ServerProcess
+
+
+def one_request(client, prompt: str, max_tokens: int) -> dict:
+    """One streamed greedy chat request: its text, completion tokens, TTFT and chunk gaps (seconds)."""
+    t0 = time.perf_counter()
+    stamps, text, tokens = [], [], 0
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0,
+                                         max_tokens=max_tokens, stream=True, stream_options={"include_usage": True})
+    for chunk in out:
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+            text.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"prompt": prompt, "text": "".join(text), "tokens": tokens,
+            "ttft": (stamps[0] if stamps else time.perf_counter()) - t0, "gaps": gaps}
+
+
+def load(url: str, prompts: list[str], streams: int, max_tokens: int) -> tuple[float, list[dict]]:
+    """`streams` clients working through `prompts` (repeated to at least 2 per client). Returns (wall
+    seconds, per-request records)."""
+    import openai
+
+    work: queue.Queue = queue.Queue()
+    todo = list(prompts)
+    while len(todo) < 2 * streams:
+        todo += prompts
+    for p in todo:
+        work.put(p)
+    records, lock = [], threading.Lock()
+
+    def client_thread():
+        c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+        while True:
+            try:
+                p = work.get_nowait()
+            except queue.Empty:
+                break
+            r = one_request(c, p, max_tokens)
+            with lock:
+                records.append(r)
+        c.close()
+
+    threads = [threading.Thread(target=client_thread) for _ in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0, records
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values) or [0.0]
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarize(seconds: float, records: list[dict], reference: dict[str, str]) -> dict:
+    gaps = [g for r in records for g in r["gaps"]]
+    ttft = [r["ttft"] for r in records]
+    return {"tok_s": sum(r["tokens"] for r in records) / seconds, "ttft50": pct(ttft, 0.5), "ttft95": pct(ttft, 0.95),
+            "itl50": pct(gaps, 0.5), "itl95": pct(gaps, 0.95),
+            "differ": sum(reference.get(r["prompt"], r["text"]) != r["text"] for r in records), "n": len(records)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash_export.eval.batch_bench", description=__doc__.splitlines()[0])
+    p.add_argument("artifact")
+    p.add_argument("--streams", default="1,2,4,8")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--limit", type=int, default=2, help="held-out prompts per category")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-batch", type=int, default=8, help="the batched server's slots")
+    p.add_argument("--prompts", default=str(DEFAULT_EVAL))
+    args = p.parse_args(argv)
+    streams = [int(s) for s in args.streams.split(",")]
+    prompts = eval_prompts(Path(args.prompts), args.limit)
+    servers = {"one at a time (--max-batch 1, speculative)": ServerProcess(args.artifact, "ort", ["--max-batch", "1"]),
+               f"batched (--max-batch {args.max_batch})": ServerProcess(args.artifact, "ort",
+                                                                        ["--max-batch", str(args.max_batch)])}
+    names = list(servers)
+    try:
+        _, alone = load(servers[names[0]].url, prompts, 1, args.max_tokens)
+        reference = {r["prompt"]: r["text"] for r in alone}
+        results: dict[tuple[str, int], list[dict]] = {}
+        for rnd in range(args.rounds):
+            for n in streams:
+                for name in (names if (rnd + n) % 2 == 0 else names[::-1]):
+                    seconds, records = load(servers[name].url, prompts, n, args.max_tokens)
+                    results.setdefault((name, n), []).append(summarize(seconds, records, reference))
+                    print(f"round {rnd + 1}, {n} streams, {name}: {results[name, n][-1]['tok_s']:.1f} tok/s", flush=True)
+    finally:
+        for s in servers.values():
+            s.stop()
+    med = lambda key, runs: statistics.median(r[key] for r in runs)  # noqa: E731
+    print(f"\n{len(prompts)} held-out prompts, {args.max_tokens} tokens each, greedy, {args.rounds} rounds (medians)\n")
+    print("| server | streams | aggregate tok/s | vs 1 stream | TTFT p50 / p95 ms | inter-token p50 / p95 ms |"
+          " replies differing from one client |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name in names:
+        base = med("tok_s", results[name, streams[0]])
+        for n in streams:
+            runs = results[name, n]
+            print(f"| {name} | {n} | {med('tok_s', runs):.1f} | {med('tok_s', runs) / base:.2f}x | "
+                  f"{med('ttft50', runs) * 1e3:.0f} / {med('ttft95', runs) * 1e3:.0f} | "
+                  f"{med('itl50', runs) * 1e3:.1f} / {med('itl95', runs) * 1e3:.1f} | "
+                  f"{sum(r['differ'] for r in runs)} of {sum(r['n'] for r in runs)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,243 @@
+"""The batched target graph (`build --batched`) and `runtime.batching.BatchEngine`: every stream's output
+equals its batch-1 output (greedy and seeded, whatever joins or leaves), long prompts join in chunks,
+slots are reused and freed, bad input gets one clear error."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+import runtime
+import runtime_fixtures as rf
+from dflash_export.build import BuildOptions, build
+from runtime.batching import BatchEngine
+from runtime.batching.calls import SequenceRows
+from runtime.errors import DFlashError
+from shared_cache import shared_dir
+
+PROMPT_LENGTHS = (3, 5, 9, 17, 40, 2, 7)
+
+
+def _build(tmp_path_factory, name: str, **options):
+    root = rf.checkpoints("qwen3", tmp_path_factory)
+    return shared_dir(tmp_path_factory, name, lambda d: build(BuildOptions(
+        str(root / "target"), str(root / "draft"), d / "artifact", max_seq_len=96, batched=True, quiet=True,
+        **options))) / "artifact"
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    return _build(tmp_path_factory, "batched_fp32")
+
+
+@pytest.fixture(scope="module")
+def art_int4(tmp_path_factory):
+    return _build(tmp_path_factory, "batched_int4", quant="int4", quant_block=32, quant_lm_head=True)
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, 90, size=n)] for n in PROMPT_LENGTHS]
+
+
+def _batch1(artifact, prompts, **options) -> list[list[int]]:
+    """Each prompt's reply from a one-sequence Session (plain decoding, no reuse)."""
+    with runtime.load(artifact) as s:
+        return [s.generate(p, block_size=1, reuse_prefix=False, **options).output_ids for p in prompts]
+
+
+def _drain(handles) -> list[list[int]]:
+    out = []
+    for h in handles:
+        for _ in h:
+            pass
+        out.append(h.result.output_ids)
+    return out
+
+
+def test_greedy_streams_equal_their_batch1_output_whatever_joins_or_leaves(art):
+    """7 prompts of 2-40 tokens on 3 slots with 8-row prefill chunks: streams join as others finish (their
+    lengths differ), long prompts prefill over several calls beside running streams."""
+    prompts = _prompts()
+    lengths = [12, 30, 5, 20, 9, 25, 16]
+    with runtime.load(art) as s:
+        expected = [s.generate(p, max_new_tokens=n, block_size=1, stop_token_ids=[], reuse_prefix=False).output_ids
+                    for p, n in zip(prompts, lengths)]
+        speculative = [s.generate(p, max_new_tokens=n, stop_token_ids=[], reuse_prefix=False).output_ids
+                       for p, n in zip(prompts, lengths)]
+    assert speculative == expected  # (lossless: the batch-1 reference is the same with speculation)
+    with BatchEngine(art, max_batch=3, prefill_chunk=8) as engine:
+        got = _drain([engine.stream(p, max_new_tokens=n, stop_token_ids=[]) for p, n in zip(prompts, lengths)])
+        assert engine.status() == {"waiting": 0, "running": 0, "slots": 3}
+    assert got == expected
+
+
+def test_seeded_sampling_equals_batch1_in_a_mixed_batch(art):
+    """Greedy, graph-sampled (temperature) and host-sampled (top_k, top_p) streams share calls; each
+    gives its seed's batch-1 reply."""
+    prompts = _prompts(1)
+    kinds = [dict(temperature=0.8, seed=3), dict(temperature=1.1, top_k=5, seed=4), dict(), dict(temperature=0.7,
+             top_p=0.8, seed=5), dict(temperature=0.9, seed=6), dict(temperature=1.0, top_k=3, top_p=0.9, seed=7),
+             dict(temperature=0.5, seed=8)]
+    expected = []
+    with runtime.load(art) as s:
+        for p, kw in zip(prompts, kinds):
+            expected.append(s.generate(p, max_new_tokens=16, stop_token_ids=[], reuse_prefix=False, **kw).output_ids)
+    with BatchEngine(art, max_batch=4) as engine:
+        got = _drain([engine.stream(p, max_new_tokens=16, stop_token_ids=[], **kw) for p, kw in zip(prompts, kinds)])
+    assert got == expected
+    assert len({tuple(g) for g in got}) == len(got)
+
+
+def test_int4_level4_streams_equal_batch1(art_int4):
+    """INT4 at accuracy level 4 (int8 activations): a one-row call is padded to two rows, so every row
+    computes the floats it gets in any batch."""
+    prompts = _prompts(2)
+    expected = _batch1(art_int4, prompts, max_new_tokens=14, stop_token_ids=[])
+    seeded = _batch1(art_int4, prompts[:3], max_new_tokens=14, stop_token_ids=[], temperature=0.9, seed=11)
+    with BatchEngine(art_int4, max_batch=4) as engine:
+        assert engine.backend.int4_accuracy_level == 4
+        got = _drain([engine.stream(p, max_new_tokens=14, stop_token_ids=[]) for p in prompts])
+        got_seeded = _drain([engine.stream(p, max_new_tokens=14, stop_token_ids=[], temperature=0.9, seed=11)
+                             for p in prompts[:3]])
+    assert got == expected
+    assert got_seeded == seeded
+
+
+def test_batched_call_rows_are_the_one_sequence_graphs_floats(art):
+    """Logits of a decoding row are bit-identical in a batch of 3 (other sequences at other past lengths,
+    padded key rows) and in a one-sequence call; padded rows produce no NaN."""
+    prompts = _prompts(3)[:3]
+    with BatchEngine(art, max_batch=3) as engine:
+        calls = engine.calls
+        with engine.cond:  # the scheduler is idle: drive the calls directly
+            calls.run([SequenceRows(i, 0, p, temperature=0.0) for i, p in enumerate(prompts)])
+            ids = [p[-1] for p in prompts]
+            calls.run([SequenceRows(i, len(p), [t]) for i, (p, t) in enumerate(zip(prompts, ids))], keep_logits=True)
+            batched = [calls.read_logits(i) for i in range(3)]
+            calls.run([SequenceRows(1, len(prompts[1]), [ids[1]])], keep_logits=True)
+            alone = calls.read_logits(0)
+    assert all(np.isfinite(b).all() for b in batched)
+    assert np.array_equal(batched[1], alone)
+
+
+def test_a_long_prompt_joins_a_running_stream_one_chunk_at_a_time(art):
+    """A 60-token prompt with 8-row chunks takes 8 prefill calls; the running stream gets a token after
+    each of them (it waits at most one chunk)."""
+    events, cond = [], threading.Condition()
+
+    def recorder(name):
+        def on_event(kind, payload):
+            with cond:
+                events.append((name, kind))
+                cond.notify_all()
+        return on_event
+
+    short, long_prompt = _prompts(4)[0], [int(t) for t in np.random.default_rng(5).integers(3, 90, size=60)]
+    with BatchEngine(art, max_batch=2, prefill_chunk=8) as engine:
+        a = engine.stream(short, max_new_tokens=30, stop_token_ids=[], on_event=recorder("a"))
+        with cond:
+            assert cond.wait_for(lambda: ("a", "chunk") in events, timeout=30)
+        b = engine.stream(long_prompt, max_new_tokens=4, stop_token_ids=[], on_event=recorder("b"))
+        with cond:
+            assert cond.wait_for(lambda: ("a", "done") in events and ("b", "done") in events, timeout=60)
+    order = [name for name, kind in events if kind == "chunk"]
+    first_b = order.index("b")
+    a_before = order[:first_b].count("a")
+    assert a_before >= 8  # one token per prefill chunk of b (60 rows / 8), at least
+    assert a.result.output_ids == _batch1(art, [short], max_new_tokens=30, stop_token_ids=[])[0]
+    assert b.result.output_ids == _batch1(art, [long_prompt], max_new_tokens=4, stop_token_ids=[])[0]
+
+
+def test_cancel_frees_the_slot_for_the_next_request(art):
+    prompts = _prompts(6)
+    with BatchEngine(art, max_batch=1) as engine:
+        first = engine.stream(prompts[0], max_new_tokens=60, stop_token_ids=[])
+        waiting = engine.stream(prompts[1], max_new_tokens=5, stop_token_ids=[])
+        next(first), next(first)
+        assert engine.status()["waiting"] == 1
+        first.cancel()
+        assert list(first) == [] or first.result is None
+        list(waiting)
+        assert waiting.result.output_ids == _batch1(art, [prompts[1]], max_new_tokens=5, stop_token_ids=[])[0]
+        assert first.result is None
+        assert engine.status()["running"] == 0
+
+
+def test_a_later_turn_reuses_its_slot_rows(art):
+    prompt = _prompts(7)[4]
+    with BatchEngine(art, max_batch=2) as engine:
+        first = engine.generate([prompt], max_new_tokens=8, stop_token_ids=[])[0]
+        follow = prompt + first.output_ids + [5, 6, 7]
+        again = engine.generate([follow], max_new_tokens=8, stop_token_ids=[])[0]
+        fresh = engine.generate([follow], max_new_tokens=8, stop_token_ids=[], reuse_prefix=False)[0]
+    assert again.reused_tokens == len(prompt) + len(first.output_ids) - 1  # the last reply id is not cached
+    assert fresh.reused_tokens == 0
+    assert again.output_ids == fresh.output_ids
+
+
+def test_weights_are_shared_with_the_target_graph(tmp_path_factory, monkeypatch):
+    """Where target.onnx keeps its weights in target.onnx.data, target_batched.onnx refers to that file
+    instead of storing them again, and runs."""
+    import onnx
+
+    from dflash_export.export import graphs
+
+    monkeypatch.setattr(graphs, "EXTERNAL_DATA_THRESHOLD", 0)
+    root = rf.checkpoints("qwen3", tmp_path_factory)
+    out = tmp_path_factory.mktemp("shared") / "artifact"
+    build(BuildOptions(str(root / "target"), str(root / "draft"), out, max_seq_len=64, batched=True, quiet=True))
+    assert not (out / "target_batched.onnx.data").exists()
+    model = onnx.load(str(out / "target_batched.onnx"), load_external_data=False)
+    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    # per layer: the packed q/k/v, o, the packed gate/up and down projections; the embedding and LM head
+    assert len(external) >= 4 * 4 + 2
+    assert all(dict((e.key, e.value) for e in t.external_data)["location"] == "target.onnx.data" for t in external)
+    inline = sum(len(t.raw_data) for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL)
+    assert inline < 16_384  # norms and index constants only
+    prompts = _prompts(8)[:3]
+    with BatchEngine(out, max_batch=3) as engine:
+        got = [r.output_ids for r in engine.generate(prompts, max_new_tokens=6, stop_token_ids=[])]
+    assert got == _batch1(out, prompts, max_new_tokens=6, stop_token_ids=[])
+
+
+def test_errors_are_one_clear_message(art, tmp_path_factory):
+    plain = rf.artifact("qwen3", tmp_path_factory).artifact
+    with pytest.raises(DFlashError, match="--batched"):
+        BatchEngine(plain)
+    with pytest.raises(DFlashError, match="max_batch must be a positive integer"):
+        BatchEngine(art, max_batch=0)
+    with BatchEngine(art, max_batch=1) as engine:
+        with pytest.raises(DFlashError, match="max_seq_len 96"):
+            engine.stream([5] * 90, max_new_tokens=10)
+        with pytest.raises(DFlashError, match="unknown generation option penalty"):
+            engine.stream([5, 6], penalty=1.0)
+        with pytest.raises(DFlashError, match="temperature"):
+            engine.stream([5, 6], temperature=-1)
+        with pytest.raises(DFlashError, match="outside the vocabulary"):
+            engine.stream([5, 10_000])
+    with pytest.raises(DFlashError, match="closed"):
+        engine.stream([5, 6])
+
+
+def test_manifest_records_the_batched_graph_and_its_checks(art):
+    m = json.loads((art / "manifest.json").read_text())
+    assert m["target_batched"]["graph"] == "target_batched.onnx"
+    assert "target_batched" in m["graph_checks"] and "Loop" not in m["graph_checks"]["target_batched"]["ops"]
+
+
+def test_serve_max_batch_needs_a_batched_artifact(tmp_path_factory):
+    import argparse
+
+    from runtime.__main__ import _max_batch
+
+    plain = rf.artifact("qwen3", tmp_path_factory).artifact
+    m = json.loads((plain / "manifest.json").read_text())
+    args = argparse.Namespace(max_batch=None, backend="ort", dir=plain)
+    assert _max_batch(args, m) == 1
+    args.max_batch = 4
+    with pytest.raises(DFlashError, match="--batched"):
+        _max_batch(args, m)
