@@ -9,14 +9,14 @@ import threading
 
 import numpy as np
 import pytest
+import runtime_fixtures as rf
+from shared_cache import shared_dir
 
 import runtime
-import runtime_fixtures as rf
 from dflash_export.build import BuildOptions, build
 from runtime.batching import BatchEngine
 from runtime.batching.calls import SequenceRows
 from runtime.errors import DFlashError
-from shared_cache import shared_dir
 
 PROMPT_LENGTHS = (3, 5, 9, 17, 40, 2, 7)
 
