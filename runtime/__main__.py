@@ -97,17 +97,17 @@ def cmd_serve(args) -> int:
 
 
 def _max_batch(args, manifest: dict) -> int:
-    """--max-batch, checked against the artifact and backend (default: batched where the artifact can)."""
+    """--max-batch, checked against the artifact (default: batched where the artifact can; with TensorRT,
+    the batched engine's slots)."""
     batched = BATCHED_GRAPH in manifest
-    n = args.max_batch if args.max_batch is not None else (DEFAULT_MAX_BATCH if batched and args.backend == "ort" else 1)
+    engines = (manifest.get("trt") or {}).get("max_batch") if args.backend == "trt" else None
+    default = (engines or DEFAULT_MAX_BATCH) if batched and (args.backend != "trt" or engines) else 1
+    n = args.max_batch if args.max_batch is not None else default
     if n < 1:
         raise DFlashError(f"--max-batch must be at least 1 (got {n})")
     if n > 1 and not batched:
         raise DFlashError(f"--max-batch {n} needs an artifact built with `python -m dflash_export build --batched`; "
                           f"{args.dir} has no batched graph (serve it with --max-batch 1, or rebuild it)")
-    if n > 1 and args.backend != "ort":
-        raise DFlashError(f"--max-batch {n} runs on onnxruntime's CPU backend (--backend ort); with --backend "
-                          f"{args.backend} serve one generation at a time (--max-batch 1)")
     return n
 
 
@@ -118,7 +118,7 @@ def _load_for_serving(args, max_batch: int):
         return runtime.load(args.dir, backend=args.backend)
     from runtime.batching import BatchEngine
 
-    return BatchEngine(args.dir, max_batch=max_batch)
+    return BatchEngine(args.dir, max_batch=max_batch, backend=args.backend)
 
 
 def check_api_key(key: str) -> str:

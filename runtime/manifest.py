@@ -208,6 +208,8 @@ TREE_SHAPE_INPUTS = ("tree_depth", "tree_bias")
 # inputs before the caches (`dflash_export.nn.batched`)
 BATCHED_GRAPH = "target_batched"
 BATCHED_INPUTS = ("input_ids", "past_lengths", "key_index", "logit_rows", "temperature", "uniform")
+DEFAULT_MAX_BATCH = 4  # sequences a batched engine decodes at once (measured: docs/performance.md#batched-serving)
+DEFAULT_PREFILL_CHUNK = 256  # prompt rows per prefill call: what a long prompt makes running streams wait at most
 
 
 def check_batched_graph(manifest: dict[str, Any], artifact_dir: Path) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import runtime_fixtures as rf
 from shared_cache import shared_dir
+from test_trt_backend_double import doubles  # noqa: F401 (a fixture)
 
 import runtime
 from dflash_export.build import BuildOptions, build
@@ -241,3 +242,31 @@ def test_serve_max_batch_needs_a_batched_artifact(tmp_path_factory):
     args.max_batch = 4
     with pytest.raises(DFlashError, match="--batched"):
         _max_batch(args, m)
+
+
+def test_batched_engine_through_the_tensorrt_double(art, tmp_path_factory, doubles):  # noqa: F811
+    """The TensorRT backend's own code on the batched graph, through the test double (NOT TensorRT: the
+    double runs the ONNX graph with onnxruntime, refusing shapes outside the engine's profiles and
+    misaligned or host addresses): `engine --max-batch 3` builds a third engine whose profiles take every
+    call the engine makes, and the streams equal onnxruntime's."""
+    import shutil
+
+    from test_trt_backend_double import GPU, FakeTensorRT
+
+    from dflash_export.trt.engine import build_engines
+
+    out = tmp_path_factory.mktemp("trt_batched") / "artifact"
+    shutil.copytree(art, out)
+    manifest = build_engines(out, precision="fp32", trt=FakeTensorRT("10.3.0.30"), gpu=GPU, quiet=True, max_batch=3)
+    assert manifest["trt"]["plans"]["target_batched"] == "target_batched.plan" and manifest["trt"]["max_batch"] == 3
+    assert [p["name"] for p in manifest["trt"]["profiles"]["target_batched"]] == ["batched_decode", "batched_prefill"]
+    prompts = _prompts(9)
+    with BatchEngine(out, max_batch=3, backend="ort") as engine:
+        expected = _drain([engine.stream(p, max_new_tokens=10, stop_token_ids=[], temperature=0.8, seed=i)
+                           for i, p in enumerate(prompts)])
+    with pytest.raises(DFlashError, match="--max-batch 4"):
+        BatchEngine(out, max_batch=4, backend="trt")
+    with BatchEngine(out, max_batch=3, backend="trt") as engine:
+        got = _drain([engine.stream(p, max_new_tokens=10, stop_token_ids=[], temperature=0.8, seed=i)
+                      for i, p in enumerate(prompts)])
+    assert got == expected

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from test_profiles import tiny_artifact
 
 GPU = {"name": "Fake Orin (test double)", "compute_capability": "8.7"}
@@ -307,7 +306,7 @@ class FakeContext:
         return output_shapes(self._manifest(), self._graph(), {n: self.shapes[n] for n in self.engine.inputs})
 
     def _graph(self):
-        return "target" if self.engine.rec["onnx"].endswith("target.onnx") else "draft"
+        return Path(self.engine.rec["onnx"]).stem  # target, draft or target_batched
 
     def _manifest(self):
         if not hasattr(self, "_m"):
@@ -360,8 +359,8 @@ def doubles(monkeypatch):
 
 # ---- tests --------------------------------------------------------------------------------------------
 def test_build_engines_records_profiles_and_device(engines):
-    from runtime.manifest import load_manifest
     from runtime.backends.profiles import profiles_to_json, shape_ranges
+    from runtime.manifest import load_manifest
 
     out, manifest, fake = engines
     assert load_manifest(out) == manifest  # written, atomically, and still a valid manifest
@@ -493,8 +492,9 @@ def test_accepted_blocks_through_the_double(tmp_path_factory, doubles, proposing
     """A pair that accepts whole blocks (the context-free pair) through the TensorRT path: the engines'
     verify profile, the scratch bindings and the one-read ids commit every accepted proposal; also
     where the draft ends in the proposal head (its [R, 4] outputs, the target's `proposal_ids`)."""
-    import runtime
     import runtime_fixtures as rf
+
+    import runtime
     from dflash_export.trt.engine import build_engines
 
     pair = rf.proposing_artifact("ctxfree", tmp_path_factory) if proposing else rf.artifact("ctxfree", tmp_path_factory)

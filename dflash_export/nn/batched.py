@@ -9,14 +9,15 @@ does not depend on what else runs in the batch.
 
 The caches are whole static buffers, head-major `[Hkv, max_seq_len * S, D]` (row p * S + s: position
 p of slot s), bound once; each layer gathers only the rows its sequences read, straight into the
-`[Hkv, B, L, D]` layout its MatMuls take (no transpose of the cache).
+`[Hkv, B, L, D]` layout its MatMuls take (no transpose of the cache), and writes the new rows into
+their places (ScatterND).
 
 Inputs (B sequences of T rows each, flattened row r = b * T + t; L keys per sequence):
     input_ids: int64 `[B, T]`.
     past_lengths: int64 `[B]`: sequence b's cached rows; its row t sits at position past_lengths[b] + t.
-    key_index: int64 `[B, L]`, L >= max(past_lengths) + T: sequence b's key l is cache row
-        key_index[b, l] when below max_seq_len * S, else new row key_index[b, l] - max_seq_len * S;
-        keys l >= past_lengths[b] + T are padding (masked whatever they index).
+    key_index: int64 `[B, L]`, L >= max(past_lengths) + T: sequence b's key l < past_lengths[b] is
+        cache row key_index[b, l]; keys past_b .. past_b + T - 1 are its new rows (whatever the index
+        says), later keys padding (masked whatever they index).
     logit_rows: int64 `[K]`: the flattened rows whose logits and next ids are wanted (every row of a
         decoding step; the last row of a prefill chunk), K >= 1.
     temperature: fp32 `[K]`: per logits row; 0 is greedy.
@@ -48,23 +49,24 @@ def batched_io_names(num_layers: int) -> tuple[list[str], list[str]]:
     return [*BATCHED_INPUTS, *kv_in], [*BATCHED_OUTPUTS, *kv_out]
 
 
-def key_layout(past_lengths: torch.Tensor, key_index: torch.Tensor, cache_rows: int, new_rows: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def key_layout(past_lengths: torch.Tensor, key_index: torch.Tensor, cache_rows: int, heads: int, rows: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The per-call tables of the key layout (see the module docstring), shared by every layer.
 
     Returns:
-        (cache index int64 `[B * L]` (clipped into the cache), new-row index int64 `[B * L]` (clipped
-        into the new rows), is-new bool `[1, B * L, 1]`, visible bool `[B, T, L]`: row t of sequence b
-        sees keys l <= past_b + t.)
+        (cache index int64 `[B * L]` (clipped into the cache), new-row places int64 `[Hkv * B * T, 2]`:
+        (head, b * L + past_b + t) of head h's new row t of sequence b, in `[Hkv, B * T]` order;
+        visible bool `[B, T, L]`: row t of sequence b sees keys l <= past_b + t.)
     """
-    flat = key_index.reshape(-1)
-    is_new = flat >= cache_rows
-    cached = torch.clamp(flat, max=cache_rows - 1)
-    new = torch.clamp(flat - cache_rows, min=0, max=new_rows - 1)
-    rows = new_rows // past_lengths.shape[0]
-    keys = torch.arange(key_index.shape[1], dtype=torch.int64)[None, None, :]
-    visible = keys <= past_lengths[:, None, None] + torch.arange(rows, dtype=torch.int64)[None, :, None]
-    return cached, new, is_new[None, :, None], visible
+    b, n_keys = key_index.shape
+    cached = torch.clamp(key_index.reshape(-1), max=cache_rows - 1)
+    t = torch.arange(rows, dtype=torch.int64)[None, :]
+    place = (torch.arange(b, dtype=torch.int64)[:, None] * n_keys + past_lengths[:, None] + t).reshape(1, -1)
+    head = torch.arange(heads, dtype=torch.int64)[:, None].expand(heads, b * rows)
+    places = torch.stack([head, place.expand(heads, b * rows)], dim=-1).reshape(-1, 2)
+    keys = torch.arange(n_keys, dtype=torch.int64)[None, None, :]
+    visible = keys <= past_lengths[:, None, None] + t[:, :, None]
+    return cached, places, visible
 
 
 class BatchedTarget(TargetForExport):
@@ -80,7 +82,7 @@ class BatchedTarget(TargetForExport):
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
         rot = rope_matrix(cos, sin)
         rot_q = rot * attn0.scale
-        tables = key_layout(past_lengths, key_index, past[0].shape[1], b * t)
+        tables = key_layout(past_lengths, key_index, past[0].shape[1], attn0.num_kv_heads, t)
         visible = tables[-1]
         lowest = torch.finfo(torch.float32).min
         bias = torch.where(visible, torch.zeros((), dtype=torch.float32), torch.full((), lowest))
@@ -93,7 +95,7 @@ class BatchedTarget(TargetForExport):
             q = layer.self_attn.query(x, rot_q, None)
             k, v = layer.self_attn.key_value(x, rot, None)
             i = len(new_kv)
-            out = _attend(layer.self_attn, q, past[i], past[i + 1], k, v, tables[:3], bias, key_ones, b, t)
+            out = _attend(layer.self_attn, q, past[i], past[i + 1], k, v, tables[:2], bias, key_ones, b, t)
             h = h + layer.self_attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             new_kv += [k, v]
@@ -108,12 +110,13 @@ def _attend(attn, q, past_k, past_v, k, v, tables, bias, key_ones, b: int, t: in
     Returns `[B * T, H * D]`."""
     hkv, d = attn.num_kv_heads, attn.head_dim
     g = attn.num_heads // hkv
-    cached, new, is_new = tables
+    cached, places = tables
     n_keys = key_ones.shape[0]
 
-    def arranged(cache, rows):  # -> [Hkv, B, L, D]
-        fresh = torch.index_select(rows.permute(1, 0, 2), 1, new)
-        return torch.where(is_new, fresh, torch.index_select(cache, 1, cached)).view(hkv, b, n_keys, d)
+    def arranged(cache, rows):  # -> [Hkv, B, L, D]: the cache rows, the new rows written in their places
+        keys = torch.index_select(cache, 1, cached)
+        keys = torch.index_put(keys, (places[:, 0], places[:, 1]), rows.permute(1, 0, 2).reshape(-1, d))
+        return keys.view(hkv, b, n_keys, d)
 
     keys, values = arranged(past_k, k), arranged(past_v, v)
     qg = q.view(b, t, hkv, g, d).permute(2, 0, 3, 1, 4).reshape(hkv, b, g * t, d)

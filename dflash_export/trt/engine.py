@@ -60,7 +60,13 @@ from runtime.backends.profiles import max_block, profiles_to_json, shape_ranges
 from runtime.backends.trt import gpu_info, import_tensorrt
 from runtime.errors import DFlashError
 from runtime.files import write_atomic
-from runtime.manifest import is_hybrid, load_manifest
+from runtime.manifest import (
+    BATCHED_GRAPH,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_PREFILL_CHUNK,
+    is_hybrid,
+    load_manifest,
+)
 
 PRECISIONS = ("fp16", "bf16", "fp32")
 TIMING_CACHE = "timing.cache"
@@ -227,8 +233,11 @@ def build_engines(
     quiet: bool = False,
     trt=None,
     gpu: dict | None = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
 ) -> dict:
-    """Build `target.plan` and `draft.plan` for an artifact and record them in its manifest.
+    """Build `target.plan` and `draft.plan` (and `target_batched.plan` where the artifact has the batched
+    graph) for an artifact and record them in its manifest.
 
     Args:
         artifact_dir: an artifact written by `build` (its ONNX graphs and manifest).
@@ -236,6 +245,8 @@ def build_engines(
         max_block_size: largest block the engines accept (default: the runtime's, max(64, block size)).
         workspace_mib: TensorRT workspace limit (default: TensorRT's, the device memory).
         trt, gpu: the tensorrt module and GPU description (default: the real ones; tests pass doubles).
+        max_batch, prefill_chunk: the batched engine's slots and prefill rows per sequence
+            (`profiles.batched_dim_ranges`; `runtime.batching.BatchEngine` must use the same max_batch).
 
     Returns:
         the updated manifest.
@@ -252,17 +263,19 @@ def build_engines(
     version = str(trt.__version__)
     hybrid = is_hybrid(manifest)
     plan = precision_plan(version, manifest["dtype"], precision, hybrid=hybrid)
-    ranges = shape_ranges(manifest, max_block_size)
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise DFlashError(f"--max-batch must be a positive integer (got {max_batch!r})")
+    ranges = shape_ranges(manifest, max_block_size, max_batch, prefill_chunk)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     cache_path = out / TIMING_CACHE
     cache_blob = cache_path.read_bytes() if cache_path.is_file() else b""
     cache = None
     tmp_files: dict[str, Path] = {}
-    plans = {"target": "target.plan", "draft": "draft.plan"}
+    plans = {graph: f"{graph}.plan" for graph in ranges}
     info: dict[str, dict] = {}
     try:
-        for graph in ("target", "draft"):
+        for graph in plans:
             t0 = time.perf_counter()
             _log(f"building {plans[graph]} ({precision}, TensorRT {version}, {gpu['name']}) ...", quiet)
             config = builder.create_builder_config()
@@ -304,6 +317,7 @@ def build_engines(
             "plans": plans,
             "timing_cache": TIMING_CACHE,
             "max_block": int(max_block_size or max_block(manifest)),
+            **({"max_batch": max_batch, "prefill_chunk": prefill_chunk} if BATCHED_GRAPH in plans else {}),
             "profiles": profiles_to_json(ranges),
             "build": info,
         }
@@ -320,12 +334,16 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default="fp16", help="engine precision (default fp16)")
     p.add_argument("--max-block", type=int, default=None, help="largest block size the engines accept (default max(64, draft block))")
     p.add_argument("--workspace-mib", type=int, default=None, help="TensorRT workspace limit in MiB")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help=f"batched artifacts: sequences the batched engine serves at once (default {DEFAULT_MAX_BATCH}; "
+                        "`serve --max-batch` must match)")
 
 
 def cmd_engine(args) -> int:
-    m = build_engines(args.artifact, precision=args.precision, max_block_size=args.max_block, workspace_mib=args.workspace_mib)
+    m = build_engines(args.artifact, precision=args.precision, max_block_size=args.max_block, workspace_mib=args.workspace_mib,
+                      max_batch=args.max_batch)
     t = m["trt"]
-    print(f"wrote {Path(args.artifact).resolve()}/{{target,draft}}.plan ({t['precision']}, TensorRT {t['tensorrt_version']}, "
+    print(f"wrote {Path(args.artifact).resolve()}/{{{','.join(t['plans'])}}}.plan ({t['precision']}, TensorRT {t['tensorrt_version']}, "
           f"{t['gpu']['name']} sm {t['gpu']['compute_capability']}, max_seq_len {m['max_seq_len']})")
     return 0
 

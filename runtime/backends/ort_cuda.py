@@ -32,7 +32,8 @@ class OrtCudaBackend(CudaMemoryBackend):
 
     name = "ort-cuda"
 
-    def __init__(self, artifact_dir: Path, manifest: dict, threads: int | None = None, device_id: int = 0):
+    def __init__(self, artifact_dir: Path, manifest: dict, threads: int | None = None, device_id: int = 0,
+                 graphs: tuple[str, ...] = ("target", "draft")):
         try:
             import onnxruntime as ort
         except ImportError:
@@ -54,7 +55,7 @@ class OrtCudaBackend(CudaMemoryBackend):
         opts.log_severity_level = 3
         cuda_opts = {"device_id": str(device_id), "user_compute_stream": str(self.stream)}
         self.sessions = {}
-        for graph in ("target", "draft"):
+        for graph in graphs:
             path = Path(artifact_dir) / manifest[graph]["graph"]
             try:
                 sess = ort.InferenceSession(str(path), opts, providers=[("CUDAExecutionProvider", cuda_opts), "CPUExecutionProvider"])

@@ -36,7 +36,12 @@ import ast
 from dataclasses import dataclass, field
 
 from runtime.errors import DFlashError
-from runtime.manifest import is_hybrid
+from runtime.manifest import (
+    BATCHED_GRAPH,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_PREFILL_CHUNK,
+    is_hybrid,
+)
 
 # Symbolic dims of the exported graphs (dflash_export/export.py; a hybrid target adds "pending_rows",
 # dflash_export/families/qwen3_5.export_inputs).
@@ -164,8 +169,31 @@ def dim_ranges(manifest: dict, max_block_size: int | None = None) -> dict[str, l
     }
 
 
-def shape_ranges(manifest: dict, max_block_size: int | None = None) -> dict[str, list[Profile]]:
-    """Optimization profiles of both graphs: {"target": [...], "draft": [...]}.
+def batched_dim_ranges(manifest: dict, max_batch: int = DEFAULT_MAX_BATCH,
+                       prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[tuple[str, dict[str, Range]]]:
+    """(min, opt, max) of the batched target graph's dimensions (`runtime.batching`), S = max_seq_len:
+
+    - "batched_decode": B in [1, max_batch] sequences of T in [1, 2] rows (a padded one-row call),
+      L = keys in [1, S + 2], K logits rows in [1, max_batch];
+    - "batched_prefill": B in [1, max_batch] prompt chunks of T in [1, prefill_chunk] rows (the engine
+      sizes its activations for B * T = max_batch * prefill_chunk), L in [1, S + prefill_chunk];
+    - both: U (sampled rows) in [0, max_batch], and the caches' rows fixed at S * max_batch (one slot per
+      sequence: an engine serves exactly `max_batch` slots).
+    """
+    S, mb, chunk = int(manifest["max_seq_len"]), int(max_batch), int(prefill_chunk)
+    common = {"logit_rows": _clamp(1, mb, mb), "sampled_rows": (0, 0, mb), "cache_rows": (S * mb, S * mb, S * mb)}
+    return [
+        ("batched_decode", {"batch": _clamp(1, mb, mb), "rows_per_sequence": (1, 1, 2), "keys": _clamp(1, S // 2, S + 2),
+                            **common}),
+        ("batched_prefill", {"batch": _clamp(1, 1, mb), "rows_per_sequence": _clamp(1, chunk, chunk),
+                             "keys": _clamp(1, chunk, S + chunk), **common}),
+    ]
+
+
+def shape_ranges(manifest: dict, max_block_size: int | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict[str, list[Profile]]:
+    """Optimization profiles of every graph: {"target": [...], "draft": [...]}, and "target_batched"
+    where the artifact has it (:func:`batched_dim_ranges`, for `max_batch` slots).
 
     Input shapes come from the graph IO recorded in the manifest (`manifest["io"]`): static dims
     as exported, symbolic dims (and expressions such as "proposals + 1") from :func:`dim_ranges`.
@@ -177,7 +205,10 @@ def shape_ranges(manifest: dict, max_block_size: int | None = None) -> dict[str,
     if not io or "target" not in io or "draft" not in io:
         raise DFlashError("the manifest has no graph IO description ('io'); rebuild the artifact")
     out: dict[str, list[Profile]] = {}
-    for graph, profiles in dim_ranges(manifest, max_block_size).items():
+    ranges = dim_ranges(manifest, max_block_size)
+    if BATCHED_GRAPH in manifest and BATCHED_GRAPH in io:
+        ranges[BATCHED_GRAPH] = batched_dim_ranges(manifest, max_batch, prefill_chunk)
+    for graph, profiles in ranges.items():
         out[graph] = []
         for name, dims in profiles:
             shapes = {}

@@ -12,9 +12,9 @@ from runtime.errors import DFlashError
 
 
 def make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | None,
-                 int4_accuracy_level: int | None = None) -> Backend:
-    """The backend `name` ("ort", "ort-cuda" or "trt") for an artifact; its modules (and TensorRT or
-    CUDA) are imported only when chosen.
+                 int4_accuracy_level: int | None = None, graphs: tuple[str, ...] = ("target", "draft")) -> Backend:
+    """The backend `name` ("ort", "ort-cuda" or "trt") for an artifact, loading `graphs`; its modules (and
+    TensorRT or CUDA) are imported only when chosen.
 
     Raises:
         DFlashError: an unknown name, or the backend's own load errors.
@@ -22,11 +22,11 @@ def make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | N
 
     if name == "ort":
 
-        return OrtBackend(artifact_dir, manifest, threads=threads, int4_accuracy_level=int4_accuracy_level)
+        return OrtBackend(artifact_dir, manifest, threads=threads, int4_accuracy_level=int4_accuracy_level, graphs=graphs)
     if name == "trt":  # TensorRT and CUDA are imported only here
 
-        return TrtBackend(artifact_dir, manifest)
+        return TrtBackend(artifact_dir, manifest, graphs=graphs)
     if name == "ort-cuda":
 
-        return OrtCudaBackend(artifact_dir, manifest, threads=threads)
+        return OrtCudaBackend(artifact_dir, manifest, threads=threads, graphs=graphs)
     raise DFlashError(f"unknown backend {name!r}; available: ort, ort-cuda, trt")

@@ -286,7 +286,8 @@ class TrtBackend(CudaMemoryBackend):
     # until scripts/gpu_check.sh has run on a device
     greedy_without_uniforms = False
 
-    def __init__(self, artifact_dir: Path, manifest: dict, trt=None, cuda=None, gpu: dict | None = None):
+    def __init__(self, artifact_dir: Path, manifest: dict, trt=None, cuda=None, gpu: dict | None = None,
+                 graphs: tuple[str, ...] = ("target", "draft")):
         artifact_dir = Path(artifact_dir)
         section = manifest.get("trt")
         if not section:
@@ -308,8 +309,11 @@ class TrtBackend(CudaMemoryBackend):
         self.output_names: dict[str, list[str]] = {}
         self._checked: set = set()
         expected = {g: {t["name"]: t["dtype"] for t in [*manifest["io"][g]["inputs"], *manifest["io"][g]["outputs"]]}
-                    for g in ("target", "draft")}
-        for graph in ("target", "draft"):
+                    for g in graphs}
+        for graph in graphs:
+            if graph not in section["plans"]:
+                raise DFlashError(f"{artifact_dir} has no TensorRT engine of its {graph} graph; "
+                                  f"{REBUILD_HINT.format(dir=artifact_dir)}")
             path = artifact_dir / section["plans"][graph]
             if not path.is_file():
                 raise DFlashError(f"{path} is missing; {REBUILD_HINT.format(dir=artifact_dir)}")

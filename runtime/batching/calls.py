@@ -108,8 +108,7 @@ class BatchedCalls:
         n_keys = int(pasts.max()) + t
         keys = np.arange(n_keys, dtype=np.int64)[None, :]
         slots = np.array([s.slot for s in batch], np.int64)[:, None]
-        new = self.cache_rows + np.arange(b, dtype=np.int64)[:, None] * t + keys - pasts[:, None]
-        index = np.where(keys < pasts[:, None], keys * self.slots + slots, new)
+        index = np.where(keys < pasts[:, None], keys * self.slots + slots, 0)  # (the new rows' keys: the graph's)
         be.write(self.past_lengths.rows(0, b), pasts)
         be.write(View(self.key_index, 0, (b, n_keys)), index)
         be.write(self.logit_rows.rows(0, k), rows)

@@ -21,20 +21,25 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from runtime.backends.ort import OrtBackend
+from runtime.backends.base import Backend
+from runtime.backends.select import make_backend
 from runtime.batching.calls import BatchedCalls, SequenceRows
 from runtime.batching.slots import SlotTable
 from runtime.errors import DFlashError
-from runtime.manifest import BATCHED_GRAPH, DTYPES, check_batched_graph, load_manifest
+from runtime.manifest import (
+    BATCHED_GRAPH,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_PREFILL_CHUNK,
+    DTYPES,
+    check_batched_graph,
+    load_manifest,
+)
 from runtime.options import GENERATION_OPTION_NAMES, GenerationOptions
 from runtime.results import GenerationResult, StreamChunk
 from runtime.speculation.sampling import processed_distribution, sample_index
 from runtime.text.prompts import PromptEncoding
 from runtime.text.reply import ReplyText
 from runtime.text.tokenizer import ChatTokenizer
-
-DEFAULT_MAX_BATCH = 4  # measured: docs/performance.md#batched-serving
-DEFAULT_PREFILL_CHUNK = 256  # rows per prefill call: what a long prompt makes running streams wait at most
 
 
 class BatchedGeneration:
@@ -147,6 +152,9 @@ class BatchEngine(PromptEncoding):
         threads: onnxruntime intra-op threads (default: all cores).
         prefill_chunk: the most prompt rows one prefill call takes (all joining sequences together).
         int4_accuracy_level: as :class:`runtime.Session`'s.
+        backend: "ort" (onnxruntime CPU), "ort-cuda", "trt" (TensorRT engines built with `engine
+            --max-batch` equal to `max_batch`), or a loaded :class:`runtime.backends.base.Backend` holding
+            the batched graph.
 
     Use it as a context manager (or call :meth:`close`). :meth:`stream` and :meth:`generate` may be
     called from any number of threads; each request takes a slot when one is free.
@@ -156,7 +164,8 @@ class BatchEngine(PromptEncoding):
     """
 
     def __init__(self, artifact_dir: str | Path, max_batch: int = DEFAULT_MAX_BATCH, threads: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, int4_accuracy_level: int | None = None):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, int4_accuracy_level: int | None = None,
+                 backend: str | Backend = "ort"):
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DFlashError(f"{name} must be a positive integer (got {value!r})")
@@ -170,8 +179,13 @@ class BatchEngine(PromptEncoding):
         tok_json = self.artifact_dir / "tokenizer" / "tokenizer.json"
         if tok_json.is_file():
             self.tokenizer = ChatTokenizer(tok_json, m.get("chat_template"), m.get("special_tokens", {}))
-        self.backend = OrtBackend(self.artifact_dir, m, threads=threads, graphs=(BATCHED_GRAPH,),
-                                  int4_accuracy_level=int4_accuracy_level)
+        trt = m.get("trt") or {}
+        if backend == "trt" and (trt.get("max_batch") != max_batch or prefill_chunk > trt.get("prefill_chunk", 0)):
+            raise DFlashError(f"this artifact's TensorRT engines take {trt.get('max_batch')} sequences and prefill chunks of "
+                              f"{trt.get('prefill_chunk')} rows; serve with max_batch {trt.get('max_batch')}, or rebuild "
+                              f"them: `python -m dflash_export engine {self.artifact_dir} --max-batch {max_batch}`")
+        self.backend = backend if isinstance(backend, Backend) else make_backend(
+            backend, self.artifact_dir, m, threads, int4_accuracy_level, graphs=(BATCHED_GRAPH,))
         rows = max(prefill_chunk, 2 * max_batch)
         self.calls = BatchedCalls(self.backend, m, max_batch, rows, np.dtype(DTYPES[m["dtype"]]))
         self.calls.decide_row_padding()  # (before any slot holds a sequence: the probe writes slot 0)
