@@ -65,9 +65,6 @@ def cmd_serve(args) -> int:
         raise DFlashError(f"--port must be between 0 and 65535 (got {args.port})")
     if args.queue_size < 1:
         raise DFlashError(f"--queue-size must be at least 1 (got {args.queue_size})")
-    if args.max_connections < args.queue_size + 2:
-        raise DFlashError(f"--max-connections must be at least --queue-size + 2 = {args.queue_size + 2} (the "
-                          f"running request, the waiting ones and a /health probe; got {args.max_connections})")
     if args.api_key is not None:
         args.api_key = check_api_key(args.api_key)
 
@@ -80,6 +77,10 @@ def cmd_serve(args) -> int:
         raise DFlashError(f"the server needs {exc.name}, which is not installed: pip install '.[serve]' (the serve extra, from the dflash_export project directory)") from None
     manifest = load_manifest(args.dir)  # the cheap checks first: a bad directory, then an address in use
     max_batch = _max_batch(args, manifest)
+    if args.max_connections < max_batch + args.queue_size + 1:
+        need = max_batch + args.queue_size + 1
+        raise DFlashError(f"--max-connections must be at least --max-batch + --queue-size + 1 = {need} (the running "
+                          f"requests, the waiting ones and a /health probe; got {args.max_connections})")
     sock = listen_socket(args.host, args.port)
     with contextlib.closing(sock), _load_for_serving(args, max_batch) as sess:
         app = create_app(sess, model_name=args.model_name, api_key=args.api_key, queue_size=args.queue_size)

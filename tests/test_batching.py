@@ -160,6 +160,9 @@ def test_cancel_frees_the_slot_for_the_next_request(art):
         waiting = engine.stream(prompts[1], max_new_tokens=5, stop_token_ids=[])
         next(first), next(first)
         assert engine.status()["waiting"] == 1
+        extra = engine.stream(prompts[2], max_new_tokens=5, stop_token_ids=[])
+        extra.cancel()  # a client that left while waiting no longer counts against the queue
+        assert engine.status()["waiting"] == 1
         first.cancel()
         assert list(first) == [] or first.result is None
         list(waiting)
@@ -270,3 +273,74 @@ def test_batched_engine_through_the_tensorrt_double(art, tmp_path_factory, doubl
         got = _drain([engine.stream(p, max_new_tokens=10, stop_token_ids=[], temperature=0.8, seed=i)
                       for i, p in enumerate(prompts)])
     assert got == expected
+
+
+def test_callbacks_that_raise_or_close_do_not_stop_the_scheduler(art):
+    """A raising on_event callback cancels its own generation only; close() from a callback ends the other
+    streams with an error instead of hanging them."""
+    prompts = _prompts(10)
+
+    def boom(kind, payload):
+        raise ValueError("a client bug")
+
+    with BatchEngine(art, max_batch=2) as engine:
+        engine.stream(prompts[0], max_new_tokens=8, stop_token_ids=[], on_event=boom)
+        other = engine.stream(prompts[1], max_new_tokens=8, stop_token_ids=[])
+        assert len(list(other)) == 8 and other.result is not None
+    engine = BatchEngine(art, max_batch=2)
+    victim = engine.stream(prompts[2], max_new_tokens=30, stop_token_ids=[])
+    engine.stream(prompts[3], max_new_tokens=30, stop_token_ids=[],
+                  on_event=lambda kind, payload: engine.close() if kind == "chunk" else None)
+    with pytest.raises(DFlashError, match="closed"):
+        list(victim)
+    engine.close()
+
+
+def test_a_failing_call_ends_its_generations_and_the_engine_goes_on(art):
+    """A graph call that raises (a backend failure) ends the generations in it with that error; later
+    requests are served, and requests arriving meanwhile through the server's worker never deadlock with
+    the failure's events (the engine emits them outside its lock)."""
+    import asyncio
+
+    from runtime.serve.worker import BatchWorker, Job, QueueFull
+
+    prompts = _prompts(11)
+    with BatchEngine(art, max_batch=2) as engine:
+        real, fail = engine.calls.run, threading.Event()
+
+        def flaky(rows, keep_logits=False):
+            if fail.is_set():
+                raise RuntimeError("device lost")
+            return real(rows, keep_logits)
+
+        engine.calls.run = flaky
+        fail.set()
+        with pytest.raises(RuntimeError, match="device lost"):
+            list(engine.stream(prompts[0], max_new_tokens=8, stop_token_ids=[]))
+        worker, loop, done = BatchWorker(engine, queue_size=1000), asyncio.new_event_loop(), []
+
+        def submitter():
+            for _ in range(40):
+                try:
+                    worker.submit(Job(loop, prompts[1], {"max_new_tokens": 4}))
+                except QueueFull:
+                    pass
+            done.append(True)
+
+        threads = [threading.Thread(target=submitter, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(done) == 2, "submitting deadlocked with the failing calls' events"
+        fail.clear()
+        with engine.cond:
+            assert engine.cond.wait_for(lambda: not engine.active and not engine.waiting, timeout=60)
+        got = engine.generate([prompts[2]], max_new_tokens=6, stop_token_ids=[])[0].output_ids
+        loop.close()
+    assert got == _batch1(art, [prompts[2]], max_new_tokens=6, stop_token_ids=[])[0]
+    with BatchEngine(art, max_batch=1) as engine:
+        with pytest.raises(DFlashError, match="empty"):
+            engine.submit([], runtime.options.GenerationOptions(max_new_tokens=4))
+        with pytest.raises(DFlashError, match="outside the vocabulary"):
+            engine.submit([-5], runtime.options.GenerationOptions(max_new_tokens=4))

@@ -12,6 +12,7 @@ no draft calls (measured: docs/performance.md#batched-serving).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -41,6 +42,8 @@ from runtime.text.prompts import PromptEncoding
 from runtime.text.reply import ReplyText
 from runtime.text.tokenizer import ChatTokenizer
 
+log = logging.getLogger("runtime.batching")
+
 
 class BatchedGeneration:
     """One request's handle: iterate it for :class:`StreamChunk` s as they are committed; `result` is the
@@ -61,9 +64,15 @@ class BatchedGeneration:
         self._done = False
 
     def emit(self, kind: str, payload) -> None:
+        """Hand an event to the caller (from the scheduler thread). A callback that raises cancels its own
+        generation and is logged; the scheduler and the other generations go on."""
         if kind == "done":
             self.result = payload
-        self._on_event(kind, payload)
+        try:
+            self._on_event(kind, payload)
+        except Exception:
+            log.exception("an on_event callback raised; its generation is cancelled")
+            self.cancelled.set()
 
     def __iter__(self) -> Iterator[StreamChunk]:
         return self
@@ -226,7 +235,14 @@ class BatchEngine(PromptEncoding):
         return self.submit(ids, opts, on_event)
 
     def submit(self, ids: list[int], opts: GenerationOptions, on_event=None) -> BatchedGeneration:
-        """Queue a checked request (prompt ids, options; see :meth:`check_request`)."""
+        """Queue a request: prompt ids (checked against the vocabulary) and options (checked by
+        :meth:`check_request`).
+
+        Raises:
+            DFlashError: an empty prompt, ids outside the vocabulary, a request beyond the KV buffers.
+        """
+        ids = self.encode(list(ids))
+        self.check_request(ids, opts)
         handle = BatchedGeneration(on_event)
         stops = set(self.stop_token_ids if opts.stop_token_ids is None else opts.stop_token_ids)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
@@ -264,7 +280,8 @@ class BatchEngine(PromptEncoding):
     def status(self) -> dict:
         """{"waiting", "running", "slots"} now."""
         with self.cond:
-            return {"waiting": len(self.waiting), "running": len(self.active), "slots": self.max_batch}
+            waiting = sum(not s.handle.cancelled.is_set() for s in self.waiting)  # (cancelled ones leave at the next step)
+            return {"waiting": waiting, "running": len(self.active), "slots": self.max_batch}
 
     def close(self) -> None:
         """Stop the scheduler (requests in flight get a DFlashError) and release the graph."""
@@ -273,8 +290,8 @@ class BatchEngine(PromptEncoding):
                 return
             self.closed = True
             self.cond.notify_all()
-        self._thread.join(30)
-        self.backend.close()
+        if threading.current_thread() is not self._thread:  # (from an on_event callback: it ends after this step)
+            self._thread.join(30)
 
     def __enter__(self) -> "BatchEngine":
         return self
@@ -287,17 +304,24 @@ class BatchEngine(PromptEncoding):
         while True:
             with self.cond:
                 self.cond.wait_for(lambda: self.closed or self.waiting or self.active)
-                if self.closed:
-                    for seq in [*self.waiting, *self.active]:
-                        seq.handle.emit("error", DFlashError("the engine was closed before this generation finished"))
+                closing, ending = self.closed, [*self.waiting, *self.active]
+                if closing:
                     self.waiting.clear()
                     self.active.clear()
-                    return
+            if closing:
+                for seq in ending:  # (outside the lock, as every event)
+                    seq.handle.emit("error", DFlashError("the engine was closed before this generation finished"))
+                self.backend.close()  # (here, after the last call: close() may come from a callback)
+                return
+            with self.cond:
                 self._drop_cancelled()
                 self._admit()
                 active = list(self.active)
             if active:
-                self._step(active)
+                try:
+                    self._step(active)
+                except Exception as exc:  # a backend failure or a bug: these generations end, the engine goes on
+                    self._fail([s for s in active if s in self.active], exc)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self.waiting if s.handle.cancelled.is_set()]:
@@ -317,6 +341,20 @@ class BatchEngine(PromptEncoding):
         self.active.remove(seq)
         cached = (seq.prompt + seq.reply.out)[:seq.cached]
         self.slots.release(seq.slot, cached)
+
+    def _fail(self, seqs: list[_Sequence], exc: Exception) -> None:
+        """End `seqs` with `exc` (a failed graph call, or a bug): their slots are freed (and forget what they
+        held), the other generations go on. Events are emitted outside the lock (a caller's handler may
+        take its own lock, which it may hold while asking for `status`)."""
+        if not isinstance(exc, DFlashError):
+            log.exception("a batched step failed; its generations end with the error")
+        with self.cond:
+            for seq in seqs:
+                if seq in self.active:
+                    seq.cached = 0  # (a half-written step: nothing of it is reused)
+                    self._leave(seq)
+        for seq in seqs:
+            seq.handle.emit("error", exc)
 
     def _step(self, active: list[_Sequence]) -> None:
         """One prefill call (the joining sequences' next prompt chunks, shortest first, at most
@@ -340,14 +378,7 @@ class BatchEngine(PromptEncoding):
         ones leave. A failing call fails the generations in it (their slots are freed)."""
         rows = [s.next_rows(chunk) for s in seqs]
         host = any(s.opts.samples_on_host for s, r in zip(seqs, rows) if r.logits)
-        try:
-            ids = self.calls.run(rows, keep_logits=host)
-        except Exception as exc:  # a backend failure: these generations end with it, the others go on
-            with self.cond:
-                for seq in seqs:
-                    seq.handle.emit("error", exc if isinstance(exc, DFlashError) else DFlashError(f"graph call failed: {exc}"))
-                    self._leave(seq)
-            return
+        ids = self.calls.run(rows, keep_logits=host)
         k = 0
         for seq, r in zip(seqs, rows):
             seq.cached += len(r.ids)
