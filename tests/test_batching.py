@@ -93,6 +93,7 @@ def test_seeded_sampling_equals_batch1_in_a_mixed_batch(art):
     assert len({tuple(g) for g in got}) == len(got)
 
 
+@pytest.mark.slow  # (its own INT4 build; the fast set checks fp32 exactness, test_int4 the INT4 row exactness)
 def test_int4_level4_streams_equal_batch1(art_int4):
     """INT4 at accuracy level 4 (int8 activations): a one-row call is padded to two rows, so every row
     computes the floats it gets in any batch."""
@@ -183,6 +184,7 @@ def test_a_later_turn_reuses_its_slot_rows(art):
     assert again.output_ids == fresh.output_ids
 
 
+@pytest.mark.slow  # (its own build)
 def test_weights_are_shared_with_the_target_graph(tmp_path_factory, monkeypatch):
     """Where target.onnx keeps its weights in target.onnx.data, target_batched.onnx refers to that file
     instead of storing them again, and runs."""

@@ -341,6 +341,7 @@ class BatchEngine(PromptEncoding):
         self.active.remove(seq)
         cached = (seq.prompt + seq.reply.out)[:seq.cached]
         self.slots.release(seq.slot, cached)
+        self.cond.notify_all()  # (callers may wait on `cond` for the engine to go idle)
 
     def _fail(self, seqs: list[_Sequence], exc: Exception) -> None:
         """End `seqs` with `exc` (a failed graph call, or a bug): their slots are freed (and forget what they
