@@ -15,6 +15,10 @@ from test_trt_backend_double import doubles  # noqa: F401 (a fixture)
 
 import runtime
 from dflash_export.build import BuildOptions, build
+
+# (imported here, not inside a test: imported while the `doubles` fixture patches runtime.backends.trt, it
+# would keep the fake TensorRT look-ups for the rest of the session)
+from dflash_export.trt.engine import build_engines
 from runtime.batching import BatchEngine
 from runtime.batching.calls import SequenceRows
 from runtime.errors import DFlashError
@@ -258,7 +262,6 @@ def test_batched_engine_through_the_tensorrt_double(art, tmp_path_factory, doubl
 
     from test_trt_backend_double import GPU, FakeTensorRT
 
-    from dflash_export.trt.engine import build_engines
 
     out = tmp_path_factory.mktemp("trt_batched") / "artifact"
     shutil.copytree(art, out)
