@@ -234,7 +234,7 @@ def build(options: BuildOptions) -> dict:
                                                   proposal_head, family.DRAFT_PROPOSES, quiet)
             head_config, dquant = drafted.head_config, drafted.quant_plan
             del dstate
-        with stage(f"exporting target.onnx ({family.EXPORT_TITLE})"):
+        with stage(f"exporting target.onnx{' and target_batched.onnx' if o.batched else ''} ({family.EXPORT_TITLE})"):
             extra = {"batched_path": tmp / "target_batched.onnx"} if o.batched else {}
             exported = family.export_for_build(tspec, dspec, tsource, tmp / "target.onnx", torch_dtype, qconfig,
                                                proposal_head, quiet, **extra)

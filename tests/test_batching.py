@@ -349,3 +349,25 @@ def test_a_failing_call_ends_its_generations_and_the_engine_goes_on(art):
             engine.submit([], runtime.options.GenerationOptions(max_new_tokens=4))
         with pytest.raises(DFlashError, match="outside the vocabulary"):
             engine.submit([-5], runtime.options.GenerationOptions(max_new_tokens=4))
+
+
+def test_generate_takes_a_list_and_a_burst_fills_slots_before_the_queue(art):
+    """`generate` refuses a bare string (it would be split into characters) and checks every prompt before
+    any runs; the server's worker counts only requests that find no free slot against --queue-size."""
+    import asyncio
+
+    from runtime.serve.worker import BatchWorker, Job
+
+    with BatchEngine(art, max_batch=2) as engine:
+        with pytest.raises(DFlashError, match="list of prompts"):
+            engine.generate("t5 t6")
+        with pytest.raises(DFlashError, match="empty"):
+            engine.generate([[5, 6], []], max_new_tokens=4)
+        assert engine.status() == {"waiting": 0, "running": 0, "slots": 2}  # the first was never queued
+        worker, loop = BatchWorker(engine, queue_size=1), asyncio.new_event_loop()
+        jobs = [Job(loop, p, {"max_new_tokens": 30, "stop_token_ids": []}) for p in _prompts(12)[:3]]
+        for job in jobs:  # 2 slots + 1 queue place: none refused, even before the scheduler's next step
+            worker.submit(job)
+        for job in jobs:
+            worker.cancel(job)
+        loop.close()

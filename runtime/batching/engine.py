@@ -188,8 +188,8 @@ class BatchEngine(PromptEncoding):
         tok_json = self.artifact_dir / "tokenizer" / "tokenizer.json"
         if tok_json.is_file():
             self.tokenizer = ChatTokenizer(tok_json, m.get("chat_template"), m.get("special_tokens", {}))
-        trt = m.get("trt") or {}
-        if backend == "trt" and (trt.get("max_batch") != max_batch or prefill_chunk > trt.get("prefill_chunk", 0)):
+        trt = m.get("trt")
+        if backend == "trt" and trt and (trt.get("max_batch") != max_batch or prefill_chunk > trt.get("prefill_chunk", 0)):
             raise DFlashError(f"this artifact's TensorRT engines take {trt.get('max_batch')} sequences and prefill chunks of "
                               f"{trt.get('prefill_chunk')} rows; serve with max_batch {trt.get('max_batch')}, or rebuild "
                               f"them: `python -m dflash_export engine {self.artifact_dir} --max-batch {max_batch}`")
@@ -253,16 +253,34 @@ class BatchEngine(PromptEncoding):
             self.cond.notify_all()
         return handle
 
-    def generate(self, prompts: Sequence[str | Sequence[int]], **options) -> list[GenerationResult]:
-        """Generate a reply for each prompt, all of them batched; returns their results in order.
+    def generate(self, prompts: Sequence[str | Sequence[int]], *, chat: bool = False, **options) -> list[GenerationResult]:
+        """Generate a reply for each prompt of the list `prompts` (texts, optionally as one-turn chats with
+        `chat`, or token-id lists), all of them batched; returns their results in order. Every prompt is
+        checked before any runs.
 
         Raises:
-            DFlashError: as :meth:`stream`, or a failed graph call.
+            DFlashError: `prompts` is not a list of prompts, as :meth:`stream`, or a failed graph call.
         """
-        handles = [self.stream(p, **options) for p in prompts]
-        for h in handles:
-            for _ in h:
-                pass
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+            raise DFlashError("generate takes a non-empty list of prompts (texts or token-id lists), e.g. "
+                              "engine.generate([prompt]); for one streamed reply use engine.stream(prompt)")
+        unknown = sorted(set(options) - GENERATION_OPTION_NAMES)
+        if unknown:
+            raise DFlashError(f"unknown generation option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the "
+                              f"options are {', '.join(sorted(GENERATION_OPTION_NAMES))}")
+        opts = GenerationOptions(**options)
+        encoded = [self.encode(p, chat=chat) for p in prompts]
+        for ids in encoded:
+            self.check_request(ids, opts)
+        handles = [self.submit(ids, opts) for ids in encoded]
+        try:
+            for h in handles:
+                for _ in h:
+                    pass
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
         return [h.result for h in handles]
 
     def check_request(self, ids: list[int], opts: GenerationOptions) -> None:

@@ -200,8 +200,9 @@ class BatchWorker:
         with self.cond:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
-            if self.engine.status()["waiting"] >= self.queue_size:
-                raise QueueFull(f"{self.queue_size} requests are already waiting for one of {self.engine.max_batch} slots")
+            status = self.engine.status()  # (a waiting request with a free slot takes it at the next step)
+            if status["waiting"] - (status["slots"] - status["running"]) >= self.queue_size:
+                raise QueueFull(f"all {status['slots']} slots are busy and {self.queue_size} requests wait for one")
             self.jobs[job] = self.engine.submit(job.ids, GenerationOptions(**job.options),
                                                 on_event=lambda kind, payload: self._event(job, kind, payload))
             self.cond.notify_all()
