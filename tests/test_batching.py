@@ -371,3 +371,10 @@ def test_generate_takes_a_list_and_a_burst_fills_slots_before_the_queue(art):
         for job in jobs:
             worker.cancel(job)
         loop.close()
+
+
+def test_batched_build_refuses_a_hybrid_target_before_any_output(hybrid_pair, tmp_path):
+    out = tmp_path / "artifact"
+    with pytest.raises(DFlashError, match="--batched needs a Qwen3 or Llama target"):
+        build(BuildOptions(str(hybrid_pair.target_dir), out=out, batched=True, quiet=True))
+    assert not out.exists() and not list(tmp_path.iterdir())
