@@ -373,6 +373,7 @@ def test_generate_takes_a_list_and_a_burst_fills_slots_before_the_queue(art):
         loop.close()
 
 
+@pytest.mark.slow  # (the hybrid fixture's build; the fast set has no other user of it)
 def test_batched_build_refuses_a_hybrid_target_before_any_output(hybrid_pair, tmp_path):
     out = tmp_path / "artifact"
     with pytest.raises(DFlashError, match="--batched needs a Qwen3 or Llama target"):
