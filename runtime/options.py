@@ -115,6 +115,16 @@ class GenerationOptions:
 # the keyword arguments Session.generate / stream / chat accept as options
 GENERATION_OPTION_NAMES = frozenset(f.name for f in fields(GenerationOptions))
 
+def refuse_unknown_options(options: dict, extra: frozenset[str] = frozenset()) -> None:
+    """Raise one DFlashError naming keyword arguments that are neither GenerationOptions fields nor in
+    `extra` (the dataclass's own TypeError would show Python internals)."""
+    unknown = sorted(set(options) - GENERATION_OPTION_NAMES - extra)
+    if unknown:
+        raise DFlashError(f"unknown generation option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the "
+                          f"options are {', '.join(sorted(GENERATION_OPTION_NAMES | extra))} (penalties and logit bias "
+                          "are not supported: they cannot be kept exact)")
+
+
 def as_int(value, what: str) -> int:
     """An integer argument (bools and non-integral floats refused) or a DFlashError naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

@@ -23,7 +23,7 @@ from runtime.graphs.row_exact import needs_row_padding
 from runtime.graphs.tree import TREE_RANKS, VerifyTree, parse_tree, verify_tree
 from runtime.loop import DecodeLoop
 from runtime.manifest import DTYPES, load_manifest
-from runtime.options import GENERATION_OPTION_NAMES, GenerationOptions
+from runtime.options import GenerationOptions, refuse_unknown_options
 from runtime.results import GenerationResult, StreamChunk
 from runtime.speculation.policy import (
     TRAINED_ALTERNATIVE_PRIOR,
@@ -39,7 +39,7 @@ from runtime.speculation.policy import (
 )
 from runtime.stream import GenerationStream
 from runtime.text.prompts import PromptEncoding
-from runtime.text.tokenizer import ChatTokenizer
+from runtime.text.tokenizer import load_tokenizer
 
 MAX_BUILD_SEQ_LEN = 1 << 20  # the largest past length the exported graphs declare (their dynamic axis bound)
 
@@ -95,11 +95,7 @@ class Session(PromptEncoding, GraphCalls):
         # One generate at a time: the static buffers belong to the session, not to a call.
         self._lock = threading.Lock()
         self._owner: int | None = None  # the thread that holds _lock
-        self.tokenizer = None
-        tok_json = self.artifact_dir / "tokenizer" / "tokenizer.json"
-        if tok_json.is_file():
-
-            self.tokenizer = ChatTokenizer(tok_json, m.get("chat_template"), m.get("special_tokens", {}))
+        self.tokenizer = load_tokenizer(self.artifact_dir, m)
         self._allocate()
 
     def policy(self, block_size: int, verify_len: int | str | None = None) -> Policy:
@@ -196,11 +192,7 @@ class Session(PromptEncoding, GraphCalls):
             DFlashError: bad prompt or options, a request beyond the KV buffers, another generation
                 running on this session, or a closed session.
         """
-        unknown = sorted(set(options) - GENERATION_OPTION_NAMES)
-        if unknown:  # (named here: the dataclass's TypeError shows Python internals)
-            raise DFlashError(f"unknown generation option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the "
-                              f"options are {', '.join(sorted(GENERATION_OPTION_NAMES | {'policy'}))} (penalties and logit bias "
-                              "are not supported: they cannot be kept exact)")
+        refuse_unknown_options(options, frozenset({"policy"}))
         chosen, options = _policy_argument(policy, options)
         opts = GenerationOptions(**options)
         if (prompt is None) == (messages is None):

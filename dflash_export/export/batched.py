@@ -8,8 +8,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_export.export.graphs import _check_streamed, _trace, save_graph
-from dflash_export.export.passes import pack_shared_input_gemms
+from dflash_export.export.graphs import _trace, pack_and_rewrite, save_graph
 from dflash_export.nn.batched import batched_io_names
 
 # initializers up to this size may be the batched graph's own (index constants); every larger one must
@@ -59,10 +58,7 @@ def export_batched_target(module, path: Path, readers: dict, rewrite=None, weigh
     """
     args, names, dyn = batched_target_inputs(module)
     model = _trace(module, args, names, dyn, readers)
-    _check_streamed(model, readers)
-    packed = pack_shared_input_gemms(model)
-    if rewrite is not None:
-        rewrite(model, packed)
+    pack_and_rewrite(model, readers, rewrite)
     if weights_of is not None and _link_external_weights(model, Path(weights_of)):
         import onnx_ir as ir
 

@@ -104,11 +104,17 @@ def _finish(model, path: Path, readers: dict, progress: bool, rewrite) -> None:
     """Pack linear layers sharing an input into one GEMM (`graph_passes`), apply `rewrite(model, packed)`
     (INT4 weights, `quant.int4.rewrite_int4`; `packed` maps each packed weight to its parts) and write
     `model` to `path`: streamed weights are read only now, one at a time."""
+    pack_and_rewrite(model, readers, rewrite)
+    save_graph(model, Path(path), progress)
+
+
+def pack_and_rewrite(model, readers: dict, rewrite) -> None:
+    """What `_finish` does before saving: check the streamed weights are untouched, pack linear layers
+    sharing an input into one GEMM and apply `rewrite(model, packed)` (INT4)."""
     _check_streamed(model, readers)
     packed = pack_shared_input_gemms(model)
     if rewrite is not None:
         rewrite(model, packed)
-    save_graph(model, Path(path), progress)
 
 
 def _export(module, args, names, dynamic_shapes, path: Path, readers: dict | None = None,

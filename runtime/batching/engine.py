@@ -35,12 +35,12 @@ from runtime.manifest import (
     check_batched_graph,
     load_manifest,
 )
-from runtime.options import GENERATION_OPTION_NAMES, GenerationOptions
+from runtime.options import GenerationOptions, refuse_unknown_options
 from runtime.results import GenerationResult, StreamChunk
 from runtime.speculation.sampling import processed_distribution, sample_index
 from runtime.text.prompts import PromptEncoding
 from runtime.text.reply import ReplyText
-from runtime.text.tokenizer import ChatTokenizer
+from runtime.text.tokenizer import load_tokenizer
 
 log = logging.getLogger("runtime.batching")
 
@@ -135,7 +135,7 @@ class _Sequence:
         else:
             ids, last = [self.reply.out[-1]], True
         host = opts.samples_on_host
-        return SequenceRows(self.slot, self.cached, [int(t) for t in ids], logits=last,
+        return SequenceRows(self.slot, self.cached, list(ids), logits=last,
                             temperature=0.0 if host else opts.temperature, uniform=float(self.uniforms[min(k, len(self.uniforms) - 1)]))
 
     def result(self) -> GenerationResult:
@@ -184,10 +184,7 @@ class BatchEngine(PromptEncoding):
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.max_seq_len = int(m["max_seq_len"])
         self.stop_token_ids = tuple(int(t) for t in m.get("stop_token_ids", []))
-        self.tokenizer = None
-        tok_json = self.artifact_dir / "tokenizer" / "tokenizer.json"
-        if tok_json.is_file():
-            self.tokenizer = ChatTokenizer(tok_json, m.get("chat_template"), m.get("special_tokens", {}))
+        self.tokenizer = load_tokenizer(self.artifact_dir, m)
         trt = m.get("trt")
         if backend == "trt" and trt and (trt.get("max_batch") != max_batch or prefill_chunk > trt.get("prefill_chunk", 0)):
             raise DFlashError(f"this artifact's TensorRT engines take {trt.get('max_batch')} sequences and prefill chunks of "
@@ -222,17 +219,14 @@ class BatchEngine(PromptEncoding):
         """
         if self.closed:
             raise DFlashError("this BatchEngine is closed; load the artifact again")
-        unknown = sorted(set(options) - GENERATION_OPTION_NAMES)
-        if unknown:
-            raise DFlashError(f"unknown generation option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the "
-                              f"options are {', '.join(sorted(GENERATION_OPTION_NAMES))}")
+        refuse_unknown_options(options)
         opts = GenerationOptions(**options)
         if (prompt is None) == (messages is None):
             raise DFlashError("pass either a prompt or messages (exactly one)")
         ids = self.encode(prompt, chat=chat, enable_thinking=enable_thinking) if messages is None \
             else self.encode_messages(messages, enable_thinking)
         self.check_request(ids, opts)
-        return self.submit(ids, opts, on_event)
+        return self._queue(ids, opts, on_event)
 
     def submit(self, ids: list[int], opts: GenerationOptions, on_event=None) -> BatchedGeneration:
         """Queue a request: prompt ids (checked against the vocabulary) and options (checked by
@@ -243,13 +237,17 @@ class BatchEngine(PromptEncoding):
         """
         ids = self.encode(list(ids))
         self.check_request(ids, opts)
+        return self._queue(ids, opts, on_event)
+
+    def _queue(self, ids: list[int], opts: GenerationOptions, on_event=None) -> BatchedGeneration:
+        """Queue a request already checked (ids and options)."""
         handle = BatchedGeneration(on_event)
         stops = set(self.stop_token_ids if opts.stop_token_ids is None else opts.stop_token_ids)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         with self.cond:
             if self.closed:
                 raise DFlashError("this BatchEngine is closed; load the artifact again")
-            self.waiting.append(_Sequence(handle, list(ids), opts, stops, decode))
+            self.waiting.append(_Sequence(handle, ids, opts, stops, decode))
             self.cond.notify_all()
         return handle
 
@@ -264,15 +262,12 @@ class BatchEngine(PromptEncoding):
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise DFlashError("generate takes a non-empty list of prompts (texts or token-id lists), e.g. "
                               "engine.generate([prompt]); for one streamed reply use engine.stream(prompt)")
-        unknown = sorted(set(options) - GENERATION_OPTION_NAMES)
-        if unknown:
-            raise DFlashError(f"unknown generation option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the "
-                              f"options are {', '.join(sorted(GENERATION_OPTION_NAMES))}")
+        refuse_unknown_options(options)
         opts = GenerationOptions(**options)
         encoded = [self.encode(p, chat=chat) for p in prompts]
         for ids in encoded:
             self.check_request(ids, opts)
-        handles = [self.submit(ids, opts) for ids in encoded]
+        handles = [self._queue(ids, opts) for ids in encoded]
         try:
             for h in handles:
                 for _ in h:

@@ -86,6 +86,15 @@ class ChatTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
+def load_tokenizer(artifact_dir: Path, manifest: dict) -> "ChatTokenizer | None":
+    """The artifact's tokenizer (`tokenizer/tokenizer.json` with the manifest's chat template and special
+    tokens), or None for an artifact built without one."""
+    tok_json = Path(artifact_dir) / "tokenizer" / "tokenizer.json"
+    if not tok_json.is_file():
+        return None
+    return ChatTokenizer(tok_json, manifest.get("chat_template"), manifest.get("special_tokens", {}))
+
+
 def check_messages(messages) -> list[dict[str, str]]:
     """OpenAI-style chat messages, checked: a non-empty list of {"role": system|user|assistant,
     "content": str or a list of {"type": "text", "text": str} parts}; returns them with string content.
