@@ -370,7 +370,8 @@ def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, che
         "graph_checks": checks,
         **({"target_batched": {"graph": "target_batched.onnx", "num_layers": a.num_layers, "num_kv_heads": a.num_kv_heads,
                                "head_dim": a.head_dim, "hidden_size": a.hidden_size, "vocab_size": tspec.vocab_size,
-                               "weights": "target.onnx's data file"}} if "target_batched" in checks else {}),
+                               "weights": "target.onnx's data file", "draft_features": True}}
+           if "target_batched" in checks else {}),
         "sources": sources,
         "tools": _tool_versions(),
         "host": {"platform": platform.platform(), "cpu_count": os.cpu_count()},

@@ -212,6 +212,12 @@ DEFAULT_MAX_BATCH = 4  # sequences a batched engine decodes at once (measured: d
 DEFAULT_PREFILL_CHUNK = 256  # prompt rows per prefill call: what a long prompt makes running streams wait at most
 
 
+def batched_feeds_draft(manifest: dict[str, Any]) -> bool:
+    """Whether the batched target graph outputs `taps` and `next_embeddings` (artifacts built since
+    batched speculation exists), which the draft of each sequence reads."""
+    return bool((manifest.get(BATCHED_GRAPH) or {}).get("draft_features"))
+
+
 def check_batched_graph(manifest: dict[str, Any], artifact_dir: Path) -> None:
     """Raise DFlashError unless the artifact has a batched target graph (built with `--batched`)."""
     section = manifest.get(BATCHED_GRAPH)

@@ -1,10 +1,11 @@
 """The batched target graph (`build --batched`) and `runtime.batching.BatchEngine`: every stream's output
-equals its batch-1 output (greedy and seeded, whatever joins or leaves), long prompts join in chunks,
-slots are reused and freed, bad input gets one clear error."""
+equals its batch-1 output (greedy and seeded, whatever joins or leaves, plain or verifying its draft's
+proposals), long prompts join in chunks, slots are reused and freed, bad input gets one clear error."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 
 import numpy as np
@@ -27,10 +28,18 @@ PROMPT_LENGTHS = (3, 5, 9, 17, 40, 2, 7)
 
 
 def _build(tmp_path_factory, name: str, **options):
+    """The tiny qwen3 pair built with `--batched`; its draft gets a proposal vocabulary of every id, so its
+    graph proposes ids (`runtime.manifest.draft_proposes`) and batched steps can speculate."""
     root = rf.checkpoints("qwen3", tmp_path_factory)
-    return shared_dir(tmp_path_factory, name, lambda d: build(BuildOptions(
-        str(root / "target"), str(root / "draft"), d / "artifact", max_seq_len=96, batched=True, quiet=True,
-        **options))) / "artifact"
+
+    def make(d):
+        draft = d / "draft"
+        shutil.copytree(root / "draft", draft)
+        (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": list(range(rf.VOCAB))}))
+        build(BuildOptions(str(root / "target"), str(draft), d / "artifact", max_seq_len=96, batched=True, quiet=True,
+                           **options))
+
+    return shared_dir(tmp_path_factory, name, make) / "artifact"
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +85,7 @@ def test_greedy_streams_equal_their_batch1_output_whatever_joins_or_leaves(art):
     assert speculative == expected  # (lossless: the batch-1 reference is the same with speculation)
     with BatchEngine(art, max_batch=3, prefill_chunk=8) as engine:
         got = _drain([engine.stream(p, max_new_tokens=n, stop_token_ids=[]) for p, n in zip(prompts, lengths)])
-        assert engine.status() == {"waiting": 0, "running": 0, "slots": 3}
+        assert {k: engine.status()[k] for k in ("waiting", "running", "slots")} == {"waiting": 0, "running": 0, "slots": 3}
     assert got == expected
 
 
@@ -97,6 +106,73 @@ def test_seeded_sampling_equals_batch1_in_a_mixed_batch(art):
     assert len({tuple(g) for g in got}) == len(got)
 
 
+def _oracle_drafts(engine, expected: dict[tuple, list[int]]) -> None:
+    """Make each sequence's proposals its expected reply's next ids, with the one at position k % (rows + 1)
+    changed (k: tokens so far), so steps accept all, some or none of their proposals. The real draft call
+    still runs first (its cache and timings as in a real step)."""
+    real = engine.drafts.propose
+
+    def propose(slot, anchor_id, rows, block_size=None):
+        real(slot, anchor_id, rows, block_size)
+        seq = next(s for s in engine.active if s.slot == slot)
+        k = len(seq.reply.out)
+        ids = list(expected[tuple(seq.prompt)][k:k + rows])
+        ids += [1] * (rows - len(ids))
+        wrong = k % (rows + 1)
+        if wrong < rows:
+            ids[wrong] = (ids[wrong] + 1) % rf.VOCAB
+        return np.array(ids, np.int64)
+
+    engine.drafts.propose = propose
+
+
+def test_speculative_streams_equal_batch1_whatever_is_accepted(art):
+    """Streams verifying their proposals (all of them, a fixed 3, the policy's choice, none) in shared calls,
+    with proposals right up to a changing position: every stream equals its batch-1 plain output, steps
+    accepted whole and partial proposals, and the draft ran once per speculating sequence and step."""
+    prompts = _prompts(3)
+    lengths = [20, 26, 9, 30, 14, 22, 17]
+    modes = ["all", 3, "auto", 0, 2, "all", 5]
+    with runtime.load(art) as s:
+        expected = [s.generate(p, max_new_tokens=n, block_size=1, stop_token_ids=[], reuse_prefix=False).output_ids
+                    for p, n in zip(prompts, lengths)]
+    with BatchEngine(art, max_batch=3, prefill_chunk=8) as engine:
+        assert engine.speculates
+        _oracle_drafts(engine, {tuple(p): e for p, e in zip(prompts, expected)})
+        handles = [engine.stream(p, max_new_tokens=n, stop_token_ids=[], verify_len=v)
+                   for p, n, v in zip(prompts, lengths, modes)]
+        got = _drain(handles)
+        results = [h.result for h in handles]
+        status = engine.status()
+    assert got == expected
+    assert status["speculative_steps"] > 0
+    fixed = [r for r, v in zip(results, modes) if v not in (0, "auto")]
+    assert all(r.acceptance_lengths and r.policy == "batched-fixed" for r in fixed)
+    accepted = [a for r in fixed for a in r.acceptance_lengths]
+    assert max(accepted) >= 4 and min(accepted) == 1  # whole and partial blocks, and a first proposal rejected
+    plain = results[modes.index(0)]
+    assert plain.acceptance_lengths == [] and plain.policy == "batched-plain"
+
+
+def test_seeded_speculative_streams_equal_batch1(art):
+    """Graph-sampled and host-sampled (top_k / top_p) streams verifying proposals beside greedy ones: each
+    gives its seed's batch-1 reply (a proposal is accepted iff it equals the sample of its row, drawn with
+    the uniform of its output position)."""
+    prompts = _prompts(4)[:5]
+    kinds = [dict(temperature=0.8, seed=3), dict(temperature=1.1, top_k=5, seed=4), dict(),
+             dict(temperature=0.7, top_p=0.8, seed=5), dict(temperature=0.9, seed=6)]
+    with runtime.load(art) as s:
+        expected = [s.generate(p, max_new_tokens=18, stop_token_ids=[], reuse_prefix=False, block_size=1,
+                               **kw).output_ids for p, kw in zip(prompts, kinds)]
+    with BatchEngine(art, max_batch=4) as engine:
+        _oracle_drafts(engine, {tuple(p): e for p, e in zip(prompts, expected)})
+        handles = [engine.stream(p, max_new_tokens=18, stop_token_ids=[], verify_len=4, **kw)
+                   for p, kw in zip(prompts, kinds)]
+        got = _drain(handles)
+    assert got == expected
+    assert all(max(h.result.acceptance_lengths) >= 3 for h in handles)
+
+
 @pytest.mark.slow  # (its own INT4 build; the fast set checks fp32 exactness, test_int4 the INT4 row exactness)
 def test_int4_level4_streams_equal_batch1(art_int4):
     """INT4 at accuracy level 4 (int8 activations): a one-row call is padded to two rows, so every row
@@ -109,8 +185,11 @@ def test_int4_level4_streams_equal_batch1(art_int4):
         got = _drain([engine.stream(p, max_new_tokens=14, stop_token_ids=[]) for p in prompts])
         got_seeded = _drain([engine.stream(p, max_new_tokens=14, stop_token_ids=[], temperature=0.9, seed=11)
                              for p in prompts[:3]])
+        _oracle_drafts(engine, {tuple(p): e for p, e in zip(prompts, expected)})
+        verified = _drain([engine.stream(p, max_new_tokens=14, stop_token_ids=[], verify_len=3) for p in prompts])
     assert got == expected
     assert got_seeded == seeded
+    assert verified == expected  # (verify rows: 1-4 rows per sequence, padded rows beside them)
 
 
 def test_batched_call_rows_are_the_one_sequence_graphs_floats(art):
@@ -120,7 +199,7 @@ def test_batched_call_rows_are_the_one_sequence_graphs_floats(art):
     with BatchEngine(art, max_batch=3) as engine:
         calls = engine.calls
         with engine.cond:  # the scheduler is idle: drive the calls directly
-            calls.run([SequenceRows(i, 0, p, temperature=0.0) for i, p in enumerate(prompts)])
+            calls.run([SequenceRows(i, 0, p) for i, p in enumerate(prompts)])
             ids = [p[-1] for p in prompts]
             calls.run([SequenceRows(i, len(p), [t]) for i, (p, t) in enumerate(zip(prompts, ids))], keep_logits=True)
             batched = [calls.read_logits(i) for i in range(3)]
@@ -363,7 +442,8 @@ def test_generate_takes_a_list_and_a_burst_fills_slots_before_the_queue(art):
             engine.generate("t5 t6")
         with pytest.raises(DFlashError, match="empty"):
             engine.generate([[5, 6], []], max_new_tokens=4)
-        assert engine.status() == {"waiting": 0, "running": 0, "slots": 2}  # the first was never queued
+        assert engine.status() == {"waiting": 0, "running": 0, "slots": 2, "steps": 0,
+                                   "speculative_steps": 0}  # the first was never queued
         worker, loop = BatchWorker(engine, queue_size=1), asyncio.new_event_loop()
         jobs = [Job(loop, p, {"max_new_tokens": 30, "stop_token_ids": []}) for p in _prompts(12)[:3]]
         for job in jobs:  # 2 slots + 1 queue place: none refused, even before the scheduler's next step

@@ -1,18 +1,20 @@
-"""Several clients at once through the server: the batched server (`serve --max-batch M`) against today's
-one-at-a-time server (`--max-batch 1`, speculative decoding), in one run.
+"""Several clients at once through the server: the batched server (`serve --max-batch M`) with its default
+(auto) speculation and with plain batched decoding (the same server, requests asking `verify_len` 0), against
+the one-at-a-time server (`--max-batch 1`, speculative decoding), in one run.
 
     python -m dflash_export.eval.batch_bench ARTIFACT [--streams 1,2,4,8] [--max-tokens 64] [--limit 2]
         [--rounds 2] [--max-batch 8]
 
 The artifact must be built with `--batched`. Both servers run as subprocesses (`python -m runtime serve`),
-idle while the other is loaded. For each N in --streams and each round, each server (their order
-alternating) gets N concurrent streaming chat clients (the official openai client, one thread each)
+idle while the other is loaded. For each N in --streams and each round, each mode (their order
+rotating) gets N concurrent streaming chat clients (the official openai client, one thread each)
 working through the held-out prompts (`models/prompts/eval.jsonl`, --limit per category, greedy,
 --max-tokens each; at least 2N requests so every client sends two). Printed per server and N, medians over
 rounds: aggregate decode tokens/s (completion tokens of all requests / the load's wall time, first
 token included), p50/p95 time to first token, p50/p95 gap between streamed chunks (inter-token latency;
-a speculative chunk can carry several tokens), and replies that differ from the one-at-a-time server's
-reply to the same prompt with one client.
+a speculative chunk can carry several tokens), the share of the batched server's decoding steps that
+verified proposals (its /health counters), and replies that differ from the one-at-a-time server's reply
+to the same prompt with one client.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from dflash_export.eval.bench import DEFAULT_EVAL, eval_prompts
 from dflash_export.eval.serve_bench import MODEL, ServerProcess
 
 
-def one_request(client, prompt: str, max_tokens: int) -> dict:
-    """One streamed greedy chat request: its text, completion tokens, TTFT and chunk gaps (seconds)."""
+def one_request(client, prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
+    """One streamed greedy chat request (`extra`: more request fields, e.g. verify_len): its text, completion
+    tokens, TTFT and chunk gaps (seconds)."""
     t0 = time.perf_counter()
     stamps, text, tokens = [], [], 0
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0,
-                                         max_tokens=max_tokens, stream=True, stream_options={"include_usage": True})
+                                         max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+                                         extra_body=extra)
     for chunk in out:
         if chunk.choices and chunk.choices[0].delta.content:
             stamps.append(time.perf_counter())
@@ -45,9 +49,10 @@ def one_request(client, prompt: str, max_tokens: int) -> dict:
             "ttft": (stamps[0] if stamps else time.perf_counter()) - t0, "gaps": gaps}
 
 
-def load(url: str, prompts: list[str], streams: int, max_tokens: int) -> tuple[float, list[dict]]:
-    """`streams` clients working through `prompts` (repeated to at least 2 per client). Returns (wall
-    seconds, per-request records)."""
+def load(url: str, prompts: list[str], streams: int, max_tokens: int, extra: dict | None = None
+         ) -> tuple[float, list[dict]]:
+    """`streams` clients working through `prompts` (repeated to at least 2 per client), each request with
+    the fields `extra`. Returns (wall seconds, per-request records)."""
     import openai
 
     work: queue.Queue = queue.Queue()
@@ -65,7 +70,7 @@ def load(url: str, prompts: list[str], streams: int, max_tokens: int) -> tuple[f
                 p = work.get_nowait()
             except queue.Empty:
                 break
-            r = one_request(c, p, max_tokens)
+            r = one_request(c, p, max_tokens, extra)
             with lock:
                 records.append(r)
         c.close()
@@ -104,37 +109,62 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
     prompts = eval_prompts(Path(args.prompts), args.limit)
-    servers = {"one at a time (--max-batch 1, speculative)": ServerProcess(args.artifact, "ort", ["--max-batch", "1"]),
-               f"batched (--max-batch {args.max_batch})": ServerProcess(args.artifact, "ort",
-                                                                        ["--max-batch", str(args.max_batch)])}
-    names = list(servers)
+    batched = f"--max-batch {args.max_batch}"
+    servers = {"one": ServerProcess(args.artifact, "ort", ["--max-batch", "1"]),
+               "batched": ServerProcess(args.artifact, "ort", ["--max-batch", str(args.max_batch)])}
+    modes = {"one at a time (--max-batch 1, speculative)": ("one", None),
+             f"batched ({batched}), default (auto)": ("batched", None),
+             f"batched ({batched}), plain (verify_len 0)": ("batched", {"verify_len": 0})}
+    names = list(modes)
     try:
-        _, alone = load(servers[names[0]].url, prompts, 1, args.max_tokens)
+        _, alone = load(servers["one"].url, prompts, 1, args.max_tokens)
         reference = {r["prompt"]: r["text"] for r in alone}
         results: dict[tuple[str, int], list[dict]] = {}
         for rnd in range(args.rounds):
             for n in streams:
-                for name in (names if (rnd + n) % 2 == 0 else names[::-1]):
-                    seconds, records = load(servers[name].url, prompts, n, args.max_tokens)
-                    results.setdefault((name, n), []).append(summarize(seconds, records, reference))
-                    print(f"round {rnd + 1}, {n} streams, {name}: {results[name, n][-1]['tok_s']:.1f} tok/s", flush=True)
+                shift = (rnd + n) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    server, extra = modes[name]
+                    before = _steps(servers[server].url)
+                    seconds, records = load(servers[server].url, prompts, n, args.max_tokens, extra)
+                    after = _steps(servers[server].url)
+                    row = summarize(seconds, records, reference)
+                    steps = after[0] - before[0]
+                    row["spec_share"] = (after[1] - before[1]) / steps if server == "batched" and steps else None
+                    results.setdefault((name, n), []).append(row)
+                    print(f"round {rnd + 1}, {n} streams, {name}: {row['tok_s']:.1f} tok/s", flush=True)
     finally:
         for s in servers.values():
             s.stop()
     med = lambda key, runs: statistics.median(r[key] for r in runs)  # noqa: E731
     print(f"\n{len(prompts)} held-out prompts, {args.max_tokens} tokens each, greedy, {args.rounds} rounds (medians)\n")
     print("| server | streams | aggregate tok/s | vs 1 stream | TTFT p50 / p95 ms | inter-token p50 / p95 ms |"
-          " replies differing from one client |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          " speculative steps | replies differing from one client |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in names:
         base = med("tok_s", results[name, streams[0]])
         for n in streams:
             runs = results[name, n]
             print(f"| {name} | {n} | {med('tok_s', runs):.1f} | {med('tok_s', runs) / base:.2f}x | "
                   f"{med('ttft50', runs) * 1e3:.0f} / {med('ttft95', runs) * 1e3:.0f} | "
-                  f"{med('itl50', runs) * 1e3:.1f} / {med('itl95', runs) * 1e3:.1f} | "
+                  f"{med('itl50', runs) * 1e3:.1f} / {med('itl95', runs) * 1e3:.1f} | {_share(runs)} | "
                   f"{sum(r['differ'] for r in runs)} of {sum(r['n'] for r in runs)} |")
     return 0
+
+
+def _steps(url: str) -> tuple[int, int]:
+    """(decoding steps, speculative steps) the server has run (its /health; 0s where it does not say)."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as r:
+        body = json.loads(r.read())
+    return int(body.get("steps", 0)), int(body.get("speculative_steps", 0))
+
+
+def _share(runs: list[dict]) -> str:
+    shares = [r["spec_share"] for r in runs if r["spec_share"] is not None]
+    return f"{100 * statistics.median(shares):.0f}%" if shares else "-"
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ Inputs (B sequences of T rows each, flattened row r = b * T + t; L keys per sequ
 Outputs:
     next_ids: int64 `[K]`: the posterior id of each logits row (sampled at its temperature).
     logits: fp32 `[K, V]`.
+    next_embeddings: `[K, d]`: embed_tokens(next_ids), a sequence's next draft block anchor.
+    taps: `[B * T, k * d]`: the tap layers' outputs of every row, the draft's context features (the
+        one-sequence graph's `taps`): what lets a batched step verify each sequence's draft proposals.
     key_i / value_i: `[B * T, Hkv, D]`: the new K/V rows, which the runtime writes to cache row
         (past_lengths[b] + t) * S + slot of sequence b, in every head.
 """
@@ -39,7 +42,7 @@ from dflash_export.nn.layers import TargetForExport
 from dflash_export.nn.tables import rope_cos_sin, rope_matrix
 from runtime.manifest import BATCHED_INPUTS
 
-BATCHED_OUTPUTS = ("next_ids", "logits")
+BATCHED_OUTPUTS = ("next_ids", "logits", "next_embeddings", "taps")
 
 
 def batched_io_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -71,8 +74,8 @@ def key_layout(past_lengths: torch.Tensor, key_index: torch.Tensor, cache_rows: 
 
 class BatchedTarget(TargetForExport):
     """`TargetForExport`'s decoder and LM head over B sequences (see the module docstring). Dense
-    families only (Qwen3 / Llama); it holds no proposal head, taps or embeddings outputs: a batched
-    step decodes plainly."""
+    families only (Qwen3 / Llama). It holds no proposal head: a sequence's proposals are ids (its draft
+    proposes them), verified as the rows after its last committed token."""
 
     def forward(self, input_ids, past_lengths, key_index, logit_rows, temperature, uniform, *past):
         b, t = input_ids.shape
@@ -89,8 +92,8 @@ class BatchedTarget(TargetForExport):
         bias = bias.repeat(1, group, 1)  # [B, group * T, L]: rows ordered (head in group, t), as the queries
         key_ones = torch.ones(key_index.shape[1], 16, dtype=torch.float32)
         h = self.model.embed_tokens(input_ids.reshape(-1))
-        new_kv = []
-        for layer in self.model.layers:
+        new_kv, taps = [], {}
+        for li, layer in enumerate(self.model.layers):
             x = layer.input_layernorm(h)
             q = layer.self_attn.query(x, rot_q, None)
             k, v = layer.self_attn.key_value(x, rot, None)
@@ -99,9 +102,13 @@ class BatchedTarget(TargetForExport):
             h = h + layer.self_attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             new_kv += [k, v]
-        h = self.model.norm(torch.index_select(h, 0, logit_rows))
+            if li in self.tap_layers and li != self.num_layers - 1:
+                taps[li] = h
+        final = self.model.norm(h) if self.num_layers - 1 in self.tap_layers else None
+        h = self.model.norm(torch.index_select(h, 0, logit_rows)) if final is None else torch.index_select(final, 0, logit_rows)
         logits = self.logits_of(h)
-        return (_posterior(logits, temperature, uniform, self.spec.vocab_size), logits, *new_kv)
+        next_ids = _posterior(logits, temperature, uniform, self.spec.vocab_size)
+        return (next_ids, logits, self.model.embed_tokens(next_ids), self.tap_features(taps, final), *new_kv)
 
 
 def _attend(attn, q, past_k, past_v, k, v, tables, bias, key_ones, b: int, t: int) -> torch.Tensor:

@@ -173,20 +173,25 @@ def batched_dim_ranges(manifest: dict, max_batch: int = DEFAULT_MAX_BATCH,
                        prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[tuple[str, dict[str, Range]]]:
     """(min, opt, max) of the batched target graph's dimensions (`runtime.batching`), S = max_seq_len:
 
-    - "batched_decode": B in [1, max_batch] sequences of T in [1, 2] rows (a padded one-row call),
-      L = keys in [1, S + 2], K logits rows in [1, max_batch];
+    - "batched_decode": B in [1, max_batch] sequences of T in [1, block] rows (the last committed token
+      and up to block - 1 proposals: a verify step; block = the draft's block size),
+      L = keys in [1, S + block], K logits rows and U sampled rows in [1, max_batch * block];
     - "batched_prefill": B in [1, max_batch] prompt chunks of T in [1, prefill_chunk] rows (the engine
-      sizes its activations for B * T = max_batch * prefill_chunk), L in [1, S + prefill_chunk];
-    - both: U (sampled rows) in [0, max_batch], and the caches' rows fixed at S * max_batch (one slot per
-      sequence: an engine serves exactly `max_batch` slots).
+      sizes its activations for B * T = max_batch * prefill_chunk), L in [1, S + prefill_chunk], K and U
+      up to max_batch;
+    - both: the caches' rows fixed at S * max_batch (one slot per sequence: an engine serves exactly
+      `max_batch` slots).
     """
     S, mb, chunk = int(manifest["max_seq_len"]), int(max_batch), int(prefill_chunk)
-    common = {"logit_rows": _clamp(1, mb, mb), "sampled_rows": (0, 0, mb), "cache_rows": (S * mb, S * mb, S * mb)}
+    block = max(int(manifest["draft"]["block_size"]), 2)
+    cache = {"cache_rows": (S * mb, S * mb, S * mb)}
     return [
-        ("batched_decode", {"batch": _clamp(1, mb, mb), "rows_per_sequence": (1, 1, 2), "keys": _clamp(1, S // 2, S + 2),
-                            **common}),
+        ("batched_decode", {"batch": _clamp(1, mb, mb), "rows_per_sequence": _clamp(1, 1, block),
+                            "keys": _clamp(1, S // 2, S + block), "logit_rows": _clamp(1, mb, mb * block),
+                            "sampled_rows": (0, 0, mb * block), **cache}),
         ("batched_prefill", {"batch": _clamp(1, 1, mb), "rows_per_sequence": _clamp(1, chunk, chunk),
-                             "keys": _clamp(1, chunk, S + chunk), **common}),
+                             "keys": _clamp(1, chunk, S + chunk), "logit_rows": _clamp(1, mb, mb),
+                             "sampled_rows": (0, 0, mb), **cache}),
     ]
 
 

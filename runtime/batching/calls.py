@@ -24,18 +24,20 @@ class SequenceRows:
     Attributes:
         slot: its cache slot.
         past: cached rows before this call (its first new row sits at this position).
-        ids: the token ids of its new rows (a prefill chunk, or the last committed token).
-        logits: whether its last new row's posterior is wanted (False for a prefill chunk before the last).
-        temperature: sampling temperature of that row (0: greedy).
-        uniform: that row's uniform in [0, 1) where the graph samples it.
+        ids: the token ids of its new rows: a prefill chunk, the last committed token, or the last
+            committed token and the proposals verified after it.
+        wanted: how many of its last rows' posteriors are wanted: 1 (a decoding step, a prompt's last
+            chunk), len(ids) (a verify step), 0 (a prefill chunk before the last).
+        temperature: sampling temperature of those rows (0: greedy).
+        uniforms: one uniform in [0, 1) per wanted row, where the graph samples them.
     """
 
     slot: int
     past: int
     ids: list[int]
-    logits: bool = True
+    wanted: int = 1
     temperature: float = 0.0
-    uniform: float = 0.0
+    uniforms: tuple[float, ...] = ()
 
 
 class BatchedCalls:
@@ -48,9 +50,11 @@ class BatchedCalls:
         slots: cache slots (the most sequences one call takes).
         max_rows: the most rows one call takes (all sequences together, padding included).
         dtype: numpy dtype of the K/V.
+        features: also take each call's `taps` and `next_embeddings` (the draft's inputs), where the
+            graph outputs them (`runtime.manifest.batched_feeds_draft`).
     """
 
-    def __init__(self, backend, manifest: dict, slots: int, max_rows: int, dtype):
+    def __init__(self, backend, manifest: dict, slots: int, max_rows: int, dtype, features: bool = False):
         sec = manifest[BATCHED_GRAPH]
         be, self.backend = backend, backend
         self.slots, self.max_rows = int(slots), int(max_rows)
@@ -63,12 +67,20 @@ class BatchedCalls:
         self.input_ids = be.alloc(np.int64, self.max_rows)
         self.past_lengths = be.alloc(np.int64, self.slots)
         self.key_index = be.alloc(np.int64, self.slots * (self.max_seq_len + self.max_rows))
-        self.logit_rows, self.next_ids = be.alloc(np.int64, self.slots), be.alloc(np.int64, self.slots)
-        self.temperature, self.uniform = be.alloc(np.float32, self.slots), be.alloc(np.float32, self.slots)
-        self.logits = be.alloc(np.float32, self.slots, (int(sec["vocab_size"]),))
+        self.logit_rows, self.next_ids = be.alloc(np.int64, self.max_rows), be.alloc(np.int64, self.max_rows)
+        self.temperature, self.uniform = be.alloc(np.float32, self.max_rows), be.alloc(np.float32, self.max_rows)
+        self.vocab_size = int(sec["vocab_size"])
+        self.logits = None  # fp32 [max_rows, V], allocated the first time a call keeps them
+        self.features = bool(features)
+        self.taps = self.next_embeddings = None
+        if self.features:
+            hidden, n_taps = int(manifest["target"]["hidden_size"]), len(manifest["draft"]["target_layer_ids"])
+            self.taps = be.alloc(dtype, self.max_rows, (n_taps * hidden,))
+            self.next_embeddings = be.alloc(dtype, self.max_rows, (hidden,))
         self.skip_sampling = bool(getattr(be, "greedy_without_uniforms", True))
         # whether a one-row call runs as two rows: decided by `decide_row_padding` (Session's rule)
         self.pad_single_rows = True
+        self.rows_per_sequence = 1  # T of the last call: sequence i's new rows are rows i * T .. (read by callers)
 
     def decide_row_padding(self) -> bool:
         """Pad one-row calls only where the backend rounds activations to int8 and a one-row call gives
@@ -76,7 +88,7 @@ class BatchedCalls:
         cached ids the caller forgets). Returns the decision."""
         self.pad_single_rows = False
         if getattr(self.backend, "int8_activations", False) and self.max_seq_len >= 5:
-            self.run([SequenceRows(0, 0, [1, 2, 3], logits=True)])
+            self.run([SequenceRows(0, 0, [1, 2, 3])])
             self.run([SequenceRows(0, 3, [4])])
             one = [self.backend.read(buf.rows(0, 1)) for pair in self.new_kv for buf in pair]
             self.run([SequenceRows(0, 3, [4, 5])])
@@ -86,9 +98,11 @@ class BatchedCalls:
 
     def run(self, batch: list[SequenceRows], keep_logits: bool = False) -> np.ndarray:
         """One call on `batch` (at most `slots` sequences, distinct slots, each past + len(ids) within
-        max_seq_len). Writes every new row's K/V to its slot and returns the posterior ids (int64, one
-        per sequence with `logits`, in batch order). With `keep_logits` their fp32 logits rows are left
-        in :attr:`logits` rows 0.. for the host (:meth:`read_logits`).
+        max_seq_len). Writes every new row's K/V to its slot and returns the posterior ids (int64, the
+        wanted rows of each sequence, in batch order). With `keep_logits` their fp32 logits rows are
+        left in :attr:`logits` rows 0.. for the host (:meth:`read_logits`); with :attr:`features`, the
+        taps of every row i * T + j (:attr:`rows_per_sequence` T) are left in :attr:`taps` and the
+        embeddings of the posterior ids in :attr:`next_embeddings`, in the returned ids' order.
 
         With :attr:`pad_single_rows`, a one-row call runs as two rows (the second a padding row nobody
         reads): kernels that round one row differently from several (`runtime.graphs.row_exact`) then give
@@ -96,13 +110,13 @@ class BatchedCalls:
         be, b = self.backend, len(batch)
         t = max(len(s.ids) for s in batch)
         t = 2 if b * t == 1 and self.pad_single_rows else t
+        self.rows_per_sequence = t
         ids = np.zeros((b, t), np.int64)
         for i, s in enumerate(batch):
             ids[i, : len(s.ids)] = s.ids
-        wanted = [i for i, s in enumerate(batch) if s.logits]
-        k = len(wanted)
-        rows = np.array([i * t + len(batch[i].ids) - 1 for i in wanted], np.int64)
-        temps = np.array([batch[i].temperature for i in wanted], np.float32)
+        rows = np.array([i * t + j for i, s in enumerate(batch) for j in range(len(s.ids) - s.wanted, len(s.ids))], np.int64)
+        k = len(rows)
+        temps = np.array([s.temperature for s in batch for _ in range(s.wanted)], np.float32)
         be.write(View(self.input_ids, 0, (b, t)), ids)
         pasts = np.array([s.past for s in batch], np.int64)
         n_keys = int(pasts.max()) + t
@@ -115,13 +129,16 @@ class BatchedCalls:
         be.write(self.temperature.rows(0, k), temps)
         sampled = k if (temps > 0).any() or not self.skip_sampling else 0
         if sampled:
-            be.write(self.uniform.rows(0, k), np.array([batch[i].uniform for i in wanted], np.float32))
+            uniforms = [float(s.uniforms[j]) if j < len(s.uniforms) else 0.0 for s in batch for j in range(s.wanted)]
+            be.write(self.uniform.rows(0, k), np.array(uniforms, np.float32))
         inputs = {"input_ids": View(self.input_ids, 0, (b, t)), "past_lengths": self.past_lengths.rows(0, b),
                   "key_index": View(self.key_index, 0, (b, n_keys)), "logit_rows": self.logit_rows.rows(0, k),
                   "temperature": self.temperature.rows(0, k), "uniform": self.uniform.rows(0, sampled)}
         outputs = {"next_ids": self.next_ids.rows(0, k)}
         if keep_logits:
-            outputs["logits"] = self.logits.rows(0, k)
+            outputs["logits"] = self.logits_buffer().rows(0, k)
+        if self.features:
+            outputs["next_embeddings"], outputs["taps"] = self.next_embeddings.rows(0, k), self.taps.rows(0, b * t)
         for i, ((key, value), (new_k, new_v)) in enumerate(zip(self.kv, self.new_kv)):
             inputs[f"past_key_{i}"], inputs[f"past_value_{i}"] = key.rows(0, key.capacity // key.row_elems), \
                 value.rows(0, value.capacity // value.row_elems)
@@ -133,6 +150,12 @@ class BatchedCalls:
             be.scatter_heads(key, dst, new_k.rows(0, b * t), src)
             be.scatter_heads(value, dst, new_v.rows(0, b * t), src)
         return be.read(self.next_ids.rows(0, k))
+
+    def logits_buffer(self):
+        """The fp32 `[max_rows, V]` logits buffer (allocated on first use)."""
+        if self.logits is None:
+            self.logits = self.backend.alloc(np.float32, self.max_rows, (self.vocab_size,))
+        return self.logits
 
     def read_logits(self, row: int) -> np.ndarray:
         """fp32 `[V]` logits of wanted row `row` of the last call run with `keep_logits`."""

@@ -23,8 +23,10 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from runtime.backends.base import Backend
+from runtime.backends.profiles import MAX_BLOCK_SIZE
 from runtime.backends.select import make_backend
 from runtime.batching.calls import BatchedCalls, SequenceRows
+from runtime.batching.drafts import SlotDrafts, drafts_propose
 from runtime.batching.slots import SlotTable
 from runtime.errors import DFlashError
 from runtime.manifest import (
@@ -32,12 +34,19 @@ from runtime.manifest import (
     DEFAULT_MAX_BATCH,
     DEFAULT_PREFILL_CHUNK,
     DTYPES,
+    batched_feeds_draft,
     check_batched_graph,
     load_manifest,
 )
 from runtime.options import GenerationOptions, refuse_unknown_options
-from runtime.results import GenerationResult, StreamChunk
-from runtime.speculation.sampling import processed_distribution, sample_index
+from runtime.results import GenerationResult, StreamChunk, accepted_prefix
+from runtime.speculation.batched import MEASURED_ROWS, BatchedCallCosts, BatchedLength
+from runtime.speculation.policy import (
+    TRAINED_DRAFT_PRIOR,
+    UNTRAINED_DRAFT_PRIOR,
+    AcceptanceEstimate,
+)
+from runtime.speculation.sampling import HostSampler
 from runtime.text.prompts import PromptEncoding
 from runtime.text.reply import ReplyText
 from runtime.text.tokenizer import load_tokenizer
@@ -104,10 +113,10 @@ class BatchedGeneration:
 
 
 class _Sequence:
-    """A request in the engine: its prompt, options, slot and reply so far."""
+    """A request in the engine: its prompt, options, slot, reply so far and speculation state."""
 
     def __init__(self, handle: BatchedGeneration, prompt: list[int], opts: GenerationOptions, stop_ids: set[int],
-                 decode):
+                 decode, block_size: int):
         self.handle, self.prompt, self.opts = handle, prompt, opts
         self.reply = ReplyText(decode, opts.stop, stop_ids)
         self.uniforms = np.random.default_rng(opts.seed).random(opts.max_new_tokens, dtype=np.float32)
@@ -116,6 +125,14 @@ class _Sequence:
         self.reused = 0
         self.t_start = time.perf_counter()
         self.t_first: float | None = None
+        # speculation: the block the draft fills, a fixed verify length (None: the engine's policy chooses)
+        self.block_size = 1 if opts.block_size == 1 else min(opts.block_size or block_size, block_size)
+        v = opts.verify_len
+        self.fixed = None if v in (None, "auto") else (self.block_size - 1 if v == "all" else
+                                                       int(str(v).split("+")[0]))
+        self.anchor_valid = False  # whether the slot's kept anchor embedding is the last committed token's
+        self.acceptance: list[int] = []
+        self.draft_s = self.verify_s = 0.0
 
     @property
     def prefilling(self) -> bool:
@@ -126,29 +143,42 @@ class _Sequence:
         out = self.reply.out
         return self.reply.finish_reason == "stop" or len(out) >= self.opts.max_new_tokens
 
-    def next_rows(self, chunk: int) -> SequenceRows:
-        """This sequence's rows in the next call: up to `chunk` prompt rows, or its last committed token."""
+    def draft_limit(self) -> int:
+        """The most proposals this sequence may verify next step: 0 where its draft cannot run (plain
+        requests, no valid anchor) or the reply has no room for more than one token."""
+        if not self.anchor_valid or self.block_size <= 1 or self.fixed == 0:
+            return 0
+        room = self.opts.max_new_tokens - len(self.reply.out) - 1
+        return max(min(self.block_size - 1, room, self.fixed if self.fixed is not None else room), 0)
+
+    def next_rows(self, chunk: int, proposals=()) -> SequenceRows:
+        """This sequence's rows in the next call: up to `chunk` prompt rows, or its last committed token and
+        the `proposals` to verify after it."""
         opts, k = self.opts, len(self.reply.out)
         if self.prefilling:
             ids = self.prompt[self.cached:self.cached + chunk]
-            last = self.cached + len(ids) == len(self.prompt)
+            wanted = int(self.cached + len(ids) == len(self.prompt))
         else:
-            ids, last = [self.reply.out[-1]], True
+            ids = [self.reply.out[-1], *proposals]
+            wanted = len(ids)
         host = opts.samples_on_host
-        return SequenceRows(self.slot, self.cached, list(ids), logits=last,
-                            temperature=0.0 if host else opts.temperature, uniform=float(self.uniforms[min(k, len(self.uniforms) - 1)]))
+        last = len(self.uniforms) - 1
+        return SequenceRows(self.slot, self.cached, list(ids), wanted=wanted,
+                            temperature=0.0 if host else opts.temperature,
+                            uniforms=tuple(float(self.uniforms[min(k + j, last)]) for j in range(wanted)))
 
-    def result(self) -> GenerationResult:
+    def result(self, policy: str) -> GenerationResult:
         t_end = time.perf_counter()
         total, first = t_end - self.t_start, (self.t_first or t_end)
         out = self.reply.out
         decode = t_end - first
         return GenerationResult(
             output_ids=list(out), text=self.reply.text if self.reply.has_text else None,
-            finish_reason=self.reply.finish_reason, acceptance_lengths=[],
+            finish_reason=self.reply.finish_reason, acceptance_lengths=list(self.acceptance),
             tokens_per_s=len(out) / total if total > 0 else 0.0,
             decode_tokens_per_s=(len(out) - 1) / decode if decode > 0 and len(out) > 1 else 0.0,
-            prefill_s=first - self.t_start, draft_s=0.0, verify_s=0.0, host_s=0.0, policy="batched-plain",
+            prefill_s=first - self.t_start, draft_s=self.draft_s, verify_s=self.verify_s,
+            host_s=max(decode - self.draft_s - self.verify_s, 0.0), policy=policy,
             prompt_tokens=len(self.prompt), reused_tokens=self.reused)
 
 
@@ -163,7 +193,11 @@ class BatchEngine(PromptEncoding):
         int4_accuracy_level: as :class:`runtime.Session`'s.
         backend: "ort" (onnxruntime CPU), "ort-cuda", "trt" (TensorRT engines built with `engine
             --max-batch` equal to `max_batch`), or a loaded :class:`runtime.backends.base.Backend` holding
-            the batched graph.
+            the batched graph (and the draft graph, with `speculation`).
+        speculation: verify each sequence's draft proposals in the batched calls where the policy
+            (`runtime.speculation.batched`) predicts it pays, or where a request asks for a verify
+            length. It needs an artifact whose batched graph feeds the draft (built by this version's
+            `build --batched`) and whose draft proposes ids; elsewhere every step decodes plainly.
 
     Use it as a context manager (or call :meth:`close`). :meth:`stream` and :meth:`generate` may be
     called from any number of threads; each request takes a slot when one is free.
@@ -174,7 +208,7 @@ class BatchEngine(PromptEncoding):
 
     def __init__(self, artifact_dir: str | Path, max_batch: int = DEFAULT_MAX_BATCH, threads: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, int4_accuracy_level: int | None = None,
-                 backend: str | Backend = "ort"):
+                 backend: str | Backend = "ort", speculation: bool = True):
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DFlashError(f"{name} must be a positive integer (got {value!r})")
@@ -190,16 +224,33 @@ class BatchEngine(PromptEncoding):
             raise DFlashError(f"this artifact's TensorRT engines take {trt.get('max_batch')} sequences and prefill chunks of "
                               f"{trt.get('prefill_chunk')} rows; serve with max_batch {trt.get('max_batch')}, or rebuild "
                               f"them: `python -m dflash_export engine {self.artifact_dir} --max-batch {max_batch}`")
+        self.block_size = int(m["draft"]["block_size"])
+        # batched speculation: where the batched graph feeds the draft and the draft proposes ids
+        self.speculates = bool(speculation) and batched_feeds_draft(m) and drafts_propose(m)
+        graphs = (BATCHED_GRAPH, "draft") if self.speculates else (BATCHED_GRAPH,)
         self.backend = backend if isinstance(backend, Backend) else make_backend(
-            backend, self.artifact_dir, m, threads, int4_accuracy_level, graphs=(BATCHED_GRAPH,))
+            backend, self.artifact_dir, m, threads, int4_accuracy_level, graphs=graphs)
+        dtype = np.dtype(DTYPES[m["dtype"]])
+        self.drafts: SlotDrafts | None = None
+        self.policy: BatchedLength | None = None
         rows = max(prefill_chunk, 2 * max_batch)
-        self.calls = BatchedCalls(self.backend, m, max_batch, rows, np.dtype(DTYPES[m["dtype"]]))
+        if self.speculates:
+            self.drafts = SlotDrafts(self.backend, m, self.artifact_dir, max_batch, dtype,
+                                     pending_rows=prefill_chunk + 2 * max(self.block_size, MAX_BLOCK_SIZE))
+            self.block_size = min(self.block_size, self.drafts.max_block)
+            rows = max(rows, max_batch * self.drafts.max_block)
+        self.calls = BatchedCalls(self.backend, m, max_batch, rows, dtype, features=self.speculates)
         self.calls.decide_row_padding()  # (before any slot holds a sequence: the probe writes slot 0)
+        if self.speculates:
+            prior = TRAINED_DRAFT_PRIOR if m["draft"].get("trained") else UNTRAINED_DRAFT_PRIOR
+            self.policy = BatchedLength(self._measure_costs(), AcceptanceEstimate(prior, self.block_size - 1))
         self.slots = SlotTable(max_batch)
         self.cond = threading.Condition()
         self.waiting: deque[_Sequence] = deque()
         self.active: list[_Sequence] = []
         self.steps = 0  # decoding calls run (read by tests and /health)
+        self.speculative_steps = 0  # decoding calls that verified proposals (read by tests and /health)
+        self.last_call_s = 0.0  # seconds of the last batched call (the policy's observation)
         self.closed = False
         self._thread = threading.Thread(target=self._run, name="dflash-batch", daemon=True)
         self._thread.start()
@@ -210,9 +261,10 @@ class BatchEngine(PromptEncoding):
         """Queue a generation; returns its :class:`BatchedGeneration` at once.
 
         Args: as :meth:`runtime.Session.stream` (prompt or messages, chat, enable_thinking, and the
-            :class:`runtime.options.GenerationOptions` fields). `block_size` and `verify_len` are
-            accepted and do not apply: the batched graph decodes plainly, and speculation never changes
-            the output. `on_event`: see :class:`BatchedGeneration`.
+            :class:`runtime.options.GenerationOptions` fields). `verify_len`: "auto" (default: the
+            engine's policy), 0 (plain), an integer or "all"; a tree "L+A" verifies its chain of L.
+            `block_size` 1 decodes plainly. Speculation never changes the output. `on_event`: see
+            :class:`BatchedGeneration`.
 
         Raises:
             DFlashError: bad prompt or options, a request beyond the KV buffers, a closed engine.
@@ -247,7 +299,7 @@ class BatchEngine(PromptEncoding):
         with self.cond:
             if self.closed:
                 raise DFlashError("this BatchEngine is closed; load the artifact again")
-            self.waiting.append(_Sequence(handle, ids, opts, stops, decode))
+            self.waiting.append(_Sequence(handle, ids, opts, stops, decode, self.block_size if self.speculates else 1))
             self.cond.notify_all()
         return handle
 
@@ -291,10 +343,12 @@ class BatchEngine(PromptEncoding):
             raise DFlashError(f"stop_token_ids holds {bad[0]}, which is not a token id of this model (vocabulary {vocab})")
 
     def status(self) -> dict:
-        """{"waiting", "running", "slots"} now."""
+        """{"waiting", "running", "slots", "steps", "speculative_steps"} now (steps: decoding calls run so
+        far; speculative_steps: those that verified proposals)."""
         with self.cond:
             waiting = sum(not s.handle.cancelled.is_set() for s in self.waiting)  # (cancelled ones leave at the next step)
-            return {"waiting": waiting, "running": len(self.active), "slots": self.max_batch}
+            return {"waiting": waiting, "running": len(self.active), "slots": self.max_batch, "steps": self.steps,
+                    "speculative_steps": self.speculative_steps}
 
     def close(self) -> None:
         """Stop the scheduler (requests in flight get a DFlashError) and release the graph."""
@@ -347,6 +401,8 @@ class BatchEngine(PromptEncoding):
             seq = self.waiting.popleft()
             seq.slot, seq.reused = self.slots.take(seq.prompt, seq.opts.reuse_prefix)
             seq.cached = seq.reused
+            if self.drafts is not None:
+                self.drafts.reset(seq.slot, seq.reused)
             self.active.append(seq)
 
     def _leave(self, seq: _Sequence) -> None:
@@ -372,7 +428,8 @@ class BatchEngine(PromptEncoding):
 
     def _step(self, active: list[_Sequence]) -> None:
         """One prefill call (the joining sequences' next prompt chunks, shortest first, at most
-        `prefill_chunk` rows with padding) and one decoding call (every other running sequence)."""
+        `prefill_chunk` rows with padding) and one decoding call (every other running sequence, each
+        with the proposals its draft made where the step speculates)."""
         prefilling = sorted((s for s in active if s.prefilling), key=lambda s: len(s.prompt) - s.cached)
         batch: list[_Sequence] = []
         for seq in prefilling:
@@ -381,38 +438,125 @@ class BatchEngine(PromptEncoding):
                 break
             batch.append(seq)
         if batch:
-            self._call(batch, self.prefill_chunk)
+            self._call(batch, [()] * len(batch), self.prefill_chunk)
         decoding = [s for s in self.active if not s.prefilling and s not in batch]
         if decoding:
-            self._call(decoding, 1)
+            proposals, draft_s = self._propose(decoding)
+            verified = self._call(decoding, proposals, 1)
+            self.speculative_steps += bool(verified)
+            if self.policy is not None:
+                self.policy.observe(len(decoding), self.calls.rows_per_sequence, self.last_call_s, draft_s, verified)
             self.steps += 1
 
-    def _call(self, seqs: list[_Sequence], chunk: int) -> None:
-        """One graph call for `seqs`; commits and emits each sequence's new token, and lets finished
-        ones leave. A failing call fails the generations in it (their slots are freed)."""
-        rows = [s.next_rows(chunk) for s in seqs]
-        host = any(s.opts.samples_on_host for s, r in zip(seqs, rows) if r.logits)
-        ids = self.calls.run(rows, keep_logits=host)
-        k = 0
-        for seq, r in zip(seqs, rows):
-            seq.cached += len(r.ids)
-            if not r.logits:
+    def _propose(self, seqs: list[_Sequence]) -> tuple[list[list[int]], list[float]]:
+        """Each decoding sequence's proposals for this step (empty: it decodes one row), from its draft,
+        as many as its fixed verify length or the policy's choice for the batch allows; and the draft
+        calls' seconds."""
+        if self.drafts is None:
+            return [[] for _ in seqs], []
+        limits = [s.draft_limit() for s in seqs]
+        auto = [lim for s, lim in zip(seqs, limits) if s.fixed is None]
+        n = self.policy.choose(auto) if auto else 0
+        proposals, seconds = [], []
+        for seq, lim in zip(seqs, limits):
+            k = lim if seq.fixed is not None else min(n, lim)
+            if k <= 0:
+                proposals.append([])
                 continue
-            token = int(ids[k])
-            if seq.opts.samples_on_host:
-                cand, probs = processed_distribution(self.calls.read_logits(k), seq.opts.temperature, seq.opts.top_k,
-                                                     seq.opts.top_p)
-                token = int(cand[sample_index(probs, r.uniform)])
-            k += 1
-            if seq.t_first is None:
-                seq.t_first = time.perf_counter()
+            t0 = time.perf_counter()
+            proposals.append(self.drafts.propose(seq.slot, seq.reply.out[-1], k, seq.block_size).tolist())
+            seconds.append(time.perf_counter() - t0)
+            seq.draft_s += seconds[-1]
+        return proposals, seconds
+
+    def _call(self, seqs: list[_Sequence], proposals: list, chunk: int) -> list[tuple[int, int]]:
+        """One graph call for `seqs` (prefill chunks, or each sequence's last token and `proposals`);
+        commits and emits each sequence's new tokens, keeps their taps and anchor for the draft, and lets
+        finished ones leave. Returns (proposals verified, accepted) of each sequence that verified any.
+        A failing call fails the generations in it (their slots are freed)."""
+        rows = [s.next_rows(chunk, p) for s, p in zip(seqs, proposals)]
+        prefill = [s.prefilling for s in seqs]
+        host = any(s.opts.samples_on_host for s, r in zip(seqs, rows) if r.wanted)
+        t0 = time.perf_counter()
+        ids = self.calls.run(rows, keep_logits=host)
+        self.last_call_s = time.perf_counter() - t0
+        t, k, verified = self.calls.rows_per_sequence, 0, []
+        for i, (seq, r, props) in enumerate(zip(seqs, rows, proposals)):
+            posterior, base = ids[k:k + r.wanted], k
+            k += r.wanted
+            sampler = HostSampler(seq.opts.temperature, seq.opts.top_k, seq.opts.top_p,
+                                  lambda j, base=base: self.calls.read_logits(base + j)) if seq.opts.samples_on_host else None
+            if prefill[i]:
+                committed_rows, tokens = len(r.ids), []
+                if r.wanted:
+                    tokens = [int(posterior[0]) if sampler is None else sampler.sample(0, r.uniforms[0])]
+                acc = 0
+            else:
+                seq.verify_s += self.last_call_s
+                n = len(props)
+                if sampler is None:
+                    acc = accepted_prefix(np.asarray(props, np.int64), posterior)
+                    bonus = int(posterior[acc])
+                else:
+                    acc, bonus = sampler.verify(np.asarray(props, np.int64), np.asarray(r.uniforms, np.float32))
+                committed_rows, tokens = 1 + acc, [*props[:acc], bonus]
+                if n:
+                    seq.acceptance.append(acc + 1)
+                    verified.append((n, acc))
+            seq.cached += committed_rows
+            if self.drafts is not None:
+                self.drafts.append(seq.slot, self.calls.taps.rows(i * t, committed_rows), committed_rows)
+                if tokens:  # the graph's posterior row acc embeds its id; a host sample may be another token
+                    self.drafts.set_anchor(seq.slot, self.calls.next_embeddings.rows(base + acc, 1))
+                    seq.anchor_valid = tokens[-1] == int(posterior[acc])
+            if tokens:
+                self._emit(seq, tokens)
+        return verified
+
+    def _emit(self, seq: _Sequence, tokens: list[int]) -> None:
+        """Commit `tokens` to `seq`'s reply and emit them; a finished or cancelled sequence leaves."""
+        if seq.t_first is None:
+            seq.t_first = time.perf_counter()
+        cancelled = seq.handle.cancelled.is_set()
+        if not cancelled:
+            seq.handle.emit("chunk", seq.reply.commit(tokens))
+        if seq.finished or seq.handle.cancelled.is_set():
             if not seq.handle.cancelled.is_set():
-                seq.handle.emit("chunk", seq.reply.commit([token]))
-            if seq.finished or seq.handle.cancelled.is_set():
-                if not seq.handle.cancelled.is_set():
-                    tail = seq.reply.finish()
-                    if tail:
-                        seq.handle.emit("chunk", StreamChunk(tail, []))
-                    seq.handle.emit("done", seq.result())
-                with self.cond:
-                    self._leave(seq)
+                tail = seq.reply.finish()
+                if tail:
+                    seq.handle.emit("chunk", StreamChunk(tail, []))
+                seq.handle.emit("done", seq.result(self._policy_name(seq)))
+            with self.cond:
+                self._leave(seq)
+
+    def _policy_name(self, seq: _Sequence) -> str:
+        if not self.speculates or seq.block_size <= 1 or seq.fixed == 0:
+            return "batched-plain"
+        return "batched-auto" if seq.fixed is None else "batched-fixed"
+
+    def _measure_costs(self) -> BatchedCallCosts:
+        """Time batched calls of 1 and `max_batch` sequences x :data:`MEASURED_ROWS` rows (each the faster
+        of two, after 64 cached rows of zeros) and a draft call: the policy's cost curve. Runs before any
+        slot holds a sequence (it writes slots' rows, which no one reads)."""
+        batches = tuple(sorted({1, self.max_batch}))
+        rows = tuple(t for t in MEASURED_ROWS if t <= self.block_size) or (1,)
+        past = min(64, self.max_seq_len - rows[-1])
+        seconds = np.zeros((len(batches), len(rows)))
+        for i, b in enumerate(batches):
+            for j, t in enumerate(rows):
+                batch = [SequenceRows(slot, past, [1] * t, wanted=t) for slot in range(b)]
+                seconds[i, j] = min(self._timed(lambda: self.calls.run(batch)) for _ in range(2))
+        draft_s = []
+        for _ in range(2):
+            self.calls.run([SequenceRows(0, 0, [1, 2])])
+            self.drafts.append(0, self.calls.taps.rows(0, 2), 2)
+            self.drafts.set_anchor(0, self.calls.next_embeddings.rows(0, 1))
+            draft_s.append(self._timed(lambda: self.drafts.propose(0, 1, max(self.block_size - 1, 1))))
+        self.drafts.reset(0, 0)
+        return BatchedCallCosts(batches, rows, seconds, min(draft_s))
+
+    @staticmethod
+    def _timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0

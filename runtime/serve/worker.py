@@ -240,8 +240,9 @@ class BatchWorker:
         self.engine.close()
 
     def status(self) -> dict:
-        """{"waiting", "running", "queue_size", "served", "slots"} for /health."""
+        """{"waiting", "running", "queue_size", "served", "slots", "steps", "speculative_steps"} for /health."""
         engine = self.engine.status()
         with self.cond:
             return {"waiting": engine["waiting"], "running": engine["running"] > 0, "streams": engine["running"],
-                    "queue_size": self.queue_size, "served": self.served, "slots": engine["slots"]}
+                    "queue_size": self.queue_size, "served": self.served, "slots": engine["slots"],
+                    "steps": engine["steps"], "speculative_steps": engine["speculative_steps"]}
