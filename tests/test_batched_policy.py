@@ -1,6 +1,7 @@
-"""The batched verify-length policy (`runtime.speculation.batched`): its arithmetic on fixed call costs and
-hand-made acceptance. It speculates where the rows it adds to the whole call pay, decodes plainly where
-they do not (a large batch on a CPU), probes with a doubling gap, and follows what it observes."""
+"""The batched speculation policy (`runtime.speculation.batched`): its arithmetic on fixed call costs and
+hand-made acceptance. It drafts where the rows it adds to the whole call pay, decodes plainly where they
+do not (a large batch on a CPU), chooses the verify length from the proposals' chances, probes with a
+doubling gap, and follows what it observes."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from runtime.speculation.batched import BatchedCallCosts, BatchedLength
 from runtime.speculation.policy import AcceptanceEstimate
 
 
-def _costs(draft_s: float = 0.002) -> BatchedCallCosts:
-    """Calls of 1 sequence cost 10 ms + 1 ms per extra row; of 8 sequences 40 ms + 35 ms per extra row of every
-    sequence (rows are nearly free alone, costly in a full batch: compute-bound)."""
+def _costs() -> BatchedCallCosts:
+    """Calls of 1 sequence cost 10 ms + 1 ms per extra row; of 8 sequences 40 ms + 35 ms per extra row of
+    every sequence (rows are nearly free alone, costly in a full batch: compute-bound). A draft call: 2 ms
+    for one block row, 5 ms for 15."""
     rows = (1, 2, 4, 8, 16)
     one = [0.010 + 0.001 * (t - 1) for t in rows]
     eight = [0.040 + 0.035 * (t - 1) for t in rows]
-    return BatchedCallCosts((1, 8), rows, np.array([one, eight]), draft_s)
+    return BatchedCallCosts((1, 8), rows, np.array([one, eight]), (1, 15), (0.002, 0.005))
 
 
 def _policy(prior: float, **kw) -> BatchedLength:
@@ -30,53 +32,68 @@ def test_costs_interpolate_between_measured_shapes():
     assert c.call_s(8, 3) == pytest.approx(0.040 + 0.035 * 2)  # between rows 2 and 4
     assert c.call_s(4, 1) == pytest.approx(0.010 + (0.040 - 0.010) * 3 / 7)  # between batches 1 and 8
     assert c.call_s(16, 32) == pytest.approx(c.call_s(8, 16))  # clamped at the measured ends
+    assert c.draft_s(8) == pytest.approx(0.002 + 0.003 * 7 / 14)
 
 
-def test_speculates_alone_and_decodes_plainly_in_a_full_batch():
-    """Acceptance 0.7: at batch 1 the rows are nearly free (a long verify wins); at batch 8 each extra row
-    costs 35 ms for the 8 sequences, more than the tokens they bring: plain."""
+def test_drafts_alone_and_decodes_plainly_in_a_full_batch():
+    """Acceptance 0.7: at batch 1 extra rows are nearly free and drafting wins; at batch 8 each extra row
+    costs 35 ms for the 8 sequences, more than the tokens they bring: plain, no draft call."""
     policy = _policy(0.7)
-    n = policy.choose([15])
-    assert n >= 2
-    expected = policy.rate([15], n)
-    assert expected > 1.03 * policy.rate([15], 0)
-    busy = _policy(0.7)
-    assert busy.choose([15] * 8) == 0
+    assert policy.draft_rows([15]) == 2  # the rows the draft computes start at 2
+    assert _policy(0.7).draft_rows([15] * 8) == 0
+
+
+def test_the_verify_length_follows_the_proposals_chances():
+    """After the draft calls: confident proposals are verified deep, unlikely ones not at all; a sequence
+    without proposals pads; the draft's next rows grow when all were used and shrink when two were left."""
+    policy = _policy(0.7)
+    sure, doubtful = np.array([0.95, 0.9, 0.9]), np.array([0.05, 0.05, 0.05])
+    assert policy.verify_length([policy.draft_confidence(sure)], drafted_rows=3) == 3
+    assert policy.rows == 3
+    assert policy.verify_length([policy.draft_confidence(doubtful)], drafted_rows=3) == 0
+    assert policy.rows == 2
+    # beside a sequence without proposals (one row, padded) at batch 2, a row costs 6 ms: only the first pays
+    assert policy.verify_length([None, policy.draft_confidence(sure)], drafted_rows=3) == 1
+
+
+def test_declined_lookups_decay_toward_the_prior_and_verified_ones_teach():
+    policy = _policy(0.5)
+    before = policy.lookup_confidence(3).copy()
+    for _ in range(5):
+        policy.observe(1, 4, 0.013, [], [(3, 0, None)], 1)  # lookups verified, first rejected every time
+    low = policy.lookup_confidence(3)
+    assert low[0] < 0.5 * before[0]
+    assert policy.verify_length([low] + [None] * 7, lookups=True) == 0  # (at batch 8 a row costs 35 ms)
+    after = policy.lookup_confidence(3)
+    assert after[0] > low[0]  # a declined offer moved the evidence back toward the prior
+    assert policy.hits == 0 and policy.mass == 0  # lookups do not touch the draft's calibration
 
 
 def test_low_acceptance_decodes_plainly_and_probes_with_a_doubling_gap():
     policy = _policy(0.01, probe_gap=4, max_probe_gap=16)
-    choices = [policy.choose([15]) for _ in range(4)]
-    assert choices == [0, 0, 0, 1]  # a probe of one proposal after 4 plain steps
-    policy.observe(1, 2, 0.011, [0.002], [(1, 0)])  # the probe: rejected
+    assert [policy.draft_rows([15]) for _ in range(4)] == [0, 0, 0, 2]  # a probe after 4 plain steps
+    assert policy.verify_length([policy.draft_confidence(np.array([0.01, 0.01]))], drafted_rows=2) >= 1  # verified
+    policy.observe(1, 2, 0.011, [(2, 0.002)], [(1, 0, 0.01)], 1)  # the probe: rejected
     assert policy.probe_gap == 8
-    choices = [policy.choose([15]) for _ in range(8)]
-    assert choices == [0] * 7 + [1]
+    assert [policy.draft_rows([15]) for _ in range(8)] == [0] * 7 + [2]
     for _ in range(3):
-        policy.observe(1, 2, 0.011, [0.002], [(1, 0)])
         policy.probing = True
+        policy.observe(1, 2, 0.011, [(1, 0.002)], [(1, 0, 0.01)], 1)
     assert policy.probe_gap == 16  # capped at max_probe_gap
 
 
-def test_sequences_that_cannot_draft_pad_but_count_one_token():
-    """A sequence with limit 0 (no valid anchor, or plain) adds a token and no draft call."""
-    policy = _policy(0.5)
-    tokens = policy.acceptance.expected_tokens(15)
-    seconds = policy.predicted_s(2, 3) + 1 * policy.draft_s
-    assert policy.rate([15, 0], 2) == pytest.approx((tokens[2] + 1.0) / seconds)
-    assert policy.choose([0, 0]) == 0
-
-
-def test_observed_costs_and_acceptance_move_the_choice():
-    """Speculative calls observed 3x slower than measured, and proposals never accepted, turn a batch-1
-    policy that speculated to plain decoding; the scales move at most 2x per step."""
+def test_observed_costs_and_outcomes_move_the_decisions():
+    """Speculative calls observed 3x slower than measured and drafted steps committing one token each turn
+    a batch-1 policy that drafted to plain decoding; the scales move at most 2x per step; the draft's
+    calibration follows its accepted first proposals."""
     policy = _policy(0.7, probe_gap=1000)
-    assert policy.choose([15]) > 0
-    policy.observe(1, 8, 3 * policy.costs.call_s(1, 8), [0.002], [(7, 0)])
+    assert policy.draft_rows([15]) > 0
+    policy.observe(1, 3, 3 * policy.costs.call_s(1, 3), [(2, 0.002)], [(2, 0, 0.9)], 1)
     assert policy.spec_scale == pytest.approx(1.0 + 0.2 * (2.0 - 1.0))  # the 3x was clamped to 2x
     for _ in range(30):
-        policy.observe(1, 8, 3 * policy.costs.call_s(1, 8), [0.004], [(7, 0)])
-    assert policy.spec_scale > 2.5 and policy.draft_s == pytest.approx(0.004, rel=0.01)
-    assert policy.choose([15]) == 0
-    policy.observe(1, 1, 0.5 * policy.costs.call_s(1, 1), [], [])
+        policy.observe(1, 3, 3 * policy.costs.call_s(1, 3), [(2, 0.004)], [(2, 0, 0.9)], 1)
+    assert policy.spec_scale > 2.5 and policy.draft_scale > 1.5
+    assert policy.calibration < 0.5  # confident proposals that were all rejected
+    assert policy.draft_rows([15]) == 0
+    policy.observe(1, 1, 0.5 * policy.costs.call_s(1, 1), [], [], 1)
     assert policy.plain_scale == pytest.approx(0.9)

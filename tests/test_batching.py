@@ -113,7 +113,7 @@ def _oracle_drafts(engine, expected: dict[tuple, list[int]]) -> None:
     real = engine.drafts.propose
 
     def propose(slot, anchor_id, rows, block_size=None):
-        real(slot, anchor_id, rows, block_size)
+        _, probs = real(slot, anchor_id, rows, block_size)
         seq = next(s for s in engine.active if s.slot == slot)
         k = len(seq.reply.out)
         ids = list(expected[tuple(seq.prompt)][k:k + rows])
@@ -121,7 +121,7 @@ def _oracle_drafts(engine, expected: dict[tuple, list[int]]) -> None:
         wrong = k % (rows + 1)
         if wrong < rows:
             ids[wrong] = (ids[wrong] + 1) % rf.VOCAB
-        return np.array(ids, np.int64)
+        return np.array(ids, np.int64), probs
 
     engine.drafts.propose = propose
 
@@ -336,7 +336,7 @@ def test_batched_engine_through_the_tensorrt_double(art, tmp_path_factory, doubl
     """The TensorRT backend's own code on the batched graph, through the test double (NOT TensorRT: the
     double runs the ONNX graph with onnxruntime, refusing shapes outside the engine's profiles and
     misaligned or host addresses): `engine --max-batch 3` builds a third engine whose profiles take every
-    call the engine makes, and the streams equal onnxruntime's."""
+    call the engine makes (verify steps of a whole block included), and the streams equal onnxruntime's."""
     import shutil
 
     from test_trt_backend_double import GPU, FakeTensorRT
@@ -351,12 +351,17 @@ def test_batched_engine_through_the_tensorrt_double(art, tmp_path_factory, doubl
     with BatchEngine(out, max_batch=3, backend="ort") as engine:
         expected = _drain([engine.stream(p, max_new_tokens=10, stop_token_ids=[], temperature=0.8, seed=i)
                            for i, p in enumerate(prompts)])
+        greedy = _drain([engine.stream(p, max_new_tokens=10, stop_token_ids=[], verify_len=0) for p in prompts])
     with pytest.raises(DFlashError, match="--max-batch 4"):
         BatchEngine(out, max_batch=4, backend="trt")
     with BatchEngine(out, max_batch=3, backend="trt") as engine:
         got = _drain([engine.stream(p, max_new_tokens=10, stop_token_ids=[], temperature=0.8, seed=i)
                       for i, p in enumerate(prompts)])
+        # every proposal of the block verified: calls of 3 sequences x 8 rows, the decode profile's largest
+        verified = _drain([engine.stream(p, max_new_tokens=10, stop_token_ids=[], verify_len="all") for p in prompts])
+        assert engine.status()["speculative_steps"] > 0 and engine.drafts.calls > 0
     assert got == expected
+    assert verified == greedy
 
 
 def test_callbacks_that_raise_or_close_do_not_stop_the_scheduler(art):

@@ -105,16 +105,18 @@ class SlotDrafts:
         committed token) as the slot's next block anchor."""
         self.backend.copy(self.anchors.rows(slot, 1), embedding)
 
-    def propose(self, slot: int, anchor_id: int, rows: int, block_size: int | None = None) -> np.ndarray:
+    def propose(self, slot: int, anchor_id: int, rows: int, block_size: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
         """A draft call for `rows` (>= 1) block positions after the sequence's last committed token
         `anchor_id` (whose embedding :meth:`set_anchor` kept), in a block of `block_size` (default: the
-        draft's). Returns the top-1 proposal of block positions 1..rows (int64 `[rows]`)."""
+        draft's). Returns the top-1 proposals of block positions 1..rows (int64 `[rows]`) and the draft's
+        probability of each (fp32 `[rows]`)."""
         be = self.backend
         be.copy(self.block.rows(0, 1), self.anchors.rows(slot, 1))
         if self.anchor_ids is not None:
             be.write(self.anchor_ids.rows(0, 1), np.array([anchor_id], np.int64))
         rows = self._run(slot, rows, block_size)
-        return be.read(self.top_ids.rows(0, rows))[:, 0]
+        return be.read(self.top_ids.rows(0, rows))[:, 0], be.read(self.top_probs.rows(0, rows))[:, 0]
 
     def _run(self, slot: int, rows: int, block_size: int | None = None) -> int:
         """One draft call on the slot's pending taps and cache; returns the block rows it computed."""

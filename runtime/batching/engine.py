@@ -41,6 +41,7 @@ from runtime.manifest import (
 from runtime.options import GenerationOptions, refuse_unknown_options
 from runtime.results import GenerationResult, StreamChunk, accepted_prefix
 from runtime.speculation.batched import MEASURED_ROWS, BatchedCallCosts, BatchedLength
+from runtime.speculation.lookup import NgramLookup
 from runtime.speculation.policy import (
     TRAINED_DRAFT_PRIOR,
     UNTRAINED_DRAFT_PRIOR,
@@ -131,6 +132,8 @@ class _Sequence:
         self.fixed = None if v in (None, "auto") else (self.block_size - 1 if v == "all" else
                                                        int(str(v).split("+")[0]))
         self.anchor_valid = False  # whether the slot's kept anchor embedding is the last committed token's
+        # the request's text, indexed for lookup proposals where the engine's policy chooses (auto)
+        self.lookup = NgramLookup(prompt) if self.block_size > 1 and self.fixed is None else None
         self.acceptance: list[int] = []
         self.draft_s = self.verify_s = 0.0
 
@@ -438,50 +441,76 @@ class BatchEngine(PromptEncoding):
                 break
             batch.append(seq)
         if batch:
-            self._call(batch, [()] * len(batch), self.prefill_chunk)
+            self._call(batch, [((), None)] * len(batch), self.prefill_chunk)
         decoding = [s for s in self.active if not s.prefilling and s not in batch]
         if decoding:
-            proposals, draft_s = self._propose(decoding)
-            verified = self._call(decoding, proposals, 1)
-            self.speculative_steps += bool(verified)
+            proposals, drafts = self._propose(decoding)
+            outcomes = self._call(decoding, proposals, 1)
+            self.speculative_steps += bool(outcomes)
             if self.policy is not None:
-                self.policy.observe(len(decoding), self.calls.rows_per_sequence, self.last_call_s, draft_s, verified)
+                committed = sum(1 + acc for _, acc, _ in outcomes) + len(decoding) - len(outcomes)
+                self.policy.observe(len(decoding), self.calls.rows_per_sequence, self.last_call_s, drafts, outcomes,
+                                    committed)
             self.steps += 1
 
-    def _propose(self, seqs: list[_Sequence]) -> tuple[list[list[int]], list[float]]:
-        """Each decoding sequence's proposals for this step (empty: it decodes one row), from its draft,
-        as many as its fixed verify length or the policy's choice for the batch allows; and the draft
-        calls' seconds."""
+    def _propose(self, seqs: list[_Sequence]) -> tuple[list[tuple], list[tuple[int, float]]]:
+        """Each decoding sequence's proposals for this step and its draft's probability of each (empty: it
+        decodes one row), and the draft calls' (block rows, seconds). A sequence with a fixed verify
+        length drafts and verifies that many; the others draft the rows the policy asks for, and verify
+        the length it chooses once it sees their probabilities (or more, where a fixed one pads the
+        call's rows anyway)."""
         if self.drafts is None:
-            return [[] for _ in seqs], []
+            return [((), None) for _ in seqs], []
         limits = [s.draft_limit() for s in seqs]
-        auto = [lim for s, lim in zip(seqs, limits) if s.fixed is None]
-        n = self.policy.choose(auto) if auto else 0
-        proposals, seconds = [], []
-        for seq, lim in zip(seqs, limits):
-            k = lim if seq.fixed is not None else min(n, lim)
+        offers = [s.lookup.propose(lim) if s.lookup is not None and lim > 0 else [] for s, lim in zip(seqs, limits)]
+        draft_limits = [lim if s.fixed is None and not offer else 0 for s, lim, offer in zip(seqs, limits, offers)]
+        rows = self.policy.draft_rows(draft_limits)
+        drafted, drafts = [], []
+        for seq, lim, offer in zip(seqs, limits, offers):
+            k = lim if seq.fixed is not None else (0 if offer else min(rows, lim))
             if k <= 0:
-                proposals.append([])
+                drafted.append((offer, None) if offer else None)
                 continue
             t0 = time.perf_counter()
-            proposals.append(self.drafts.propose(seq.slot, seq.reply.out[-1], k, seq.block_size).tolist())
-            seconds.append(time.perf_counter() - t0)
-            seq.draft_s += seconds[-1]
-        return proposals, seconds
+            ids, probs = self.drafts.propose(seq.slot, seq.reply.out[-1], k, seq.block_size)
+            drafts.append((k, time.perf_counter() - t0))
+            seq.draft_s += drafts[-1][1]
+            drafted.append((ids.tolist(), probs))
+        chances = []
+        for seq, d in zip(seqs, drafted):
+            if seq.fixed is not None or d is None:
+                chances.append(None)
+            else:
+                chances.append(self.policy.draft_confidence(d[1]) if d[1] is not None
+                               else self.policy.lookup_confidence(len(d[0])))
+        auto_n = self.policy.verify_length(chances, rows if drafts else 0, any(offers)) \
+            if any(c is not None for c in chances) else 0
+        fixed_n = max((len(d[0]) for s, d in zip(seqs, drafted) if s.fixed is not None and d is not None), default=0)
+        n = max(auto_n, fixed_n) if auto_n else 0
+        out = []
+        for seq, d in zip(seqs, drafted):
+            if d is None:
+                out.append(((), None))
+            elif seq.fixed is not None:
+                out.append(d)
+            else:
+                out.append((d[0][:n], None if d[1] is None else d[1][:n]))
+        return out, drafts
 
-    def _call(self, seqs: list[_Sequence], proposals: list, chunk: int) -> list[tuple[int, int]]:
-        """One graph call for `seqs` (prefill chunks, or each sequence's last token and `proposals`);
-        commits and emits each sequence's new tokens, keeps their taps and anchor for the draft, and lets
-        finished ones leave. Returns (proposals verified, accepted) of each sequence that verified any.
-        A failing call fails the generations in it (their slots are freed)."""
-        rows = [s.next_rows(chunk, p) for s, p in zip(seqs, proposals)]
+    def _call(self, seqs: list[_Sequence], proposals: list, chunk: int) -> list[tuple[int, int, float]]:
+        """One graph call for `seqs` (prefill chunks, or each sequence's last token and its (proposals,
+        probabilities) of `proposals`); commits and emits each sequence's new tokens, keeps their taps and
+        anchor for the draft, and lets finished ones leave. Returns (proposals verified, accepted, draft
+        probability of the first) of each sequence that verified any. A failing call fails the
+        generations in it (their slots are freed)."""
+        rows = [s.next_rows(chunk, p[0]) for s, p in zip(seqs, proposals)]
         prefill = [s.prefilling for s in seqs]
         host = any(s.opts.samples_on_host for s, r in zip(seqs, rows) if r.wanted)
         t0 = time.perf_counter()
         ids = self.calls.run(rows, keep_logits=host)
         self.last_call_s = time.perf_counter() - t0
-        t, k, verified = self.calls.rows_per_sequence, 0, []
-        for i, (seq, r, props) in enumerate(zip(seqs, rows, proposals)):
+        t, k, outcomes = self.calls.rows_per_sequence, 0, []
+        for i, (seq, r, (props, probs)) in enumerate(zip(seqs, rows, proposals)):
             posterior, base = ids[k:k + r.wanted], k
             k += r.wanted
             sampler = HostSampler(seq.opts.temperature, seq.opts.top_k, seq.opts.top_p,
@@ -502,7 +531,7 @@ class BatchEngine(PromptEncoding):
                 committed_rows, tokens = 1 + acc, [*props[:acc], bonus]
                 if n:
                     seq.acceptance.append(acc + 1)
-                    verified.append((n, acc))
+                    outcomes.append((n, acc, None if probs is None else float(probs[0])))
             seq.cached += committed_rows
             if self.drafts is not None:
                 self.drafts.append(seq.slot, self.calls.taps.rows(i * t, committed_rows), committed_rows)
@@ -511,7 +540,7 @@ class BatchEngine(PromptEncoding):
                     seq.anchor_valid = tokens[-1] == int(posterior[acc])
             if tokens:
                 self._emit(seq, tokens)
-        return verified
+        return outcomes
 
     def _emit(self, seq: _Sequence, tokens: list[int]) -> None:
         """Commit `tokens` to `seq`'s reply and emit them; a finished or cancelled sequence leaves."""
@@ -519,7 +548,10 @@ class BatchEngine(PromptEncoding):
             seq.t_first = time.perf_counter()
         cancelled = seq.handle.cancelled.is_set()
         if not cancelled:
-            seq.handle.emit("chunk", seq.reply.commit(tokens))
+            chunk = seq.reply.commit(tokens)
+            if seq.lookup is not None:
+                seq.lookup.extend(chunk.token_ids)
+            seq.handle.emit("chunk", chunk)
         if seq.finished or seq.handle.cancelled.is_set():
             if not seq.handle.cancelled.is_set():
                 tail = seq.reply.finish()
@@ -535,10 +567,10 @@ class BatchEngine(PromptEncoding):
         return "batched-auto" if seq.fixed is None else "batched-fixed"
 
     def _measure_costs(self) -> BatchedCallCosts:
-        """Time batched calls of 1 and `max_batch` sequences x :data:`MEASURED_ROWS` rows (each the faster
+        """Time batched calls of 1, max_batch / 2 and max_batch sequences x :data:`MEASURED_ROWS` rows (each the faster
         of two, after 64 cached rows of zeros) and a draft call: the policy's cost curve. Runs before any
         slot holds a sequence (it writes slots' rows, which no one reads)."""
-        batches = tuple(sorted({1, self.max_batch}))
+        batches = tuple(sorted({1, max(self.max_batch // 2, 1), self.max_batch}))
         rows = tuple(t for t in MEASURED_ROWS if t <= self.block_size) or (1,)
         past = min(64, self.max_seq_len - rows[-1])
         seconds = np.zeros((len(batches), len(rows)))
@@ -546,14 +578,18 @@ class BatchEngine(PromptEncoding):
             for j, t in enumerate(rows):
                 batch = [SequenceRows(slot, past, [1] * t, wanted=t) for slot in range(b)]
                 seconds[i, j] = min(self._timed(lambda: self.calls.run(batch)) for _ in range(2))
+        draft_rows = tuple(sorted({1, max(self.block_size - 1, 1)}))
         draft_s = []
-        for _ in range(2):
-            self.calls.run([SequenceRows(0, 0, [1, 2])])
-            self.drafts.append(0, self.calls.taps.rows(0, 2), 2)
-            self.drafts.set_anchor(0, self.calls.next_embeddings.rows(0, 1))
-            draft_s.append(self._timed(lambda: self.drafts.propose(0, 1, max(self.block_size - 1, 1))))
+        for r in draft_rows:
+            times = []
+            for _ in range(2):
+                self.calls.run([SequenceRows(0, 0, [1, 2])])
+                self.drafts.append(0, self.calls.taps.rows(0, 2), 2)
+                self.drafts.set_anchor(0, self.calls.next_embeddings.rows(0, 1))
+                times.append(self._timed(lambda: self.drafts.propose(0, 1, r)))
+            draft_s.append(min(times))
         self.drafts.reset(0, 0)
-        return BatchedCallCosts(batches, rows, seconds, min(draft_s))
+        return BatchedCallCosts(batches, rows, seconds, draft_rows, tuple(draft_s))
 
     @staticmethod
     def _timed(fn) -> float:
