@@ -39,8 +39,9 @@ def test_drafts_alone_and_decodes_plainly_in_a_full_batch():
     """Acceptance 0.7: at batch 1 extra rows are nearly free and drafting wins; at batch 8 each extra row
     costs 35 ms for the 8 sequences, more than the tokens they bring: plain, no draft call."""
     policy = _policy(0.7)
-    assert policy.draft_rows([15]) == 2  # the rows the draft computes start at 2
-    assert _policy(0.7).draft_rows([15] * 8) == 0
+    assert policy.speculates([15]) and policy.draft_rows([15]) == 2  # the rows the draft computes start at 2
+    assert not _policy(0.7).speculates([15] * 8)
+    assert not policy.speculates([0, 0])  # nobody can draft: plain
 
 
 def test_the_verify_length_follows_the_proposals_chances():
@@ -71,11 +72,11 @@ def test_declined_lookups_decay_toward_the_prior_and_verified_ones_teach():
 
 def test_low_acceptance_decodes_plainly_and_probes_with_a_doubling_gap():
     policy = _policy(0.01, probe_gap=4, max_probe_gap=16)
-    assert [policy.draft_rows([15]) for _ in range(4)] == [0, 0, 0, 2]  # a probe after 4 plain steps
+    assert [policy.speculates([15]) for _ in range(4)] == [False] * 3 + [True]  # a probe after 4 plain steps
     assert policy.verify_length([policy.draft_confidence(np.array([0.01, 0.01]))], drafted_rows=2) >= 1  # verified
     policy.observe(1, 2, 0.011, [(2, 0.002)], [(1, 0, 0.01)], 1)  # the probe: rejected
     assert policy.probe_gap == 8
-    assert [policy.draft_rows([15]) for _ in range(8)] == [0] * 7 + [2]
+    assert [policy.speculates([15]) for _ in range(8)] == [False] * 7 + [True]
     for _ in range(3):
         policy.probing = True
         policy.observe(1, 2, 0.011, [(1, 0.002)], [(1, 0, 0.01)], 1)
@@ -83,17 +84,17 @@ def test_low_acceptance_decodes_plainly_and_probes_with_a_doubling_gap():
 
 
 def test_observed_costs_and_outcomes_move_the_decisions():
-    """Speculative calls observed 3x slower than measured and drafted steps committing one token each turn
-    a batch-1 policy that drafted to plain decoding; the scales move at most 2x per step; the draft's
-    calibration follows its accepted first proposals."""
+    """Speculative steps measured 3x slower than predicted and committing one token each turn a batch-1
+    policy that speculated to plain decoding (the measured rates decide, not the model); the scales move
+    at most 2x per step; the draft's calibration follows its accepted first proposals."""
     policy = _policy(0.7, probe_gap=1000)
-    assert policy.draft_rows([15]) > 0
+    assert policy.speculates([15])
     policy.observe(1, 3, 3 * policy.costs.call_s(1, 3), [(2, 0.002)], [(2, 0, 0.9)], 1)
     assert policy.spec_scale == pytest.approx(1.0 + 0.2 * (2.0 - 1.0))  # the 3x was clamped to 2x
     for _ in range(30):
         policy.observe(1, 3, 3 * policy.costs.call_s(1, 3), [(2, 0.004)], [(2, 0, 0.9)], 1)
     assert policy.spec_scale > 2.5 and policy.draft_scale > 1.5
     assert policy.calibration < 0.5  # confident proposals that were all rejected
-    assert policy.draft_rows([15]) == 0
+    assert not policy.speculates([15])
     policy.observe(1, 1, 0.5 * policy.costs.call_s(1, 1), [], [], 1)
     assert policy.plain_scale == pytest.approx(0.9)

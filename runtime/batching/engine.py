@@ -462,6 +462,8 @@ class BatchEngine(PromptEncoding):
         if self.drafts is None:
             return [((), None) for _ in seqs], []
         limits = [s.draft_limit() for s in seqs]
+        if not self.policy.speculates([lim if s.fixed is None else 0 for s, lim in zip(seqs, limits)]):
+            limits = [lim if s.fixed is not None else 0 for s, lim in zip(seqs, limits)]
         offers = [s.lookup.propose(lim) if s.lookup is not None and lim > 0 else [] for s, lim in zip(seqs, limits)]
         draft_limits = [lim if s.fixed is None and not offer else 0 for s, lim, offer in zip(seqs, limits, offers)]
         rows = self.policy.draft_rows(draft_limits)

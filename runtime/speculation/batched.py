@@ -6,11 +6,13 @@ sequence that drafted verifies up to T - 1 proposals, one that did not only pads
 twice, as the one-sequence adaptive policy does with a proposing draft
 (`runtime.speculation.confidence`):
 
-1. Before the draft calls (:meth:`BatchedLength.draft_rows`): whether the sequences draft at all, and
-   how many block rows their draft calls compute. They draft when the measured rate of drafted steps at
-   this batch size (committed tokens per second, draft calls included; a model's best fixed length is
-   its prior) beats plain batched decoding's B / call(B, 1) by `margin`; otherwise they decode plainly,
-   and a drafted step is still tried after a gap that doubles while plain decoding keeps winning.
+1. Before the draft calls (:meth:`BatchedLength.speculates`): whether the step verifies proposals at
+   all. It does when the measured rate of speculative steps at this batch size (committed tokens per
+   second, draft calls included; a model's best drafted step is its prior) beats the measured rate of
+   plain steps at this batch size by `margin`; otherwise the step decodes plainly (no lookup, no draft
+   call), and a speculative step is still tried after a gap that doubles while plain decoding keeps
+   winning. Sequences with a lookup continuation take it (no draft call); the others' draft calls
+   compute :meth:`BatchedLength.draft_rows` block rows.
 2. After them (:meth:`BatchedLength.verify_length`): the verify length n with the most expected
    committed tokens per second of the call, the draft calls being paid:
 
@@ -21,8 +23,9 @@ twice, as the one-sequence adaptive policy does with a proposing draft
 
 Call costs are measured at engine start for B in {1, slots / 2, slots} and T in {1, 2, 4, 8, 16} (interpolated
 between), and scaled by the running ratio of observed to predicted seconds of plain and of speculative
-calls. Where speculation does not pay (B = 8 on a CPU, where rows cost about what they earn) the
-drafted rate stays below plain decoding's and the steps decode plainly, probes aside.
+calls. Both rates are measured in the same engine, so a cost model's error of a few percent cannot keep
+a losing choice: where speculation does not pay (B = 8 on a CPU, where rows cost about what they earn)
+its measured rate stays below plain decoding's and the steps decode plainly, probes aside.
 """
 
 from __future__ import annotations
@@ -60,8 +63,15 @@ class BatchedCallCosts:
     def call_s(self, batch: int, rows: int) -> float:
         """Predicted seconds of a call of `batch` sequences x `rows` rows (linear interpolation, clamped
         at the measured ends)."""
-        per_batch = [float(np.interp(rows, self.rows, s)) for s in self.seconds]
-        return float(np.interp(batch, self.batches, per_batch))
+        return float(self.calls_s(batch, np.array([rows]))[0])
+
+    def calls_s(self, batch: int, rows: np.ndarray) -> np.ndarray:
+        """:meth:`call_s` of `batch` sequences for each entry of `rows` (`[N]`)."""
+        per_batch = np.array([np.interp(rows, self.rows, s) for s in self.seconds])  # [batches, N]
+        w = np.interp(batch, self.batches, np.arange(len(self.batches), dtype=np.float64))
+        lo = int(np.floor(w))
+        hi = min(lo + 1, len(self.batches) - 1)
+        return per_batch[lo] + (w - lo) * (per_batch[hi] - per_batch[lo])
 
     def draft_s(self, rows: int) -> float:
         """Predicted seconds of one draft call computing `rows` block rows."""
@@ -94,8 +104,12 @@ class BatchedLength:
         self.plain_scale = self.spec_scale = self.draft_scale = 1.0
         self.rows = 2  # block rows the draft calls compute (one more after a step that used them all)
         self.plain_run, self.probing = 0, False
-        self.drafted: dict[int, list[float]] = {}  # batch size -> decayed [committed tokens, seconds] of drafted steps
+        # batch size -> decayed [committed tokens, seconds] of speculative steps (draft calls included) and
+        # of plain steps: the rates the decision to speculate compares
+        self.speculative: dict[int, list[float]] = {}
+        self.plain: dict[int, list[float]] = {}
         self.hits = self.mass = 0.0  # calibration evidence: accepted first proposals, their probabilities
+        self._tokens = None  # ((acceptance version, top), expected tokens): recomputed when the evidence changes
         # acceptance of lookup continuations (`runtime.speculation.lookup`) by position: proposals without a draft call
         self.lookup_acceptance = AcceptanceEstimate(LOOKUP_PRIOR, len(acceptance.trials))
         self.decline_decay = 0.99  # evidence decay per declined lookup offer (LookupLength's rule)
@@ -109,13 +123,24 @@ class BatchedLength:
     def model_rate(self, limits: Sequence[int], n: int) -> float:
         """Committed tokens per second the acceptance estimate predicts for a step where sequence i drafts
         and verifies min(n, limits[i]) proposals (limits[i] = 0: one row, no draft call)."""
-        tokens = self.acceptance.expected_tokens(max(max(limits), n, 1))
-        committed = sum(float(tokens[min(n, lim)]) for lim in limits)
-        drafts = sum(self._draft_s(min(n, lim)) for lim in limits if lim > 0 and n > 0)
-        return committed / (self.predicted_s(len(limits), 1 + n) + drafts)
+        return float(self.model_rates(limits, max(n, 1))[n])
 
-    def _draft_s(self, rows: int) -> float:
-        return self.draft_scale * self.costs.draft_s(rows)
+    def model_rates(self, limits: Sequence[int], top: int) -> np.ndarray:
+        """:meth:`model_rate` for n = 0..top (`[top + 1]`), in one pass (it runs every step)."""
+        a = self.acceptance
+        if self._tokens is None or self._tokens[0] != (a.version, top):
+            self._tokens = ((a.version, top), a.expected_tokens(top))
+        tokens = self._tokens[1]
+        lims = np.asarray(limits)
+        n = np.arange(top + 1)
+        upto = np.minimum(n[:, None], lims[None, :])  # [top + 1, B]
+        committed = tokens[upto].sum(axis=1)
+        drafting = lims > 0
+        drafts = self.draft_scale * np.interp(upto[:, drafting], self.costs.draft_rows, self.costs.draft_seconds).sum(axis=1)
+        drafts[0] = 0.0
+        seconds = self.costs.calls_s(len(limits), n + 1)
+        seconds = np.where(n == 0, self.plain_scale * seconds, self.spec_scale * seconds) + drafts
+        return committed / seconds
 
     @property
     def calibration(self) -> float:
@@ -123,29 +148,39 @@ class BatchedLength:
         return (self.hits + 8.0) / (self.mass + 8.0)
 
     # ---- the two decisions ----------------------------------------------------------------------------
-    def draft_rows(self, limits: Sequence[int]) -> int:
-        """Block rows this step's draft calls compute (0: a plain step, no draft call), for sequences that
-        may verify up to `limits[i]` proposals (0 where one cannot: its reply ends, or it has no anchor)."""
+    def speculates(self, limits: Sequence[int]) -> bool:
+        """Whether this step may verify proposals at all (lookups, drafts), for sequences that may verify up
+        to `limits[i]` proposals (0 where one cannot: a plain request, no anchor, the reply ends): where
+        the measured rate of speculative steps at this batch size (a model's best drafted step is its
+        prior) beats the measured rate of plain steps by `margin`, or on a probe."""
         top = max(limits, default=0)
         if top <= 0:
-            return 0
+            return False
         b = len(limits)
-        plain_rate = b / self.predicted_s(b, 1)
-        rates = [self.model_rate(limits, n) for n in range(1, top + 1)]
-        best = int(np.argmax(rates)) + 1
-        prior_rate = rates[best - 1]
-        prior_s = self.predicted_s(b, 1 + best) + sum(self._draft_s(min(best, lim)) for lim in limits if lim > 0)
-        tokens, seconds = self.drafted.get(b, (0.0, 0.0))
+        rates = self.model_rates(limits, top)
+        best = int(np.argmax(rates[1:])) + 1
         w = self.prior_steps
-        rate = (tokens + w * prior_rate * prior_s) / (seconds + w * prior_s)
+        plain_s = b / rates[0]  # a plain step's predicted seconds (b tokens)
+        tokens, seconds = self.plain.get(b, (0.0, 0.0))
+        plain_rate = (tokens + w * b) / (seconds + w * plain_s)
+        expected = self._tokens[1][np.minimum(best, np.asarray(limits))].sum()  # (model_rates' expected tokens)
+        prior_s = float(expected / max(rates[best], 1e-12))  # the seconds of that step
+        tokens, seconds = self.speculative.get(b, (0.0, 0.0))
+        rate = (tokens + w * expected) / (seconds + w * prior_s)
         if rate > self.margin * plain_rate:
             self.plain_run, self.probing, self.probe_gap = 0, False, self.first_probe_gap
-            return min(self.rows, top)
+            return True
         self.plain_run += 1
         if self.plain_run < self.probe_gap:
-            return 0
+            return False
         self.plain_run, self.probing = 0, True
-        return min(self.rows, top)
+        return True
+
+    def draft_rows(self, limits: Sequence[int]) -> int:
+        """Block rows the draft calls of a speculating step compute for sequences that may draft up to
+        `limits[i]` proposals (0: not at all): one more than the last drafted step verified when it used
+        them all (see :meth:`verify_length`), at least one."""
+        return min(self.rows, max(limits, default=0))
 
     def draft_confidence(self, probs: np.ndarray) -> np.ndarray:
         """Acceptance chances of a draft's proposals from its probabilities (fp32 `[R]`), calibrated."""
@@ -169,7 +204,8 @@ class BatchedLength:
             if q is not None and len(q):
                 gain = np.concatenate([[0.0], np.cumsum(np.cumprod(q))])
                 tokens += np.concatenate([gain, np.full(top - len(q), gain[-1])])
-        seconds = np.array([self.predicted_s(b, 1 + n) for n in range(top + 1)])
+        seconds = self.costs.calls_s(b, np.arange(1, top + 2))
+        seconds = np.concatenate([[self.plain_scale * seconds[0]], self.spec_scale * seconds[1:]])
         rate = tokens / seconds
         if self.probing and top:
             rate[0] = -np.inf
@@ -204,10 +240,10 @@ class BatchedLength:
             if predicted > 0 and seconds > 0:
                 scale = self.draft_scale
                 self.draft_scale += self.smoothing * (min(max(seconds / predicted, 0.5 * scale), 2.0 * scale) - scale)
-        if drafts:
-            d = self.drafted.setdefault(batch, [0.0, 0.0])
-            d[0] = self.decay * d[0] + committed
-            d[1] = self.decay * d[1] + call_s + sum(seconds for _, seconds in drafts)
+        speculative = bool(drafts) or any(n > 0 for n, _, _ in outcomes)
+        d = (self.speculative if speculative else self.plain).setdefault(batch, [0.0, 0.0])
+        d[0] = self.decay * d[0] + committed
+        d[1] = self.decay * d[1] + call_s + sum(seconds for _, seconds in drafts)
         for n, accepted, first_prob in outcomes:
             if n > 0 and first_prob is None:
                 self.lookup_acceptance.observe(n, accepted)
@@ -215,6 +251,6 @@ class BatchedLength:
                 self.acceptance.observe(n, accepted)
                 self.hits = self.decay * self.hits + float(accepted > 0)
                 self.mass = self.decay * self.mass + float(first_prob)
-        if self.probing and drafts:  # the gap shrinks back only once drafting wins again (see draft_rows)
+        if self.probing and speculative:  # the gap shrinks back only once speculating wins again (see speculates)
             self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
             self.probing = False
