@@ -98,3 +98,15 @@ def test_observed_costs_and_outcomes_move_the_decisions():
     assert not policy.speculates([15])
     policy.observe(1, 1, 0.5 * policy.costs.call_s(1, 1), [], [], 1)
     assert policy.plain_scale == pytest.approx(0.9)
+
+
+def test_a_new_batch_size_starts_from_what_the_nearest_one_measured():
+    """Speculation measured at half the plain rate at batch 3 keeps batch 2 (never seen) plain, though the
+    model alone would speculate there."""
+    policy = _policy(0.9, probe_gap=1000)
+    assert policy.speculates([15] * 2)  # (the model: acceptance 0.9)
+    for _ in range(20):
+        policy.observe(3, 1, 0.02, [], [], 3)  # plain: 150 tok/s
+        policy.observe(3, 3, 0.04, [(2, 0.001)] * 3, [(2, 0, 0.9)] * 3, 3)  # speculative: 70 tok/s
+    assert policy._measured_gain(2) == pytest.approx((3 / 0.043) / (3 / 0.02))
+    assert not policy.speculates([15] * 2)

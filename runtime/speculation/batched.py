@@ -88,7 +88,8 @@ class BatchedLength:
         probe_gap / max_probe_gap: plain steps before a drafted probe, and the most (the gap doubles after
             each probe plain decoding still wins).
         smoothing: weight of one step in the running cost scales.
-        prior_steps: drafted steps the model's prior rate is worth.
+        prior_steps: steps the prior of a batch size's speculative rate is worth (the speculative / plain
+            ratio measured at the nearest batch size, or, before any, the model's best drafted step).
         decay: per-step decay of the drafted-rate and calibration evidence.
     """
 
@@ -165,6 +166,9 @@ class BatchedLength:
         plain_rate = (tokens + w * b) / (seconds + w * plain_s)
         expected = self._tokens[1][np.minimum(best, np.asarray(limits))].sum()  # (model_rates' expected tokens)
         prior_s = float(expected / max(rates[best], 1e-12))  # the seconds of that step
+        gain = self._measured_gain(b)  # what speculation measured at the nearest batch size, where it has run
+        if gain is not None:
+            prior_s = float(expected / max(gain * plain_rate, 1e-12))
         tokens, seconds = self.speculative.get(b, (0.0, 0.0))
         rate = (tokens + w * expected) / (seconds + w * prior_s)
         if rate > self.margin * plain_rate:
@@ -175,6 +179,16 @@ class BatchedLength:
             return False
         self.plain_run, self.probing = 0, True
         return True
+
+    def _measured_gain(self, batch: int) -> float | None:
+        """Speculative over plain rate measured at the batch size nearest `batch` that has both (None:
+        none has): the prior of a batch size not seen yet, as streams join and leave."""
+        seen = [b for b in self.speculative if b in self.plain and b != batch]
+        if not seen:
+            return None
+        near = min(seen, key=lambda b: (abs(b - batch), b))
+        (st, ss), (pt, ps) = self.speculative[near], self.plain[near]
+        return (st / ss) / (pt / ps) if ss > 0 and ps > 0 and pt > 0 else None
 
     def draft_rows(self, limits: Sequence[int]) -> int:
         """Block rows the draft calls of a speculating step compute for sequences that may draft up to
