@@ -2,9 +2,12 @@
 """Static batches on `runtime.batching.BatchEngine`, as `scripts/ortgenai_batch.py` runs a peer: for each
 N, the held-out prompts in consecutive batches of N that start together (chat template, greedy, stop
 ids off so every sequence makes --max-new-tokens); decode tok/s aggregate = tokens after each
-sequence's first / (last sequence done - last first token). One JSON line per N.
+sequence's first / (last sequence done - last first token). With --verify-len 0,auto each N runs plain
+batched decoding and the default policy, alternating for --rounds rounds. One JSON line per N, mode and
+round (with the share of decoding steps that verified proposals).
 
     python scripts/batch_static.py ART [--batch 1,2,4,8] [--max-new-tokens 64] [--limit 2] [--threads 2]
+        [--verify-len auto] [--rounds 1]
 
 ART must be built with `python -m dflash_export build --batched`.
 """
@@ -24,31 +27,47 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--limit", type=int, default=2, help="held-out prompts per category")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--verify-len", default="auto", help="comma-separated request verify_len values (0: plain)")
+    p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args()
+    modes = [int(v) if v.isdigit() else v for v in args.verify_len.split(",")]
     batches = [int(b) for b in args.batch.split(",")]
     texts = eval_prompts(DEFAULT_EVAL, args.limit)
     with BatchEngine(args.artifact, max_batch=max(batches), threads=args.threads) as engine:
         engine.generate([texts[0]], chat=True, max_new_tokens=4)  # warm-up
         for n in batches:
-            decode_s = prefill_s = 0.0
-            tokens = 0
-            for i in range(0, len(texts), n):
-                t0 = time.perf_counter()
-                handles = [engine.stream(t, chat=True, max_new_tokens=args.max_new_tokens, stop_token_ids=[])
-                           for t in texts[i:i + n]]
-                firsts = []
-                for h in handles:
-                    next(h)
-                    firsts.append(time.perf_counter())
-                for h in handles:
-                    for _ in h:
-                        pass
-                decode_s += time.perf_counter() - max(firsts)
-                prefill_s += max(firsts) - t0
-                tokens += sum(len(h.result.output_ids) - 1 for h in handles)
-            print(json.dumps({"batch": n, "decode_tok_s_aggregate": round(tokens / decode_s, 2), "tokens": tokens,
-                              "seconds": round(decode_s, 3), "prefill_s": round(prefill_s, 3)}), flush=True)
+            for rnd in range(args.rounds):
+                for mode in (modes if rnd % 2 == 0 else modes[::-1]):
+                    before = engine.status()
+                    row = _run(engine, texts, n, args.max_new_tokens, mode)
+                    after = engine.status()
+                    steps = after["steps"] - before["steps"]
+                    share = (after["speculative_steps"] - before["speculative_steps"]) / max(steps, 1)
+                    print(json.dumps({"batch": n, "verify_len": mode, "round": rnd + 1, **row,
+                                      "speculative_steps": round(share, 3)}), flush=True)
     return 0
+
+
+def _run(engine, texts: list[str], n: int, max_new_tokens: int, mode) -> dict:
+    """The prompts in consecutive batches of `n`; aggregate decode tok/s after each one's first token."""
+    decode_s = prefill_s = 0.0
+    tokens = 0
+    for i in range(0, len(texts), n):
+        t0 = time.perf_counter()
+        handles = [engine.stream(t, chat=True, max_new_tokens=max_new_tokens, stop_token_ids=[], verify_len=mode)
+                   for t in texts[i:i + n]]
+        firsts = []
+        for h in handles:
+            next(h)
+            firsts.append(time.perf_counter())
+        for h in handles:
+            for _ in h:
+                pass
+        decode_s += time.perf_counter() - max(firsts)
+        prefill_s += max(firsts) - t0
+        tokens += sum(len(h.result.output_ids) - 1 for h in handles)
+    return {"decode_tok_s_aggregate": round(tokens / decode_s, 2), "tokens": tokens, "seconds": round(decode_s, 3),
+            "prefill_s": round(prefill_s, 3)}
 
 
 if __name__ == "__main__":

@@ -569,27 +569,30 @@ class BatchEngine(PromptEncoding):
         return "batched-auto" if seq.fixed is None else "batched-fixed"
 
     def _measure_costs(self) -> BatchedCallCosts:
-        """Time batched calls of 1, max_batch / 2 and max_batch sequences x :data:`MEASURED_ROWS` rows (each the faster
-        of two, after 64 cached rows of zeros) and a draft call: the policy's cost curve. Runs before any
-        slot holds a sequence (it writes slots' rows, which no one reads)."""
+        """Time batched calls of 1, max_batch / 2 and max_batch sequences x :data:`MEASURED_ROWS` rows (the
+        faster of two, after 64 cached rows of zeros; beyond 4 rows per sequence only for one sequence, extrapolated
+        for more: the start-up cost stays a few calls) and draft calls: the policy's cost curve, which
+        the observed step times then scale. Runs before any slot holds a sequence (it writes slots' rows,
+        which no one reads)."""
         batches = tuple(sorted({1, max(self.max_batch // 2, 1), self.max_batch}))
         rows = tuple(t for t in MEASURED_ROWS if t <= self.block_size) or (1,)
         past = min(64, self.max_seq_len - rows[-1])
         seconds = np.zeros((len(batches), len(rows)))
         for i, b in enumerate(batches):
             for j, t in enumerate(rows):
+                if b > 1 and j >= 3:  # a whole block at several sequences: extrapolated (they rarely pay)
+                    seconds[i, j] = seconds[i, j - 1] + (seconds[i, j - 1] - seconds[i, j - 2]) * \
+                        (t - rows[j - 1]) / (rows[j - 1] - rows[j - 2])
+                    continue
                 batch = [SequenceRows(slot, past, [1] * t, wanted=t) for slot in range(b)]
-                seconds[i, j] = min(self._timed(lambda: self.calls.run(batch)) for _ in range(2))
+                seconds[i, j] = min(self._timed(lambda: self.calls.run(batch)) for _ in range(2))  # (a new shape's first call is slower)
         draft_rows = tuple(sorted({1, max(self.block_size - 1, 1)}))
         draft_s = []
         for r in draft_rows:
-            times = []
-            for _ in range(2):
-                self.calls.run([SequenceRows(0, 0, [1, 2])])
-                self.drafts.append(0, self.calls.taps.rows(0, 2), 2)
-                self.drafts.set_anchor(0, self.calls.next_embeddings.rows(0, 1))
-                times.append(self._timed(lambda: self.drafts.propose(0, 1, r)))
-            draft_s.append(min(times))
+            self.calls.run([SequenceRows(0, 0, [1, 2])])
+            self.drafts.append(0, self.calls.taps.rows(0, 2), 2)
+            self.drafts.set_anchor(0, self.calls.next_embeddings.rows(0, 1))
+            draft_s.append(self._timed(lambda: self.drafts.propose(0, 1, r)))
         self.drafts.reset(0, 0)
         return BatchedCallCosts(batches, rows, seconds, draft_rows, tuple(draft_s))
 
