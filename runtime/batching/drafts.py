@@ -16,7 +16,6 @@ import numpy as np
 from runtime.backends.base import View
 from runtime.backends.profiles import MAX_BLOCK_SIZE
 from runtime.manifest import (
-    draft_proposes,
     draft_rows_exported,
     draft_takes_anchor,
     fixed_draft_block,
@@ -25,18 +24,13 @@ from runtime.manifest import (
 )
 
 
-def drafts_propose(manifest: dict) -> bool:
-    """Whether batched steps can speculate with this artifact's draft: its graph ends in the proposal
-    head (the batched target verifies ids; it has no proposal head to rank hidden rows)."""
-    return draft_proposes(manifest)
-
-
 class SlotDrafts:
     """Draft buffers of every slot and the draft calls on them.
 
     Args:
         backend: the backend holding the "draft" graph.
-        manifest: the artifact's manifest (its draft must propose: :func:`drafts_propose`).
+        manifest: the artifact's manifest (its draft must propose ids, `runtime.manifest.draft_proposes`:
+            the batched target verifies ids and has no proposal head to rank hidden rows).
         artifact_dir: the artifact (its mask embedding).
         slots: cache slots.
         dtype: numpy dtype of the draft's K/V and features.

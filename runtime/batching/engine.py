@@ -26,7 +26,7 @@ from runtime.backends.base import Backend
 from runtime.backends.profiles import MAX_BLOCK_SIZE
 from runtime.backends.select import make_backend
 from runtime.batching.calls import BatchedCalls, SequenceRows
-from runtime.batching.drafts import SlotDrafts, drafts_propose
+from runtime.batching.drafts import SlotDrafts
 from runtime.batching.slots import SlotTable
 from runtime.errors import DFlashError
 from runtime.manifest import (
@@ -36,6 +36,7 @@ from runtime.manifest import (
     DTYPES,
     batched_feeds_draft,
     check_batched_graph,
+    draft_proposes,
     load_manifest,
 )
 from runtime.options import GenerationOptions, refuse_unknown_options
@@ -229,7 +230,7 @@ class BatchEngine(PromptEncoding):
                               f"them: `python -m dflash_export engine {self.artifact_dir} --max-batch {max_batch}`")
         self.block_size = int(m["draft"]["block_size"])
         # batched speculation: where the batched graph feeds the draft and the draft proposes ids
-        self.speculates = bool(speculation) and batched_feeds_draft(m) and drafts_propose(m)
+        self.speculates = bool(speculation) and batched_feeds_draft(m) and draft_proposes(m)
         graphs = (BATCHED_GRAPH, "draft") if self.speculates else (BATCHED_GRAPH,)
         self.backend = backend if isinstance(backend, Backend) else make_backend(
             backend, self.artifact_dir, m, threads, int4_accuracy_level, graphs=graphs)
@@ -454,50 +455,47 @@ class BatchEngine(PromptEncoding):
             self.steps += 1
 
     def _propose(self, seqs: list[_Sequence]) -> tuple[list[tuple], list[tuple[int, float]]]:
-        """Each decoding sequence's proposals for this step and its draft's probability of each (empty: it
-        decodes one row), and the draft calls' (block rows, seconds). A sequence with a fixed verify
-        length drafts and verifies that many; the others draft the rows the policy asks for, and verify
-        the length it chooses once it sees their probabilities (or more, where a fixed one pads the
-        call's rows anyway)."""
+        """Each decoding sequence's (proposals, the draft's probability of each or None for a lookup) for
+        this step (empty: it decodes one row), and the draft calls' (block rows, seconds). A sequence with
+        a fixed verify length drafts and verifies that many; the others, where the policy speculates this
+        step, take their lookup continuation or draft the rows it asks for, and verify the length it
+        chooses from their chances (or more, where a fixed one pads the call's rows anyway)."""
         if self.drafts is None:
             return [((), None) for _ in seqs], []
         limits = [s.draft_limit() for s in seqs]
         if not self.policy.speculates([lim if s.fixed is None else 0 for s, lim in zip(seqs, limits)]):
             limits = [lim if s.fixed is not None else 0 for s, lim in zip(seqs, limits)]
         offers = [s.lookup.propose(lim) if s.lookup is not None and lim > 0 else [] for s, lim in zip(seqs, limits)]
-        draft_limits = [lim if s.fixed is None and not offer else 0 for s, lim, offer in zip(seqs, limits, offers)]
-        rows = self.policy.draft_rows(draft_limits)
+        rows = self.policy.draft_rows([lim if s.fixed is None and not o else 0 for s, lim, o in zip(seqs, limits, offers)])
         drafted, drafts = [], []
         for seq, lim, offer in zip(seqs, limits, offers):
             k = lim if seq.fixed is not None else (0 if offer else min(rows, lim))
-            if k <= 0:
-                drafted.append((offer, None) if offer else None)
-                continue
-            t0 = time.perf_counter()
-            ids, probs = self.drafts.propose(seq.slot, seq.reply.out[-1], k, seq.block_size)
-            drafts.append((k, time.perf_counter() - t0))
-            seq.draft_s += drafts[-1][1]
-            drafted.append((ids.tolist(), probs))
-        chances = []
-        for seq, d in zip(seqs, drafted):
-            if seq.fixed is not None or d is None:
-                chances.append(None)
-            else:
-                chances.append(self.policy.draft_confidence(d[1]) if d[1] is not None
-                               else self.policy.lookup_confidence(len(d[0])))
-        auto_n = self.policy.verify_length(chances, rows if drafts else 0, any(offers)) \
-            if any(c is not None for c in chances) else 0
-        fixed_n = max((len(d[0]) for s, d in zip(seqs, drafted) if s.fixed is not None and d is not None), default=0)
-        n = max(auto_n, fixed_n) if auto_n else 0
-        out = []
-        for seq, d in zip(seqs, drafted):
-            if d is None:
-                out.append(((), None))
-            elif seq.fixed is not None:
-                out.append(d)
-            else:
-                out.append((d[0][:n], None if d[1] is None else d[1][:n]))
-        return out, drafts
+            drafted.append(self._draft(seq, k, drafts) if k > 0 else (offer, None) if offer else None)
+        n = self._auto_length(seqs, drafted, rows, bool(any(offers)))
+        cut = [d if d is None or s.fixed is not None else (d[0][:n], None if d[1] is None else d[1][:n])
+               for s, d in zip(seqs, drafted)]
+        return [d if d is not None else ((), None) for d in cut], drafts
+
+    def _draft(self, seq: _Sequence, rows: int, drafts: list) -> tuple[list[int], np.ndarray]:
+        """`seq`'s draft call for `rows` proposals, timed into `drafts`: (ids, probabilities)."""
+        t0 = time.perf_counter()
+        ids, probs = self.drafts.propose(seq.slot, seq.reply.out[-1], rows, seq.block_size)
+        drafts.append((rows, time.perf_counter() - t0))
+        seq.draft_s += drafts[-1][1]
+        return ids.tolist(), probs
+
+    def _auto_length(self, seqs: list[_Sequence], drafted: list, rows: int, offered: bool) -> int:
+        """The verify length of the call: the policy's, from the automatic sequences' proposal chances
+        (0: they verify nothing), at least the longest fixed request's where the policy verifies any."""
+        chances = [None if s.fixed is not None or d is None else
+                   self.policy.draft_confidence(d[1]) if d[1] is not None else self.policy.lookup_confidence(len(d[0]))
+                   for s, d in zip(seqs, drafted)]
+        if all(c is None for c in chances):
+            return 0
+        drafted_rows = rows if any(c is not None and d[1] is not None for c, d in zip(chances, drafted)) else 0
+        n = self.policy.verify_length(chances, drafted_rows, offered)
+        fixed = max((len(d[0]) for s, d in zip(seqs, drafted) if s.fixed is not None and d is not None), default=0)
+        return max(n, fixed) if n else 0
 
     def _call(self, seqs: list[_Sequence], proposals: list, chunk: int) -> list[tuple[int, int, float]]:
         """One graph call for `seqs` (prefill chunks, or each sequence's last token and its (proposals,
