@@ -173,6 +173,31 @@ def test_seeded_speculative_streams_equal_batch1(art):
     assert all(max(h.result.acceptance_lengths) >= 3 for h in handles)
 
 
+def test_draft_calls_respect_an_engines_context_row_limit(art):
+    """Where an engine's profiles limit a draft call's context rows (TensorRT), a slot's pending taps (60-
+    and 50-token prompts prefilled in 8-row chunks: more than the 40 rows a slot keeps) are read in calls of
+    at most that many rows once the draft's cache holds rows; the streams still equal batch 1."""
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 90, size=n)] for n in (60, 50)]
+    with runtime.load(art) as s:
+        expected = [s.generate(p, max_new_tokens=12, block_size=1, stop_token_ids=[], reuse_prefix=False).output_ids
+                    for p in prompts]
+    with BatchEngine(art, max_batch=2, prefill_chunk=8) as engine:
+        calls, run = [], engine.backend.run
+
+        def spy(graph, inputs, outputs):
+            if graph == "draft":
+                calls.append((inputs["past_key_0"].shape[0], inputs["context_hidden"].shape[0]))
+            return run(graph, inputs, outputs)
+
+        engine.backend.run = spy
+        engine.backend.max_call_rows = lambda graph: 3 if graph == "draft" else None
+        got = _drain([engine.stream(p, max_new_tokens=12, stop_token_ids=[], verify_len=3) for p in prompts])
+    assert got == expected
+    assert calls and all(rows <= 3 for past, rows in calls if past > 0)
+    assert any(past == 0 and rows > 3 for past, rows in calls)  # (an empty cache's first call takes them all)
+
+
 @pytest.mark.slow  # (its own INT4 build; the fast set checks fp32 exactness, test_int4 the INT4 row exactness)
 def test_int4_level4_streams_equal_batch1(art_int4):
     """INT4 at accuracy level 4 (int8 activations): a one-row call is padded to two rows, so every row

@@ -113,11 +113,27 @@ class SlotDrafts:
         return be.read(self.top_ids.rows(0, rows))[:, 0], be.read(self.top_probs.rows(0, rows))[:, 0]
 
     def _run(self, slot: int, rows: int, block_size: int | None = None) -> int:
-        """One draft call on the slot's pending taps and cache; returns the block rows it computed."""
-        be, n, past = self.backend, self.pending[slot], self.draft_len[slot]
+        """Draft calls on the slot's pending taps and cache: one, unless an engine's profiles limit the
+        context rows of a call on a non-empty cache (then the earlier calls compute one block row each,
+        as `runtime.graphs.calls.GraphCalls.draft` does). Returns the block rows the last one computed."""
+        pending, start = self.pending[slot], 0
+        limit = (self.backend.max_call_rows("draft") or pending) if self.draft_len[slot] > 0 else pending
+        while True:
+            n = min(pending - start, limit)
+            last = start + n == pending
+            computed = self._call(slot, start, n, rows if last else 1, block_size)
+            start += n
+            if last:
+                break
+        self.pending[slot] = 0
+        return computed
+
+    def _call(self, slot: int, start: int, n: int, rows: int, block_size: int | None) -> int:
+        """One draft call reading tap rows [start, start + n) of the slot's buffer into its context cache."""
+        be, past = self.backend, self.draft_len[slot]
         block = self.fixed_block or min(block_size or self.block_size, self.max_block)
         rows = min(max(int(rows), 1), block - 1)
-        inputs = {"context_hidden": self.taps[slot].rows(0, n), "block_embeddings": self.block.rows(0, block)}
+        inputs = {"context_hidden": self.taps[slot].rows(start, n), "block_embeddings": self.block.rows(0, block)}
         if self.anchor_ids is not None:
             inputs["anchor_ids"] = self.anchor_ids.rows(0, 1)
         if self.proposal_rows is not None:
@@ -130,6 +146,5 @@ class SlotDrafts:
             outputs[f"key_{i}"], outputs[f"value_{i}"] = k.rows(past, n), v.rows(past, n)
         be.run("draft", inputs, outputs)
         self.draft_len[slot] += n
-        self.pending[slot] = 0
         self.calls += 1
         return rows

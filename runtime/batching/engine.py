@@ -23,7 +23,6 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from runtime.backends.base import Backend
-from runtime.backends.profiles import MAX_BLOCK_SIZE
 from runtime.backends.select import make_backend
 from runtime.batching.calls import BatchedCalls, SequenceRows
 from runtime.batching.drafts import SlotDrafts
@@ -240,9 +239,8 @@ class BatchEngine(PromptEncoding):
         rows = max(prefill_chunk, 2 * max_batch)
         if self.speculates:
             self.drafts = SlotDrafts(self.backend, m, self.artifact_dir, max_batch, dtype,
-                                     pending_rows=prefill_chunk + 2 * max(self.block_size, MAX_BLOCK_SIZE))
-            self.block_size = min(self.block_size, self.drafts.max_block)
-            rows = max(rows, max_batch * self.drafts.max_block)
+                                     pending_rows=prefill_chunk + 2 * self.block_size)
+            rows = max(rows, max_batch * self.block_size)  # (a verify step: every sequence a whole block)
         self.calls = BatchedCalls(self.backend, m, max_batch, rows, dtype, features=self.speculates)
         self.calls.decide_row_padding()  # (before any slot holds a sequence: the probe writes slot 0)
         if self.speculates:
