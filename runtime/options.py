@@ -115,6 +115,44 @@ class GenerationOptions:
 # the keyword arguments Session.generate / stream / chat accept as options
 GENERATION_OPTION_NAMES = frozenset(f.name for f in fields(GenerationOptions))
 
+def check_speculation_options(opts: GenerationOptions, default_block: int, limit: int, tree_length=None,
+                              limit_note: str = "") -> int:
+    """The block size a request runs at, after checking `block_size` (1..`limit`; default `default_block`)
+    and `verify_len` against it: an integer, or a tree's chain length (`tree_length(verify_len)`, which may
+    raise for trees an artifact cannot verify; default: the parsed chain), in 1..block_size - 1, and none
+    with block_size 1. Shared by `Session` and `BatchEngine`, so a request is refused or run alike.
+
+    Raises:
+        DFlashError: naming the value out of range and the range.
+    """
+    b = default_block if opts.block_size is None else opts.block_size
+    if not 1 <= b <= limit:
+        raise DFlashError(f"block_size {b} must be between 1 and {limit}{limit_note}")
+    v = opts.verify_len
+    if isinstance(v, str) and "+" in v:
+        length, shown = (tree_length or (lambda s: parse_tree(s).length))(v), f'"{v}"'
+    else:
+        length, shown = v, v
+    if isinstance(length, int):
+        if b == 1 and v != 1:  # (a tree's string is never 1)
+            raise DFlashError(f"block_size 1 (plain decoding) verifies no proposals; omit verify_len (got {shown})")
+        if not 1 <= length <= max(b - 1, 1):
+            raise DFlashError(f"verify_len must be between 1 and block_size - 1 = {b - 1} "
+                              f"(got {shown}); block_size {b} proposes {b - 1} token{'s' if b != 2 else ''} per step")
+    return b
+
+
+def check_vocabulary_options(opts: GenerationOptions, vocab: int) -> None:
+    """Raise DFlashError where stop_token_ids or top_k do not fit a vocabulary of `vocab` ids (shared by
+    `Session` and `BatchEngine`)."""
+    outside = [t for t in (opts.stop_token_ids or ()) if not 0 <= t < vocab]
+    if outside:
+        raise DFlashError(f"stop_token_ids holds {outside[0]}, which is not a token id of this model: ids are 0 to "
+                          f"{vocab - 1} (vocabulary size {vocab})")
+    if opts.top_k > vocab:
+        raise DFlashError(f"top_k {opts.top_k} exceeds the vocabulary size {vocab}")
+
+
 def refuse_unknown_options(options: dict, extra: frozenset[str] = frozenset()) -> None:
     """Raise one DFlashError naming keyword arguments that are neither GenerationOptions fields nor in
     `extra` (the dataclass's own TypeError would show Python internals)."""

@@ -23,7 +23,12 @@ from runtime.graphs.row_exact import needs_row_padding
 from runtime.graphs.tree import TREE_RANKS, VerifyTree, parse_tree, verify_tree
 from runtime.loop import DecodeLoop
 from runtime.manifest import DTYPES, load_manifest
-from runtime.options import GenerationOptions, refuse_unknown_options
+from runtime.options import (
+    GenerationOptions,
+    check_speculation_options,
+    check_vocabulary_options,
+    refuse_unknown_options,
+)
 from runtime.results import GenerationResult, StreamChunk
 from runtime.speculation.policy import (
     TRAINED_ALTERNATIVE_PRIOR,
@@ -304,11 +309,9 @@ class Session(PromptEncoding, GraphCalls):
         Raises:
             DFlashError: naming the limit the request exceeds.
         """
-        b = self.block_size if opts.block_size is None else opts.block_size
         limit = self.draft_block or self.max_block
-        if not 1 <= b <= limit:
-            fixed = " (the draft's graph is fixed to its block: a DFlash 2 selector walks it)" if self.draft_block else ""
-            raise DFlashError(f"block_size {b} must be between 1 and {limit}{fixed}")
+        note = " (the draft's graph is fixed to its block: a DFlash 2 selector walks it)" if self.draft_block else ""
+        b = check_speculation_options(opts, self.block_size, limit, lambda v: self._requested_tree(v).length, note)
         if len(ids) + opts.max_new_tokens > self.max_seq_len:
             n, total = len(ids), len(ids) + opts.max_new_tokens
             room = self.max_seq_len - n
@@ -320,25 +323,7 @@ class Session(PromptEncoding, GraphCalls):
                 f"prompt ({n} token{'s' if n != 1 else ''}) + max_new_tokens ({opts.max_new_tokens}) = "
                 f"{total} exceeds the KV buffers' max_seq_len {self.max_seq_len}; {fix}"
             )
-        v = opts.verify_len
-        if isinstance(v, str) and "+" in v:
-            tree = self._requested_tree(v)
-            length, shown = tree.length, f'"{v}"'
-        else:
-            length, shown = v, v
-        if isinstance(length, int):
-            if b == 1 and v != 1:  # (a tree's string is never 1)
-                raise DFlashError(f"block_size 1 (plain decoding) verifies no proposals; omit verify_len (got {shown})")
-            if not 1 <= length <= max(b - 1, 1):
-                raise DFlashError(f"verify_len must be between 1 and block_size - 1 = {b - 1} "
-                                  f"(got {shown}); block_size {b} proposes {b - 1} token{'s' if b != 2 else ''} per step")
-        vocab = int(self.manifest["target"]["vocab_size"])
-        outside = [t for t in (opts.stop_token_ids or ()) if not 0 <= t < vocab]
-        if outside:
-            raise DFlashError(f"stop_token_ids holds {outside[0]}, which is not a token id of this model: ids are 0 to "
-                              f"{vocab - 1} (vocabulary size {vocab})")
-        if opts.top_k > vocab:
-            raise DFlashError(f"top_k {opts.top_k} exceeds the vocabulary size {vocab}")
+        check_vocabulary_options(opts, int(self.manifest["target"]["vocab_size"]))
         return b
 
 

@@ -2,12 +2,13 @@
 """Static batches on `runtime.batching.BatchEngine`, as `scripts/ortgenai_batch.py` runs a peer: for each
 N, the held-out prompts in consecutive batches of N that start together (chat template, greedy, stop
 ids off so every sequence makes --max-new-tokens); decode tok/s aggregate = tokens after each
-sequence's first / (last sequence done - last first token). With --verify-len 0,auto each N runs plain
-batched decoding and the default policy, alternating for --rounds rounds. One JSON line per N, mode and
-round (with the share of decoding steps that verified proposals).
+sequence's first / (last sequence done - last first token). With --modes plain,auto each N runs plain
+batched decoding (block_size 1) and the default policy, alternating for --rounds rounds (an integer mode
+is a fixed verify_len). One JSON line per N, mode and round (with the share of decoding steps that
+verified proposals).
 
     python scripts/batch_static.py ART [--batch 1,2,4,8] [--max-new-tokens 64] [--limit 2] [--threads 2]
-        [--verify-len auto] [--rounds 1]
+        [--modes auto] [--rounds 1]
 
 ART must be built with `python -m dflash_export build --batched`.
 """
@@ -27,10 +28,10 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--limit", type=int, default=2, help="held-out prompts per category")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--verify-len", default="auto", help="comma-separated request verify_len values (0: plain)")
+    p.add_argument("--modes", default="auto", help="comma-separated: plain (block_size 1), auto, or a verify_len")
     p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args()
-    modes = [int(v) if v.isdigit() else v for v in args.verify_len.split(",")]
+    modes = args.modes.split(",")
     batches = [int(b) for b in args.batch.split(",")]
     texts = eval_prompts(DEFAULT_EVAL, args.limit)
     with BatchEngine(args.artifact, max_batch=max(batches), threads=args.threads) as engine:
@@ -43,18 +44,19 @@ def main() -> int:
                     after = engine.status()
                     steps = after["steps"] - before["steps"]
                     share = (after["speculative_steps"] - before["speculative_steps"]) / max(steps, 1)
-                    print(json.dumps({"batch": n, "verify_len": mode, "round": rnd + 1, **row,
+                    print(json.dumps({"batch": n, "mode": mode, "round": rnd + 1, **row,
                                       "speculative_steps": round(share, 3)}), flush=True)
     return 0
 
 
-def _run(engine, texts: list[str], n: int, max_new_tokens: int, mode) -> dict:
+def _run(engine, texts: list[str], n: int, max_new_tokens: int, mode: str) -> dict:
     """The prompts in consecutive batches of `n`; aggregate decode tok/s after each one's first token."""
+    options = {"plain": {"block_size": 1}, "auto": {}}[mode] if mode in ("plain", "auto") else {"verify_len": int(mode)}
     decode_s = prefill_s = 0.0
     tokens = 0
     for i in range(0, len(texts), n):
         t0 = time.perf_counter()
-        handles = [engine.stream(t, chat=True, max_new_tokens=max_new_tokens, stop_token_ids=[], verify_len=mode)
+        handles = [engine.stream(t, chat=True, max_new_tokens=max_new_tokens, stop_token_ids=[], **options)
                    for t in texts[i:i + n]]
         firsts = []
         for h in handles:

@@ -127,30 +127,31 @@ def _oracle_drafts(engine, expected: dict[tuple, list[int]]) -> None:
 
 
 def test_speculative_streams_equal_batch1_whatever_is_accepted(art):
-    """Streams verifying their proposals (all of them, a fixed 3, the policy's choice, none) in shared calls,
+    """Streams verifying their proposals (all of them, a fixed 3, a tree's chain of 2, the policy's choice,
+    none) in shared calls,
     with proposals right up to a changing position: every stream equals its batch-1 plain output, steps
     accepted whole and partial proposals, and the draft ran once per speculating sequence and step."""
     prompts = _prompts(3)
     lengths = [20, 26, 9, 30, 14, 22, 17]
-    modes = ["all", 3, "auto", 0, 2, "all", 5]
+    modes = [dict(verify_len="all"), dict(verify_len=3), dict(verify_len="auto"), dict(block_size=1),
+             dict(verify_len="2+1"), dict(verify_len="all"), dict(verify_len=5)]
     with runtime.load(art) as s:
         expected = [s.generate(p, max_new_tokens=n, block_size=1, stop_token_ids=[], reuse_prefix=False).output_ids
                     for p, n in zip(prompts, lengths)]
     with BatchEngine(art, max_batch=3, prefill_chunk=8) as engine:
         assert engine.speculates
         _oracle_drafts(engine, {tuple(p): e for p, e in zip(prompts, expected)})
-        handles = [engine.stream(p, max_new_tokens=n, stop_token_ids=[], verify_len=v)
-                   for p, n, v in zip(prompts, lengths, modes)]
+        handles = [engine.stream(p, max_new_tokens=n, stop_token_ids=[], **kw) for p, n, kw in zip(prompts, lengths, modes)]
         got = _drain(handles)
         results = [h.result for h in handles]
         status = engine.status()
     assert got == expected
     assert status["speculative_steps"] > 0
-    fixed = [r for r, v in zip(results, modes) if v not in (0, "auto")]
+    fixed = [r for r, kw in zip(results, modes) if kw.get("verify_len", "auto") != "auto"]
     assert all(r.acceptance_lengths and r.policy == "batched-fixed" for r in fixed)
     accepted = [a for r in fixed for a in r.acceptance_lengths]
     assert max(accepted) >= 4 and min(accepted) == 1  # whole and partial blocks, and a first proposal rejected
-    plain = results[modes.index(0)]
+    plain = results[modes.index(dict(block_size=1))]
     assert plain.acceptance_lengths == [] and plain.policy == "batched-plain"
 
 
@@ -376,7 +377,7 @@ def test_batched_engine_through_the_tensorrt_double(art, tmp_path_factory, doubl
     with BatchEngine(out, max_batch=3, backend="ort") as engine:
         expected = _drain([engine.stream(p, max_new_tokens=10, stop_token_ids=[], temperature=0.8, seed=i)
                            for i, p in enumerate(prompts)])
-        greedy = _drain([engine.stream(p, max_new_tokens=10, stop_token_ids=[], verify_len=0) for p in prompts])
+        greedy = _drain([engine.stream(p, max_new_tokens=10, stop_token_ids=[], block_size=1) for p in prompts])
     with pytest.raises(DFlashError, match="--max-batch 4"):
         BatchEngine(out, max_batch=4, backend="trt")
     with BatchEngine(out, max_batch=3, backend="trt") as engine:
@@ -489,3 +490,17 @@ def test_batched_build_refuses_a_hybrid_target_before_any_output(hybrid_pair, tm
     with pytest.raises(DFlashError, match="--batched needs a Qwen3 or Llama target"):
         build(BuildOptions(str(hybrid_pair.target_dir), out=out, batched=True, quiet=True))
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_requests_are_refused_as_the_session_refuses_them(art):
+    """The batched engine checks block_size, verify_len, top_k and stop ids as `Session.check_request` does,
+    with the same messages (the server answers a request alike whatever --max-batch)."""
+    bad = [dict(verify_len=0), dict(verify_len=99), dict(block_size=0), dict(block_size=1, verify_len=3),
+           dict(verify_len="20+1"), dict(top_k=rf.VOCAB + 1, temperature=0.5), dict(stop_token_ids=[rf.VOCAB])]
+    with runtime.load(art) as s, BatchEngine(art, max_batch=2) as engine:
+        for kw in bad:
+            with pytest.raises(DFlashError) as alone:
+                s.generate([5, 6], max_new_tokens=4, **kw)
+            with pytest.raises(DFlashError) as batched:
+                engine.stream([5, 6], max_new_tokens=4, **kw)
+            assert str(batched.value) == str(alone.value), kw

@@ -23,6 +23,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from runtime.backends.base import Backend
+from runtime.backends.profiles import MAX_BLOCK_SIZE
 from runtime.backends.select import make_backend
 from runtime.batching.calls import BatchedCalls, SequenceRows
 from runtime.batching.drafts import SlotDrafts
@@ -36,9 +37,15 @@ from runtime.manifest import (
     batched_feeds_draft,
     check_batched_graph,
     draft_proposes,
+    fixed_draft_block,
     load_manifest,
 )
-from runtime.options import GenerationOptions, refuse_unknown_options
+from runtime.options import (
+    GenerationOptions,
+    check_speculation_options,
+    check_vocabulary_options,
+    refuse_unknown_options,
+)
 from runtime.results import GenerationResult, StreamChunk, accepted_prefix
 from runtime.speculation.batched import MEASURED_ROWS, BatchedCallCosts, BatchedLength
 from runtime.speculation.lookup import NgramLookup
@@ -149,7 +156,7 @@ class _Sequence:
     def draft_limit(self) -> int:
         """The most proposals this sequence may verify next step: 0 where its draft cannot run (plain
         requests, no valid anchor) or the reply has no room for more than one token."""
-        if not self.anchor_valid or self.block_size <= 1 or self.fixed == 0:
+        if not self.anchor_valid or self.block_size <= 1:
             return 0
         room = self.opts.max_new_tokens - len(self.reply.out) - 1
         return max(min(self.block_size - 1, room, self.fixed if self.fixed is not None else room), 0)
@@ -333,16 +340,18 @@ class BatchEngine(PromptEncoding):
         return [h.result for h in handles]
 
     def check_request(self, ids: list[int], opts: GenerationOptions) -> None:
-        """Raise DFlashError where a request does not fit: prompt + max_new_tokens beyond max_seq_len,
-        or stop ids outside the vocabulary."""
+        """Raise DFlashError where a request does not fit: block_size or verify_len out of range (as
+        :meth:`runtime.Session.check_request` says: a request is refused or run alike whatever
+        `--max-batch`), prompt + max_new_tokens beyond max_seq_len, stop ids or top_k outside the vocabulary."""
+        fixed = fixed_draft_block(self.manifest)
+        check_speculation_options(opts, int(self.manifest["draft"]["block_size"]),
+                                  fixed or max(MAX_BLOCK_SIZE, int(self.manifest["draft"]["block_size"])),
+                                  limit_note=" (the draft's graph is fixed to its block)" if fixed else "")
         if len(ids) + opts.max_new_tokens > self.max_seq_len:
             raise DFlashError(f"prompt ({len(ids)} tokens) + max_new_tokens ({opts.max_new_tokens}) exceeds the KV "
                               f"buffers' max_seq_len {self.max_seq_len}; ask for at most "
                               f"{max(self.max_seq_len - len(ids), 0)} new tokens or shorten the prompt")
-        vocab = int(self.manifest["target"]["vocab_size"])
-        bad = [t for t in (opts.stop_token_ids or ()) if not 0 <= t < vocab]
-        if bad:
-            raise DFlashError(f"stop_token_ids holds {bad[0]}, which is not a token id of this model (vocabulary {vocab})")
+        check_vocabulary_options(opts, int(self.manifest["target"]["vocab_size"]))
 
     def status(self) -> dict:
         """{"waiting", "running", "slots", "steps", "speculative_steps"} now (steps: decoding calls run so
@@ -560,7 +569,7 @@ class BatchEngine(PromptEncoding):
                 self._leave(seq)
 
     def _policy_name(self, seq: _Sequence) -> str:
-        if not self.speculates or seq.block_size <= 1 or seq.fixed == 0:
+        if not self.speculates or seq.block_size <= 1:
             return "batched-plain"
         return "batched-auto" if seq.fixed is None else "batched-fixed"
 
