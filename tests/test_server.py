@@ -150,6 +150,9 @@ BAD_REQUESTS = [  # (path, body, param, a phrase of the message)
     ("comp", {"model": MODEL}, "prompt", "required"),
     ("comp", comp_body(top_k=97, temperature=1), "top_k", "vocabulary size 96"),
     ("comp", comp_body(verify_len=8), "verify_len", "between 1 and block_size - 1 = 7"),
+    ("comp", comp_body(block_size=0), "block_size", "between 1 and"),
+    ("comp", comp_body(block_size=1, verify_len=3), "block_size", "omit verify_len"),
+    ("comp", comp_body(block_size="x"), "block_size", "integer"),
     # beyond the KV buffers (max_seq_len 64): the limit is named
     ("comp", comp_body(prompt="t5 " * 70), "prompt", "max_seq_len"),
     ("comp", comp_body(max_tokens=100), "max_tokens", "max_seq_len 64"),
@@ -378,3 +381,12 @@ def test_smollm2_server_streams_what_it_answers(smollm2_artifact):
         assert "".join(d or "" for d in deltas) == full.choices[0].message.content
         assert not any("\ufffd" in (d or "") for d in deltas)
         assert full.usage.prompt_tokens == len(sess.encode_messages(msgs))
+
+
+def test_block_size_1_asks_for_plain_decoding_with_the_same_reply(served):
+    """`block_size` is a request extension as in the Python API: 1 decodes plainly, and the reply is the
+    default (speculative) one."""
+    default = post(served[0], PATHS["comp"], comp_body(max_tokens=12, temperature=0))
+    plain = post(served[0], PATHS["comp"], comp_body(max_tokens=12, temperature=0, block_size=1))
+    assert default[0] == plain[0] == 200
+    assert plain[2]["choices"][0]["text"] == default[2]["choices"][0]["text"]

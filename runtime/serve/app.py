@@ -240,7 +240,7 @@ class OpenAIApi:
         except DFlashError as exc:
             message = str(exc).replace("max_new_tokens", "max_tokens")
             # the artifact's limits on options: their messages start with the option's name
-            named = message.split(" ", 1)[0] if message.split(" ", 1)[0] in ("top_k", "verify_len") else None
+            named = message.split(" ", 1)[0] if message.split(" ", 1)[0] in ("top_k", "verify_len", "block_size") else None
             raise ApiError(400, message, param=named) from None
         return opts
 

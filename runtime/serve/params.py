@@ -34,6 +34,7 @@ _OPTION_FIELDS = {
     "seed": "seed",
     "stop": "stop",
     "verify_len": "verify_len",
+    "block_size": "block_size",
     "reuse_prefix": "reuse_prefix",
 }
 _IGNORED = {"user", "metadata"}  # no effect on the output
