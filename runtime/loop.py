@@ -30,11 +30,11 @@ import numpy as np
 
 from runtime.graphs.tree import VerifyTree
 from runtime.options import GenerationOptions
-from runtime.results import GenerationResult, StreamChunk, accepted_prefix
+from runtime.results import GenerationResult, StreamChunk
 from runtime.speculation.policy import Policy
 from runtime.speculation.proposals import Choice, Shape, StepRecord
 from runtime.speculation.proposers import DraftProposer, LookupProposer
-from runtime.speculation.sampling import HostSampler
+from runtime.speculation.sampling import HostSampler, verify_chain
 from runtime.text.reply import ReplyText
 
 
@@ -142,11 +142,8 @@ class DecodeLoop:
         self.verify_s += time.perf_counter() - t0
         if tree is not None:
             return (*self._accept_tree(tree, posterior, proposals), tree)
-        if self.sampler is None:
-            acc = accepted_prefix(proposals, posterior)
-            bonus = int(posterior[acc])
-        else:
-            acc, bonus = self.sampler.verify(proposals, uniforms)
+        acc, bonus = verify_chain(proposals, posterior, uniforms, self.sampler)
+        if self.sampler is not None:
             self.anchor_valid = bonus == int(posterior[acc])  # row acc embeds the greedy token
         accepted = [int(t) for t in proposals[:acc]]
         s.commit_chain(last, accepted)

@@ -6,28 +6,29 @@ Requests join and leave at step boundaries. Each scheduler step runs at most one
 streams wait at most one chunk) and one decoding call with one row per running sequence. A sequence's
 output does not depend on what else is in the batch (`dflash_export.nn.batched`): greedy output equals
 its batch-1 output, and a seed gives the same sampled reply at any batch size (one uniform per output
-position, drawn up front from the seed, as `runtime.loop` does). The batched graph decodes plainly:
-no draft calls (measured: docs/performance.md#batched-serving).
+position, drawn up front from the seed, as `runtime.loop` does). Where the artifact allows it, a
+decoding call also verifies each sequence's draft or lookup proposals (`runtime.batching.speculating`);
+that never changes a reply.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from runtime.backends.base import Backend
 from runtime.backends.profiles import MAX_BLOCK_SIZE
 from runtime.backends.select import make_backend
-from runtime.batching.calls import BatchedCalls, SequenceRows
-from runtime.batching.drafts import SlotDrafts
+from runtime.batching.calls import BatchedCalls
+from runtime.batching.requests import BatchedGeneration, BatchedSequence
 from runtime.batching.slots import SlotTable
+from runtime.batching.speculating import BatchSpeculation
 from runtime.errors import DFlashError
 from runtime.manifest import (
     BATCHED_GRAPH,
@@ -46,150 +47,12 @@ from runtime.options import (
     check_vocabulary_options,
     refuse_unknown_options,
 )
-from runtime.results import GenerationResult, StreamChunk, accepted_prefix
-from runtime.speculation.batched import MEASURED_ROWS, BatchedCallCosts, BatchedLength
-from runtime.speculation.lookup import NgramLookup
-from runtime.speculation.policy import (
-    TRAINED_DRAFT_PRIOR,
-    UNTRAINED_DRAFT_PRIOR,
-    AcceptanceEstimate,
-)
-from runtime.speculation.sampling import HostSampler
+from runtime.results import GenerationResult, StreamChunk
+from runtime.speculation.sampling import HostSampler, verify_chain
 from runtime.text.prompts import PromptEncoding
-from runtime.text.reply import ReplyText
 from runtime.text.tokenizer import load_tokenizer
 
 log = logging.getLogger("runtime.batching")
-
-
-class BatchedGeneration:
-    """One request's handle: iterate it for :class:`StreamChunk` s as they are committed; `result` is the
-    :class:`GenerationResult` after the last (None if it was cancelled or failed). `cancel()` (or
-    `close()`, or leaving a `with` block) frees its slot at the next step boundary. Errors of its graph
-    calls are raised from the iteration.
-
-    Args:
-        on_event: if given, called from the scheduler thread with ("chunk", StreamChunk), then
-            ("done", GenerationResult) or ("error", exception), instead of queueing them for iteration.
-    """
-
-    def __init__(self, on_event: Callable[[str, object], None] | None = None):
-        self.result: GenerationResult | None = None
-        self.cancelled = threading.Event()
-        self._events: queue.Queue = queue.Queue()
-        self._on_event = on_event or (lambda kind, payload: self._events.put((kind, payload)))
-        self._done = False
-
-    def emit(self, kind: str, payload) -> None:
-        """Hand an event to the caller (from the scheduler thread). A callback that raises cancels its own
-        generation and is logged; the scheduler and the other generations go on."""
-        if kind == "done":
-            self.result = payload
-        try:
-            self._on_event(kind, payload)
-        except Exception:
-            log.exception("an on_event callback raised; its generation is cancelled")
-            self.cancelled.set()
-
-    def __iter__(self) -> Iterator[StreamChunk]:
-        return self
-
-    def __next__(self) -> StreamChunk:
-        if self._done:
-            raise StopIteration
-        kind, payload = self._events.get()
-        if kind == "chunk":
-            return payload
-        self._done = True
-        if kind == "error":
-            raise payload
-        raise StopIteration
-
-    def cancel(self) -> None:
-        """Stop the generation at the next step boundary (no more chunks are emitted)."""
-        self.cancelled.set()
-        self._events.put(("cancelled", None))
-
-    close = cancel
-
-    def __enter__(self) -> "BatchedGeneration":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if not self._done:
-            self.cancel()
-
-
-class _Sequence:
-    """A request in the engine: its prompt, options, slot, reply so far and speculation state."""
-
-    def __init__(self, handle: BatchedGeneration, prompt: list[int], opts: GenerationOptions, stop_ids: set[int],
-                 decode, block_size: int):
-        self.handle, self.prompt, self.opts = handle, prompt, opts
-        self.reply = ReplyText(decode, opts.stop, stop_ids)
-        self.uniforms = np.random.default_rng(opts.seed).random(opts.max_new_tokens, dtype=np.float32)
-        self.slot = -1
-        self.cached = 0  # rows of this sequence's slot holding its K/V (prompt, then committed ids)
-        self.reused = 0
-        self.t_start = time.perf_counter()
-        self.t_first: float | None = None
-        # speculation: the block the draft fills, a fixed verify length (None: the engine's policy chooses)
-        self.block_size = 1 if opts.block_size == 1 else min(opts.block_size or block_size, block_size)
-        v = opts.verify_len
-        self.fixed = None if v in (None, "auto") else (self.block_size - 1 if v == "all" else
-                                                       int(str(v).split("+")[0]))
-        self.anchor_valid = False  # whether the slot's kept anchor embedding is the last committed token's
-        # the request's text, indexed for lookup proposals where the engine's policy chooses (auto)
-        self.lookup = NgramLookup(prompt) if self.block_size > 1 and self.fixed is None else None
-        self.acceptance: list[int] = []
-        self.draft_s = self.verify_s = 0.0
-
-    @property
-    def prefilling(self) -> bool:
-        return self.cached < len(self.prompt)
-
-    @property
-    def finished(self) -> bool:
-        out = self.reply.out
-        return self.reply.finish_reason == "stop" or len(out) >= self.opts.max_new_tokens
-
-    def draft_limit(self) -> int:
-        """The most proposals this sequence may verify next step: 0 where its draft cannot run (plain
-        requests, no valid anchor) or the reply has no room for more than one token."""
-        if not self.anchor_valid or self.block_size <= 1:
-            return 0
-        room = self.opts.max_new_tokens - len(self.reply.out) - 1
-        return max(min(self.block_size - 1, room, self.fixed if self.fixed is not None else room), 0)
-
-    def next_rows(self, chunk: int, proposals=()) -> SequenceRows:
-        """This sequence's rows in the next call: up to `chunk` prompt rows, or its last committed token and
-        the `proposals` to verify after it."""
-        opts, k = self.opts, len(self.reply.out)
-        if self.prefilling:
-            ids = self.prompt[self.cached:self.cached + chunk]
-            wanted = int(self.cached + len(ids) == len(self.prompt))
-        else:
-            ids = [self.reply.out[-1], *proposals]
-            wanted = len(ids)
-        host = opts.samples_on_host
-        last = len(self.uniforms) - 1
-        return SequenceRows(self.slot, self.cached, list(ids), wanted=wanted,
-                            temperature=0.0 if host else opts.temperature,
-                            uniforms=tuple(float(self.uniforms[min(k + j, last)]) for j in range(wanted)))
-
-    def result(self, policy: str) -> GenerationResult:
-        t_end = time.perf_counter()
-        total, first = t_end - self.t_start, (self.t_first or t_end)
-        out = self.reply.out
-        decode = t_end - first
-        return GenerationResult(
-            output_ids=list(out), text=self.reply.text if self.reply.has_text else None,
-            finish_reason=self.reply.finish_reason, acceptance_lengths=list(self.acceptance),
-            tokens_per_s=len(out) / total if total > 0 else 0.0,
-            decode_tokens_per_s=(len(out) - 1) / decode if decode > 0 and len(out) > 1 else 0.0,
-            prefill_s=first - self.t_start, draft_s=self.draft_s, verify_s=self.verify_s,
-            host_s=max(decode - self.draft_s - self.verify_s, 0.0), policy=policy,
-            prompt_tokens=len(self.prompt), reused_tokens=self.reused)
 
 
 class BatchEngine(PromptEncoding):
@@ -241,22 +104,17 @@ class BatchEngine(PromptEncoding):
         self.backend = backend if isinstance(backend, Backend) else make_backend(
             backend, self.artifact_dir, m, threads, int4_accuracy_level, graphs=graphs)
         dtype = np.dtype(DTYPES[m["dtype"]])
-        self.drafts: SlotDrafts | None = None
-        self.policy: BatchedLength | None = None
         rows = max(prefill_chunk, 2 * max_batch)
         if self.speculates:
-            self.drafts = SlotDrafts(self.backend, m, self.artifact_dir, max_batch, dtype,
-                                     pending_rows=prefill_chunk + 2 * self.block_size)
             rows = max(rows, max_batch * self.block_size)  # (a verify step: every sequence a whole block)
         self.calls = BatchedCalls(self.backend, m, max_batch, rows, dtype, features=self.speculates)
         self.calls.decide_row_padding()  # (before any slot holds a sequence: the probe writes slot 0)
-        if self.speculates:
-            prior = TRAINED_DRAFT_PRIOR if m["draft"].get("trained") else UNTRAINED_DRAFT_PRIOR
-            self.policy = BatchedLength(self._measure_costs(), AcceptanceEstimate(prior, self.block_size - 1))
+        self.speculation = BatchSpeculation(self.calls, m, self.artifact_dir, max_batch, prefill_chunk, dtype) \
+            if self.speculates else None
         self.slots = SlotTable(max_batch)
         self.cond = threading.Condition()
-        self.waiting: deque[_Sequence] = deque()
-        self.active: list[_Sequence] = []
+        self.waiting: deque[BatchedSequence] = deque()
+        self.active: list[BatchedSequence] = []
         self.steps = 0  # decoding calls run (read by tests and /health)
         self.speculative_steps = 0  # decoding calls that verified proposals (read by tests and /health)
         self.last_call_s = 0.0  # seconds of the last batched call (the policy's observation)
@@ -308,7 +166,7 @@ class BatchEngine(PromptEncoding):
         with self.cond:
             if self.closed:
                 raise DFlashError("this BatchEngine is closed; load the artifact again")
-            self.waiting.append(_Sequence(handle, ids, opts, stops, decode, self.block_size if self.speculates else 1))
+            self.waiting.append(BatchedSequence(handle, ids, opts, stops, decode, self.block_size if self.speculates else 1))
             self.cond.notify_all()
         return handle
 
@@ -412,18 +270,18 @@ class BatchEngine(PromptEncoding):
             seq = self.waiting.popleft()
             seq.slot, seq.reused = self.slots.take(seq.prompt, seq.opts.reuse_prefix)
             seq.cached = seq.reused
-            if self.drafts is not None:
-                self.drafts.reset(seq.slot, seq.reused)
+            if self.speculation is not None:
+                self.speculation.drafts.reset(seq.slot, seq.reused)
             self.active.append(seq)
 
-    def _leave(self, seq: _Sequence) -> None:
+    def _leave(self, seq: BatchedSequence) -> None:
         """Free `seq`'s slot, which keeps the ids whose K/V it holds for a later prompt to reuse."""
         self.active.remove(seq)
         cached = (seq.prompt + seq.reply.out)[:seq.cached]
         self.slots.release(seq.slot, cached)
         self.cond.notify_all()  # (callers may wait on `cond` for the engine to go idle)
 
-    def _fail(self, seqs: list[_Sequence], exc: Exception) -> None:
+    def _fail(self, seqs: list[BatchedSequence], exc: Exception) -> None:
         """End `seqs` with `exc` (a failed graph call, or a bug): their slots are freed (and forget what they
         held), the other generations go on. Events are emitted outside the lock (a caller's handler may
         take its own lock, which it may hold while asking for `status`)."""
@@ -437,12 +295,12 @@ class BatchEngine(PromptEncoding):
         for seq in seqs:
             seq.handle.emit("error", exc)
 
-    def _step(self, active: list[_Sequence]) -> None:
+    def _step(self, active: list[BatchedSequence]) -> None:
         """One prefill call (the joining sequences' next prompt chunks, shortest first, at most
         `prefill_chunk` rows with padding) and one decoding call (every other running sequence, each
         with the proposals its draft made where the step speculates)."""
         prefilling = sorted((s for s in active if s.prefilling), key=lambda s: len(s.prompt) - s.cached)
-        batch: list[_Sequence] = []
+        batch: list[BatchedSequence] = []
         for seq in prefilling:
             rows = min(len(seq.prompt) - seq.cached, self.prefill_chunk)
             if batch and (len(batch) + 1) * rows > self.prefill_chunk:  # each sequence is padded to the longest
@@ -452,59 +310,15 @@ class BatchEngine(PromptEncoding):
             self._call(batch, [((), None)] * len(batch), self.prefill_chunk)
         decoding = [s for s in self.active if not s.prefilling and s not in batch]
         if decoding:
-            proposals, drafts = self._propose(decoding)
+            spec = self.speculation
+            proposals, drafts = spec.propose(decoding) if spec is not None else ([((), None)] * len(decoding), [])
             outcomes = self._call(decoding, proposals, 1)
             self.speculative_steps += bool(outcomes)
-            if self.policy is not None:
-                committed = sum(1 + acc for _, acc, _ in outcomes) + len(decoding) - len(outcomes)
-                self.policy.observe(len(decoding), self.calls.rows_per_sequence, self.last_call_s, drafts, outcomes,
-                                    committed)
+            if spec is not None:
+                spec.observe(len(decoding), self.last_call_s, drafts, outcomes)
             self.steps += 1
 
-    def _propose(self, seqs: list[_Sequence]) -> tuple[list[tuple], list[tuple[int, float]]]:
-        """Each decoding sequence's (proposals, the draft's probability of each or None for a lookup) for
-        this step (empty: it decodes one row), and the draft calls' (block rows, seconds). A sequence with
-        a fixed verify length drafts and verifies that many; the others, where the policy speculates this
-        step, take their lookup continuation or draft the rows it asks for, and verify the length it
-        chooses from their chances (or more, where a fixed one pads the call's rows anyway)."""
-        if self.drafts is None:
-            return [((), None) for _ in seqs], []
-        limits = [s.draft_limit() for s in seqs]
-        if not self.policy.speculates([lim if s.fixed is None else 0 for s, lim in zip(seqs, limits)]):
-            limits = [lim if s.fixed is not None else 0 for s, lim in zip(seqs, limits)]
-        offers = [s.lookup.propose(lim) if s.lookup is not None and lim > 0 else [] for s, lim in zip(seqs, limits)]
-        rows = self.policy.draft_rows([lim if s.fixed is None and not o else 0 for s, lim, o in zip(seqs, limits, offers)])
-        drafted, drafts = [], []
-        for seq, lim, offer in zip(seqs, limits, offers):
-            k = lim if seq.fixed is not None else (0 if offer else min(rows, lim))
-            drafted.append(self._draft(seq, k, drafts) if k > 0 else (offer, None) if offer else None)
-        n = self._auto_length(seqs, drafted, rows, bool(any(offers)))
-        cut = [d if d is None or s.fixed is not None else (d[0][:n], None if d[1] is None else d[1][:n])
-               for s, d in zip(seqs, drafted)]
-        return [d if d is not None else ((), None) for d in cut], drafts
-
-    def _draft(self, seq: _Sequence, rows: int, drafts: list) -> tuple[list[int], np.ndarray]:
-        """`seq`'s draft call for `rows` proposals, timed into `drafts`: (ids, probabilities)."""
-        t0 = time.perf_counter()
-        ids, probs = self.drafts.propose(seq.slot, seq.reply.out[-1], rows, seq.block_size)
-        drafts.append((rows, time.perf_counter() - t0))
-        seq.draft_s += drafts[-1][1]
-        return ids.tolist(), probs
-
-    def _auto_length(self, seqs: list[_Sequence], drafted: list, rows: int, offered: bool) -> int:
-        """The verify length of the call: the policy's, from the automatic sequences' proposal chances
-        (0: they verify nothing), at least the longest fixed request's where the policy verifies any."""
-        chances = [None if s.fixed is not None or d is None else
-                   self.policy.draft_confidence(d[1]) if d[1] is not None else self.policy.lookup_confidence(len(d[0]))
-                   for s, d in zip(seqs, drafted)]
-        if all(c is None for c in chances):
-            return 0
-        drafted_rows = rows if any(c is not None and d[1] is not None for c, d in zip(chances, drafted)) else 0
-        n = self.policy.verify_length(chances, drafted_rows, offered)
-        fixed = max((len(d[0]) for s, d in zip(seqs, drafted) if s.fixed is not None and d is not None), default=0)
-        return max(n, fixed) if n else 0
-
-    def _call(self, seqs: list[_Sequence], proposals: list, chunk: int) -> list[tuple[int, int, float]]:
+    def _call(self, seqs: list[BatchedSequence], proposals: list, chunk: int) -> list[tuple[int, int, float]]:
         """One graph call for `seqs` (prefill chunks, or each sequence's last token and its (proposals,
         probabilities) of `proposals`); commits and emits each sequence's new tokens, keeps their taps and
         anchor for the draft, and lets finished ones leave. Returns (proposals verified, accepted, draft
@@ -530,26 +344,21 @@ class BatchEngine(PromptEncoding):
             else:
                 seq.verify_s += self.last_call_s
                 n = len(props)
-                if sampler is None:
-                    acc = accepted_prefix(np.asarray(props, np.int64), posterior)
-                    bonus = int(posterior[acc])
-                else:
-                    acc, bonus = sampler.verify(np.asarray(props, np.int64), np.asarray(r.uniforms, np.float32))
+                acc, bonus = verify_chain(np.asarray(props, np.int64), posterior, np.asarray(r.uniforms, np.float32), sampler)
                 committed_rows, tokens = 1 + acc, [*props[:acc], bonus]
                 if n:
                     seq.acceptance.append(acc + 1)
                     outcomes.append((n, acc, None if probs is None else float(probs[0])))
             seq.cached += committed_rows
-            if self.drafts is not None:
-                self.drafts.append(seq.slot, self.calls.taps.rows(i * t, committed_rows), committed_rows)
-                if tokens:  # the graph's posterior row acc embeds its id; a host sample may be another token
-                    self.drafts.set_anchor(seq.slot, self.calls.next_embeddings.rows(base + acc, 1))
-                    seq.anchor_valid = tokens[-1] == int(posterior[acc])
+            if self.speculation is not None:  # (the graph's posterior row acc embeds its id: the anchor)
+                anchor = self.calls.next_embeddings.rows(base + acc, 1) if tokens else None
+                self.speculation.keep(seq, self.calls.taps.rows(i * t, committed_rows), committed_rows, anchor,
+                                      bool(tokens) and tokens[-1] == int(posterior[acc]))
             if tokens:
                 self._emit(seq, tokens)
         return outcomes
 
-    def _emit(self, seq: _Sequence, tokens: list[int]) -> None:
+    def _emit(self, seq: BatchedSequence, tokens: list[int]) -> None:
         """Commit `tokens` to `seq`'s reply and emit them; a finished or cancelled sequence leaves."""
         if seq.t_first is None:
             seq.t_first = time.perf_counter()
@@ -564,45 +373,6 @@ class BatchEngine(PromptEncoding):
                 tail = seq.reply.finish()
                 if tail:
                     seq.handle.emit("chunk", StreamChunk(tail, []))
-                seq.handle.emit("done", seq.result(self._policy_name(seq)))
+                seq.handle.emit("done", seq.result(seq.policy_name(self.speculates)))
             with self.cond:
                 self._leave(seq)
-
-    def _policy_name(self, seq: _Sequence) -> str:
-        if not self.speculates or seq.block_size <= 1:
-            return "batched-plain"
-        return "batched-auto" if seq.fixed is None else "batched-fixed"
-
-    def _measure_costs(self) -> BatchedCallCosts:
-        """Time batched calls of 1, max_batch / 2 and max_batch sequences x :data:`MEASURED_ROWS` rows (the
-        faster of two, after 64 cached rows of zeros; beyond 4 rows per sequence only for one sequence, extrapolated
-        for more: the start-up cost stays a few calls) and draft calls: the policy's cost curve, which
-        the observed step times then scale. Runs before any slot holds a sequence (it writes slots' rows,
-        which no one reads)."""
-        batches = tuple(sorted({1, max(self.max_batch // 2, 1), self.max_batch}))
-        rows = tuple(t for t in MEASURED_ROWS if t <= self.block_size) or (1,)
-        past = min(64, self.max_seq_len - rows[-1])
-        seconds = np.zeros((len(batches), len(rows)))
-        for i, b in enumerate(batches):
-            for j, t in enumerate(rows):
-                if b > 1 and j >= 3:  # a whole block at several sequences: extrapolated (they rarely pay)
-                    seconds[i, j] = seconds[i, j - 1] + (seconds[i, j - 1] - seconds[i, j - 2]) * \
-                        (t - rows[j - 1]) / (rows[j - 1] - rows[j - 2])
-                    continue
-                batch = [SequenceRows(slot, past, [1] * t, wanted=t) for slot in range(b)]
-                seconds[i, j] = min(self._timed(lambda: self.calls.run(batch)) for _ in range(2))  # (a new shape's first call is slower)
-        draft_rows = tuple(sorted({1, max(self.block_size - 1, 1)}))
-        draft_s = []
-        for r in draft_rows:
-            self.calls.run([SequenceRows(0, 0, [1, 2])])
-            self.drafts.append(0, self.calls.taps.rows(0, 2), 2)
-            self.drafts.set_anchor(0, self.calls.next_embeddings.rows(0, 1))
-            draft_s.append(self._timed(lambda: self.drafts.propose(0, 1, r)))
-        self.drafts.reset(0, 0)
-        return BatchedCallCosts(batches, rows, seconds, draft_rows, tuple(draft_s))
-
-    @staticmethod
-    def _timed(fn) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0

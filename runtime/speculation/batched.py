@@ -93,8 +93,6 @@ class BatchedLength:
         decay: per-step decay of the drafted-rate and calibration evidence.
     """
 
-    name = "batched-auto"
-
     def __init__(self, costs: BatchedCallCosts, acceptance: AcceptanceEstimate, margin: float = 1.03,
                  probe_gap: int = 8, max_probe_gap: int = 128, smoothing: float = 0.2, prior_steps: float = 2.0,
                  decay: float = 0.95):
@@ -116,32 +114,25 @@ class BatchedLength:
         self.decline_decay = 0.99  # evidence decay per declined lookup offer (LookupLength's rule)
 
     # ---- predictions ------------------------------------------------------------------------------
-    def predicted_s(self, batch: int, rows: int) -> float:
-        """Seconds predicted for a call of `batch` sequences x `rows` rows, scaled by what was observed."""
-        scale = self.plain_scale if rows == 1 else self.spec_scale
-        return scale * self.costs.call_s(batch, rows)
+    def call_seconds(self, batch: int, top: int) -> np.ndarray:
+        """Predicted seconds of a call of `batch` sequences x (1 + n) rows, n = 0..top (`[top + 1]`), scaled
+        by what plain (n = 0) and speculative calls were observed to take."""
+        s = self.costs.calls_s(batch, np.arange(1, top + 2))
+        return np.concatenate([[self.plain_scale * s[0]], self.spec_scale * s[1:]])
 
-    def model_rate(self, limits: Sequence[int], n: int) -> float:
-        """Committed tokens per second the acceptance estimate predicts for a step where sequence i drafts
-        and verifies min(n, limits[i]) proposals (limits[i] = 0: one row, no draft call)."""
-        return float(self.model_rates(limits, max(n, 1))[n])
-
-    def model_rates(self, limits: Sequence[int], top: int) -> np.ndarray:
-        """:meth:`model_rate` for n = 0..top (`[top + 1]`), in one pass (it runs every step)."""
+    def step_model(self, limits: Sequence[int], top: int) -> tuple[np.ndarray, np.ndarray]:
+        """(expected committed tokens, predicted seconds) of a step where sequence i drafts and verifies
+        min(n, limits[i]) proposals (limits[i] = 0: one row, no draft call), n = 0..top (`[top + 1]`
+        each), from the acceptance estimate and the costs (it runs every step: one pass)."""
         a = self.acceptance
         if self._tokens is None or self._tokens[0] != (a.version, top):
             self._tokens = ((a.version, top), a.expected_tokens(top))
-        tokens = self._tokens[1]
         lims = np.asarray(limits)
-        n = np.arange(top + 1)
-        upto = np.minimum(n[:, None], lims[None, :])  # [top + 1, B]
-        committed = tokens[upto].sum(axis=1)
-        drafting = lims > 0
-        drafts = self.draft_scale * np.interp(upto[:, drafting], self.costs.draft_rows, self.costs.draft_seconds).sum(axis=1)
+        upto = np.minimum(np.arange(top + 1)[:, None], lims[None, :])  # [top + 1, B]
+        committed = self._tokens[1][upto].sum(axis=1)
+        drafts = self.draft_scale * np.interp(upto[:, lims > 0], self.costs.draft_rows, self.costs.draft_seconds).sum(axis=1)
         drafts[0] = 0.0
-        seconds = self.costs.calls_s(len(limits), n + 1)
-        seconds = np.where(n == 0, self.plain_scale * seconds, self.spec_scale * seconds) + drafts
-        return committed / seconds
+        return committed, self.call_seconds(len(limits), top) + drafts
 
     @property
     def calibration(self) -> float:
@@ -158,19 +149,17 @@ class BatchedLength:
         if top <= 0:
             return False
         b = len(limits)
-        rates = self.model_rates(limits, top)
-        best = int(np.argmax(rates[1:])) + 1
+        committed, seconds = self.step_model(limits, top)
+        best = int(np.argmax(committed[1:] / seconds[1:])) + 1
         w = self.prior_steps
-        plain_s = b / rates[0]  # a plain step's predicted seconds (b tokens)
-        tokens, seconds = self.plain.get(b, (0.0, 0.0))
-        plain_rate = (tokens + w * b) / (seconds + w * plain_s)
-        expected = self._tokens[1][np.minimum(best, np.asarray(limits))].sum()  # (model_rates' expected tokens)
-        prior_s = float(expected / max(rates[best], 1e-12))  # the seconds of that step
+        tokens, plain_s = self.plain.get(b, (0.0, 0.0))
+        plain_rate = (tokens + w * b) / (plain_s + w * seconds[0])
+        expected, prior_s = committed[best], seconds[best]  # the model's best speculative step
         gain = self._measured_gain(b)  # what speculation measured at the nearest batch size, where it has run
         if gain is not None:
             prior_s = float(expected / max(gain * plain_rate, 1e-12))
-        tokens, seconds = self.speculative.get(b, (0.0, 0.0))
-        rate = (tokens + w * expected) / (seconds + w * prior_s)
+        tokens, spec_s = self.speculative.get(b, (0.0, 0.0))
+        rate = (tokens + w * expected) / (spec_s + w * prior_s)
         if rate > self.margin * plain_rate:
             self.plain_run, self.probing, self.probe_gap = 0, False, self.first_probe_gap
             return True
@@ -218,9 +207,7 @@ class BatchedLength:
             if q is not None and len(q):
                 gain = np.concatenate([[0.0], np.cumsum(np.cumprod(q))])
                 tokens += np.concatenate([gain, np.full(top - len(q), gain[-1])])
-        seconds = self.costs.calls_s(b, np.arange(1, top + 2))
-        seconds = np.concatenate([[self.plain_scale * seconds[0]], self.spec_scale * seconds[1:]])
-        rate = tokens / seconds
+        rate = tokens / self.call_seconds(b, top)
         if self.probing and top:
             rate[0] = -np.inf
         n = int(np.argmax(rate))
@@ -235,25 +222,24 @@ class BatchedLength:
         return n
 
     # ---- learning ---------------------------------------------------------------------------------------
+    def _moved(self, scale: float, observed: float, predicted: float) -> float:
+        """A running observed / predicted ratio after one more observation (a spike moves it at most 2x)."""
+        if predicted <= 0 or observed <= 0:
+            return scale
+        return scale + self.smoothing * (min(max(observed / predicted, 0.5 * scale), 2.0 * scale) - scale)
+
     def observe(self, batch: int, rows: int, call_s: float, drafts: Sequence[tuple[int, float]],
                 outcomes: Sequence[tuple[int, int, float | None]], committed: int) -> None:
         """Learn from one batched step: its call (`batch` x `rows`, `call_s` seconds), its draft calls'
         (block rows, seconds) (empty: no draft call), each verifying sequence's (proposals verified,
         accepted, the draft's probability of its first proposal, or None for a lookup continuation) and
         the tokens the step committed in all."""
-        predicted = self.costs.call_s(batch, rows)
-        if predicted > 0 and call_s > 0:  # a spike moves a scale at most 2x at a time
-            scale = self.plain_scale if rows == 1 else self.spec_scale
-            scale += self.smoothing * (min(max(call_s / predicted, 0.5 * scale), 2.0 * scale) - scale)
-            if rows == 1:
-                self.plain_scale = scale
-            else:
-                self.spec_scale = scale
+        if rows == 1:
+            self.plain_scale = self._moved(self.plain_scale, call_s, self.costs.call_s(batch, rows))
+        else:
+            self.spec_scale = self._moved(self.spec_scale, call_s, self.costs.call_s(batch, rows))
         for draft_rows, seconds in drafts:
-            predicted = self.costs.draft_s(draft_rows)
-            if predicted > 0 and seconds > 0:
-                scale = self.draft_scale
-                self.draft_scale += self.smoothing * (min(max(seconds / predicted, 0.5 * scale), 2.0 * scale) - scale)
+            self.draft_scale = self._moved(self.draft_scale, seconds, self.costs.draft_s(draft_rows))
         speculative = bool(drafts) or any(n > 0 for n, _, _ in outcomes)
         d = (self.speculative if speculative else self.plain).setdefault(batch, [0.0, 0.0])
         d[0] = self.decay * d[0] + committed

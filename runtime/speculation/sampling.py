@@ -15,6 +15,8 @@ from typing import Callable
 
 import numpy as np
 
+from runtime.results import accepted_prefix
+
 # Candidates examined first for top_p alone: a partial sort of this many ids (O(V)) is enough when
 # they already hold top_p of the mass; otherwise the whole row is sorted.
 _NUCLEUS_FIRST = 256
@@ -95,3 +97,15 @@ class HostSampler:
                 return j, token
         n = len(proposals)
         return n, self.sample(n, float(uniforms[n]))
+
+
+def verify_chain(proposals: np.ndarray, posterior: np.ndarray, uniforms: np.ndarray,
+                 sampler: HostSampler | None = None) -> tuple[int, int]:
+    """The lossless rule for a verified chain: (accepted proposals `acc`, the token committed after them).
+    Without `sampler`, `posterior` (int64 `[n + 1]`) holds the graph's greedy or sampled id of each row and
+    proposal j is accepted iff it equals row j's; with it, each row is sampled on the host with its
+    uniform (`uniforms`, fp32 `[n + 1]`), as :meth:`HostSampler.verify` does."""
+    if sampler is not None:
+        return sampler.verify(proposals, uniforms)
+    acc = accepted_prefix(proposals, posterior)
+    return acc, int(posterior[acc])

@@ -1,0 +1,144 @@
+"""Speculation in batched steps: each decoding sequence's proposals (its lookup continuation or its draft's),
+the verify length of the call the policy (`runtime.speculation.batched`) chooses, and what the policy
+learns from each step. The engine (`runtime.batching.engine`) runs the batched call between
+:meth:`BatchSpeculation.propose` and :meth:`BatchSpeculation.observe`, and hands each sequence's committed
+rows to :meth:`BatchSpeculation.keep`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from runtime.backends.base import View
+from runtime.batching.calls import BatchedCalls, SequenceRows
+from runtime.batching.drafts import SlotDrafts
+from runtime.batching.requests import BatchedSequence
+from runtime.speculation.batched import MEASURED_ROWS, BatchedCallCosts, BatchedLength
+from runtime.speculation.policy import (
+    TRAINED_DRAFT_PRIOR,
+    UNTRAINED_DRAFT_PRIOR,
+    AcceptanceEstimate,
+)
+
+Proposed = tuple  # (proposal ids, the draft's probability of each or None for a lookup): ((), None) = none
+
+
+class BatchSpeculation:
+    """Each slot's draft (:class:`SlotDrafts`) and the batched policy, on an engine's batched calls.
+
+    Args:
+        calls: the engine's batched calls (their graph outputs the draft's inputs).
+        manifest, artifact_dir: the artifact (its draft proposes ids).
+        slots: cache slots.
+        prefill_chunk: the most prompt rows one prefill call takes (a slot's pending taps hold one chunk
+            and two blocks).
+        dtype: numpy dtype of the draft's K/V and features.
+
+    Start-up measures the call costs the policy starts from (:meth:`_measure_costs`): it runs before any
+    slot holds a sequence.
+    """
+
+    def __init__(self, calls: BatchedCalls, manifest: dict, artifact_dir, slots: int, prefill_chunk: int, dtype):
+        self.calls, self.slots = calls, int(slots)
+        self.block_size = int(manifest["draft"]["block_size"])
+        self.drafts = SlotDrafts(calls.backend, manifest, artifact_dir, slots, dtype,
+                                 pending_rows=prefill_chunk + 2 * self.block_size)
+        prior = TRAINED_DRAFT_PRIOR if manifest["draft"].get("trained") else UNTRAINED_DRAFT_PRIOR
+        self.policy = BatchedLength(self._measure_costs(), AcceptanceEstimate(prior, self.block_size - 1))
+
+    # ---- a step --------------------------------------------------------------------------------
+    def propose(self, seqs: list[BatchedSequence]) -> tuple[list[Proposed], list[tuple[int, float]]]:
+        """Each decoding sequence's (proposals, the draft's probability of each or None for a lookup) for
+        this step (empty: it decodes one row), and the draft calls' (block rows, seconds). A sequence with
+        a fixed verify length drafts and verifies that many; the others, where the policy speculates this
+        step, take their lookup continuation or draft the rows it asks for, and verify the length it
+        chooses from their chances (or more, where a fixed one pads the call's rows anyway)."""
+        policy = self.policy
+        limits = [s.draft_limit() for s in seqs]
+        if not policy.speculates([lim if s.fixed is None else 0 for s, lim in zip(seqs, limits)]):
+            limits = [lim if s.fixed is not None else 0 for s, lim in zip(seqs, limits)]
+        offers = [s.lookup.propose(lim) if s.lookup is not None and lim > 0 else [] for s, lim in zip(seqs, limits)]
+        rows = policy.draft_rows([lim if s.fixed is None and not o else 0 for s, lim, o in zip(seqs, limits, offers)])
+        drafted, drafts = [], []
+        for seq, lim, offer in zip(seqs, limits, offers):
+            k = lim if seq.fixed is not None else (0 if offer else min(rows, lim))
+            drafted.append(self._draft(seq, k, drafts) if k > 0 else (offer, None) if offer else None)
+        n = self._auto_length(seqs, drafted, rows, bool(any(offers)))
+        cut = [d if d is None or s.fixed is not None else (d[0][:n], None if d[1] is None else d[1][:n])
+               for s, d in zip(seqs, drafted)]
+        return [d if d is not None else ((), None) for d in cut], drafts
+
+    def keep(self, seq: BatchedSequence, taps: View, rows: int, anchor: View | None, anchor_valid: bool) -> None:
+        """After a call: `seq`'s first `rows` rows of `taps` were committed (its draft reads them next), and,
+        where it committed a token, `anchor` (`[1, d]`) embeds the graph's posterior of that position,
+        which is the committed token iff `anchor_valid` (a host sample may be another)."""
+        self.drafts.append(seq.slot, taps, rows)
+        if anchor is not None:
+            self.drafts.set_anchor(seq.slot, anchor)
+            seq.anchor_valid = anchor_valid
+
+    def observe(self, batch: int, call_s: float, drafts: list[tuple[int, float]],
+                outcomes: list[tuple[int, int, float | None]]) -> None:
+        """What the policy learns from a decoding step of `batch` sequences (its call's seconds, the draft
+        calls, and the (verified, accepted, first probability) of each sequence that verified any)."""
+        committed = sum(1 + acc for _, acc, _ in outcomes) + batch - len(outcomes)
+        self.policy.observe(batch, self.calls.rows_per_sequence, call_s, drafts, outcomes, committed)
+
+    def _draft(self, seq: BatchedSequence, rows: int, drafts: list) -> Proposed:
+        """`seq`'s draft call for `rows` proposals, timed into `drafts`: (ids, probabilities)."""
+        t0 = time.perf_counter()
+        ids, probs = self.drafts.propose(seq.slot, seq.reply.out[-1], rows, seq.block_size)
+        drafts.append((rows, time.perf_counter() - t0))
+        seq.draft_s += drafts[-1][1]
+        return ids.tolist(), probs
+
+    def _auto_length(self, seqs: list[BatchedSequence], drafted: list, rows: int, offered: bool) -> int:
+        """The verify length of the call: the policy's, from the automatic sequences' proposal chances
+        (0: they verify nothing), at least the longest fixed request's where the policy verifies any."""
+        policy = self.policy
+        chances = [None if s.fixed is not None or d is None else
+                   policy.draft_confidence(d[1]) if d[1] is not None else policy.lookup_confidence(len(d[0]))
+                   for s, d in zip(seqs, drafted)]
+        if all(c is None for c in chances):
+            return 0
+        drafted_rows = rows if any(c is not None and d[1] is not None for c, d in zip(chances, drafted)) else 0
+        n = policy.verify_length(chances, drafted_rows, offered)
+        fixed = max((len(d[0]) for s, d in zip(seqs, drafted) if s.fixed is not None and d is not None), default=0)
+        return max(n, fixed) if n else 0
+
+    # ---- start-up ------------------------------------------------------------------------------
+    def _measure_costs(self) -> BatchedCallCosts:
+        """Time batched calls of 1, slots / 2 and slots sequences x :data:`MEASURED_ROWS` rows (the faster
+        of two, after 64 cached rows of zeros; beyond 4 rows per sequence only for one sequence,
+        extrapolated for more: the start-up cost stays a few calls) and draft calls: the policy's cost
+        curve, which the observed step times then scale. It writes slots' rows, which no one reads."""
+        calls, drafts = self.calls, self.drafts
+        batches = tuple(sorted({1, max(self.slots // 2, 1), self.slots}))
+        rows = tuple(t for t in MEASURED_ROWS if t <= self.block_size) or (1,)
+        past = min(64, calls.max_seq_len - rows[-1])
+        seconds = np.zeros((len(batches), len(rows)))
+        for i, b in enumerate(batches):
+            for j, t in enumerate(rows):
+                if b > 1 and j >= 3:  # a whole block at several sequences: extrapolated (they rarely pay)
+                    seconds[i, j] = seconds[i, j - 1] + (seconds[i, j - 1] - seconds[i, j - 2]) * \
+                        (t - rows[j - 1]) / (rows[j - 1] - rows[j - 2])
+                    continue
+                batch = [SequenceRows(slot, past, [1] * t, wanted=t) for slot in range(b)]
+                seconds[i, j] = min(_timed(lambda: calls.run(batch)) for _ in range(2))  # (a new shape's first call is slower)
+        draft_rows = tuple(sorted({1, max(self.block_size - 1, 1)}))
+        draft_s = []
+        for r in draft_rows:
+            calls.run([SequenceRows(0, 0, [1, 2])])
+            drafts.append(0, calls.taps.rows(0, 2), 2)
+            drafts.set_anchor(0, calls.next_embeddings.rows(0, 1))
+            draft_s.append(_timed(lambda: drafts.propose(0, 1, r)))
+        drafts.reset(0, 0)
+        return BatchedCallCosts(batches, rows, seconds, draft_rows, tuple(draft_s))
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0

@@ -1,0 +1,84 @@
+"""Speculation in batched steps (`runtime.batching.speculating`): streams verifying their draft's proposals in
+shared calls give their batch-1 output whatever is accepted (greedy, graph- and host-sampled), and the
+drafts' context calls keep within an engine's row limit. The artifact and helpers are test_batching's."""
+
+from __future__ import annotations
+
+import numpy as np
+from test_batching import _drain, _oracle_drafts, _prompts, art  # noqa: F401 (art: a fixture)
+
+import runtime
+from runtime.batching import BatchEngine
+
+
+def test_speculative_streams_equal_batch1_whatever_is_accepted(art):  # noqa: F811 (the imported fixture)
+    """Streams verifying their proposals (all of them, a fixed 3, a tree's chain of 2, the policy's choice,
+    none) in shared calls,
+    with proposals right up to a changing position: every stream equals its batch-1 plain output, steps
+    accepted whole and partial proposals, and the draft ran once per speculating sequence and step."""
+    prompts = _prompts(3)
+    lengths = [20, 26, 9, 30, 14, 22, 17]
+    modes = [dict(verify_len="all"), dict(verify_len=3), dict(verify_len="auto"), dict(block_size=1),
+             dict(verify_len="2+1"), dict(verify_len="all"), dict(verify_len=5)]
+    with runtime.load(art) as s:
+        expected = [s.generate(p, max_new_tokens=n, block_size=1, stop_token_ids=[], reuse_prefix=False).output_ids
+                    for p, n in zip(prompts, lengths)]
+    with BatchEngine(art, max_batch=3, prefill_chunk=8) as engine:
+        assert engine.speculates
+        _oracle_drafts(engine, {tuple(p): e for p, e in zip(prompts, expected)})
+        handles = [engine.stream(p, max_new_tokens=n, stop_token_ids=[], **kw) for p, n, kw in zip(prompts, lengths, modes)]
+        got = _drain(handles)
+        results = [h.result for h in handles]
+        status = engine.status()
+    assert got == expected
+    assert status["speculative_steps"] > 0
+    fixed = [r for r, kw in zip(results, modes) if kw.get("verify_len", "auto") != "auto"]
+    assert all(r.acceptance_lengths and r.policy == "batched-fixed" for r in fixed)
+    accepted = [a for r in fixed for a in r.acceptance_lengths]
+    assert max(accepted) >= 4 and min(accepted) == 1  # whole and partial blocks, and a first proposal rejected
+    plain = results[modes.index(dict(block_size=1))]
+    assert plain.acceptance_lengths == [] and plain.policy == "batched-plain"
+
+
+def test_seeded_speculative_streams_equal_batch1(art):  # noqa: F811 (the imported fixture)
+    """Graph-sampled and host-sampled (top_k / top_p) streams verifying proposals beside greedy ones: each
+    gives its seed's batch-1 reply (a proposal is accepted iff it equals the sample of its row, drawn with
+    the uniform of its output position)."""
+    prompts = _prompts(4)[:5]
+    kinds = [dict(temperature=0.8, seed=3), dict(temperature=1.1, top_k=5, seed=4), dict(),
+             dict(temperature=0.7, top_p=0.8, seed=5), dict(temperature=0.9, seed=6)]
+    with runtime.load(art) as s:
+        expected = [s.generate(p, max_new_tokens=18, stop_token_ids=[], reuse_prefix=False, block_size=1,
+                               **kw).output_ids for p, kw in zip(prompts, kinds)]
+    with BatchEngine(art, max_batch=4) as engine:
+        _oracle_drafts(engine, {tuple(p): e for p, e in zip(prompts, expected)})
+        handles = [engine.stream(p, max_new_tokens=18, stop_token_ids=[], verify_len=4, **kw)
+                   for p, kw in zip(prompts, kinds)]
+        got = _drain(handles)
+    assert got == expected
+    assert all(max(h.result.acceptance_lengths) >= 3 for h in handles)
+
+
+def test_draft_calls_respect_an_engines_context_row_limit(art):  # noqa: F811 (the imported fixture)
+    """Where an engine's profiles limit a draft call's context rows (TensorRT), a slot's pending taps (60-
+    and 50-token prompts prefilled in 8-row chunks: more than the 40 rows a slot keeps) are read in calls of
+    at most that many rows once the draft's cache holds rows; the streams still equal batch 1."""
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 90, size=n)] for n in (60, 50)]
+    with runtime.load(art) as s:
+        expected = [s.generate(p, max_new_tokens=12, block_size=1, stop_token_ids=[], reuse_prefix=False).output_ids
+                    for p in prompts]
+    with BatchEngine(art, max_batch=2, prefill_chunk=8) as engine:
+        calls, run = [], engine.backend.run
+
+        def spy(graph, inputs, outputs):
+            if graph == "draft":
+                calls.append((inputs["past_key_0"].shape[0], inputs["context_hidden"].shape[0]))
+            return run(graph, inputs, outputs)
+
+        engine.backend.run = spy
+        engine.backend.max_call_rows = lambda graph: 3 if graph == "draft" else None
+        got = _drain([engine.stream(p, max_new_tokens=12, stop_token_ids=[], verify_len=3) for p in prompts])
+    assert got == expected
+    assert calls and all(rows <= 3 for past, rows in calls if past > 0)
+    assert any(past == 0 and rows > 3 for past, rows in calls)  # (an empty cache's first call takes them all)
