@@ -229,9 +229,10 @@ def build(options: BuildOptions) -> dict:
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
     with staged_directory(out, "an artifact") as tmp:
         # the draft first: its weights (held in memory) are freed before the target streams
-        with stage("exporting draft.onnx"):
+        with stage(f"exporting draft.onnx{' and draft_batched.onnx' if o.batched else ''}"):
+            batched_draft = {"batched_path": tmp / "draft_batched.onnx"} if o.batched and getattr(draft_kind, "BATCHES", False) else {}
             drafted = draft_kind.export_for_build(tspec, dspec, dstate, tsource, tmp / "draft.onnx", torch_dtype, qconfig,
-                                                  proposal_head, family.DRAFT_PROPOSES, quiet)
+                                                  proposal_head, family.DRAFT_PROPOSES, quiet, **batched_draft)
             head_config, dquant = drafted.head_config, drafted.quant_plan
             del dstate
         with stage(f"exporting target.onnx{' and target_batched.onnx' if o.batched else ''} ({family.EXPORT_TITLE})"):
@@ -240,6 +241,7 @@ def build(options: BuildOptions) -> dict:
                                                proposal_head, quiet, **extra)
         with stage("checking graphs (TensorRT 10 operators, duplicate weights)"):
             graphs = ("target", "draft", "target_batched") if o.batched else ("target", "draft")
+            graphs += ("draft_batched",) if drafted.batched else ()
             checks = {g: check_graph(tmp / f"{g}.onnx") for g in graphs}
         with stage("writing tokenizer and manifest"):
             np.save(tmp / "mask_embedding.npy", exported.mask_row.astype(np.float32), allow_pickle=False)
@@ -372,6 +374,8 @@ def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, che
                                "head_dim": a.head_dim, "hidden_size": a.hidden_size, "vocab_size": tspec.vocab_size,
                                "weights": "target.onnx's data file", "draft_features": True}}
            if "target_batched" in checks else {}),
+        **({"draft_batched": {"graph": "draft_batched.onnx", "weights": "draft.onnx's data file"}}
+           if "draft_batched" in checks else {}),
         "sources": sources,
         "tools": _tool_versions(),
         "host": {"platform": platform.platform(), "cpu_count": os.cpu_count()},

@@ -212,6 +212,17 @@ DEFAULT_MAX_BATCH = 4  # sequences a batched engine decodes at once (measured: d
 DEFAULT_PREFILL_CHUNK = 256  # prompt rows per prefill call: what a long prompt makes running streams wait at most
 
 
+BATCHED_DRAFT_GRAPH = "draft_batched"
+BATCHED_DRAFT_INPUTS = ("context_hidden", "context_rows", "context_positions", "context_index", "context_lengths",
+                        "past_lengths", "key_index", "block_embeddings", "proposal_rows")
+
+
+def has_batched_draft(manifest: dict[str, Any]) -> bool:
+    """Whether the artifact has the batched draft graph (`build --batched` with a DFlash draft that
+    proposes ids): one call drafts for several sequences (`runtime.batching.drafts`)."""
+    return BATCHED_DRAFT_GRAPH in manifest and BATCHED_DRAFT_GRAPH in manifest.get("io", {})
+
+
 def batched_feeds_draft(manifest: dict[str, Any]) -> bool:
     """Whether the batched target graph outputs `taps` and `next_embeddings` (artifacts built since
     batched speculation exists), which the draft of each sequence reads."""

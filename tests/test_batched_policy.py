@@ -19,7 +19,7 @@ def _costs() -> BatchedCallCosts:
     rows = (1, 2, 4, 8, 16)
     one = [0.010 + 0.001 * (t - 1) for t in rows]
     eight = [0.040 + 0.035 * (t - 1) for t in rows]
-    return BatchedCallCosts((1, 8), rows, np.array([one, eight]), (1, 15), (0.002, 0.005))
+    return BatchedCallCosts((1, 8), rows, np.array([one, eight]), (1, 15), np.array([[0.002, 0.005]]))
 
 
 def _policy(prior: float, **kw) -> BatchedLength:
@@ -74,12 +74,12 @@ def test_low_acceptance_decodes_plainly_and_probes_with_a_doubling_gap():
     policy = _policy(0.01, probe_gap=4, max_probe_gap=16)
     assert [policy.speculates([15]) for _ in range(4)] == [False] * 3 + [True]  # a probe after 4 plain steps
     assert policy.verify_length([policy.draft_confidence(np.array([0.01, 0.01]))], drafted_rows=2) >= 1  # verified
-    policy.observe(1, 2, 0.011, [(2, 0.002)], [(1, 0, 0.01)], 1)  # the probe: rejected
+    policy.observe(1, 2, 0.011, [(1, 2, 0.002)], [(1, 0, 0.01)], 1)  # the probe: rejected
     assert policy.probe_gap == 8
     assert [policy.speculates([15]) for _ in range(8)] == [False] * 7 + [True]
     for _ in range(3):
         policy.probing = True
-        policy.observe(1, 2, 0.011, [(1, 0.002)], [(1, 0, 0.01)], 1)
+        policy.observe(1, 2, 0.011, [(1, 1, 0.002)], [(1, 0, 0.01)], 1)
     assert policy.probe_gap == 16  # capped at max_probe_gap
 
 
@@ -89,10 +89,10 @@ def test_observed_costs_and_outcomes_move_the_decisions():
     at most 2x per step; the draft's calibration follows its accepted first proposals."""
     policy = _policy(0.7, probe_gap=1000)
     assert policy.speculates([15])
-    policy.observe(1, 3, 3 * policy.costs.call_s(1, 3), [(2, 0.002)], [(2, 0, 0.9)], 1)
+    policy.observe(1, 3, 3 * policy.costs.call_s(1, 3), [(1, 2, 0.002)], [(2, 0, 0.9)], 1)
     assert policy.spec_scale == pytest.approx(1.0 + 0.2 * (2.0 - 1.0))  # the 3x was clamped to 2x
     for _ in range(30):
-        policy.observe(1, 3, 3 * policy.costs.call_s(1, 3), [(2, 0.004)], [(2, 0, 0.9)], 1)
+        policy.observe(1, 3, 3 * policy.costs.call_s(1, 3), [(1, 2, 0.004)], [(2, 0, 0.9)], 1)
     assert policy.spec_scale > 2.5 and policy.draft_scale > 1.5
     assert policy.calibration < 0.5  # confident proposals that were all rejected
     assert not policy.speculates([15])
@@ -107,6 +107,6 @@ def test_a_new_batch_size_starts_from_what_the_nearest_one_measured():
     assert policy.speculates([15] * 2)  # (the model: acceptance 0.9)
     for _ in range(20):
         policy.observe(3, 1, 0.02, [], [], 3)  # plain: 150 tok/s
-        policy.observe(3, 3, 0.04, [(2, 0.001)] * 3, [(2, 0, 0.9)] * 3, 3)  # speculative: 70 tok/s
+        policy.observe(3, 3, 0.04, [(3, 2, 0.003)], [(2, 0, 0.9)] * 3, 3)  # speculative: 70 tok/s
     assert policy._measured_gain(2) == pytest.approx((3 / 0.043) / (3 / 0.02))
     assert not policy.speculates([15] * 2)

@@ -1,14 +1,33 @@
 """Speculation in batched steps (`runtime.batching.speculating`): streams verifying their draft's proposals in
-shared calls give their batch-1 output whatever is accepted (greedy, graph- and host-sampled), and the
-drafts' context calls keep within an engine's row limit. The artifact and helpers are test_batching's."""
+shared calls give their batch-1 output whatever is accepted (greedy, graph- and host-sampled); one batched
+draft call drafts for every speculating sequence of a step and proposes what each sequence's own draft
+call would; without the batched draft graph, the per-sequence draft calls keep within an engine's row
+limit. The artifact and helpers are test_batching's."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
+import pytest
 from test_batching import _drain, _oracle_drafts, _prompts, art  # noqa: F401 (art: a fixture)
 
 import runtime
 from runtime.batching import BatchEngine
+
+
+@pytest.fixture(scope="module")
+def per_sequence_art(art, tmp_path_factory):  # noqa: F811 (the imported fixture)
+    """`art` without its batched draft graph (as a DFlash 2 draft's artifact): each sequence's draft call
+    runs the one-sequence draft graph."""
+    out = tmp_path_factory.mktemp("per_sequence") / "artifact"
+    shutil.copytree(art, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["draft_batched"], manifest["io"]["draft_batched"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / "draft_batched.onnx").unlink()
+    return out
 
 
 def test_speculative_streams_equal_batch1_whatever_is_accepted(art):  # noqa: F811 (the imported fixture)
@@ -59,16 +78,51 @@ def test_seeded_speculative_streams_equal_batch1(art):  # noqa: F811 (the import
     assert all(max(h.result.acceptance_lengths) >= 3 for h in handles)
 
 
-def test_draft_calls_respect_an_engines_context_row_limit(art):  # noqa: F811 (the imported fixture)
+def test_one_draft_call_per_step_proposes_what_each_sequence_would_alone(art, per_sequence_art):  # noqa: F811
+    """Three streams verifying 3 proposals each: with the batched draft graph every speculative step runs one
+    draft call for all of them (plus calls that read a slot's overflowing taps), without it one per sequence;
+    both give the batch-1 output, and each sequence gets the same proposals at the same point."""
+    prompts = _prompts(3)[:3]
+    runs = {}
+    for name, artifact in (("batched", art), ("per_sequence", per_sequence_art)):
+        with BatchEngine(artifact, max_batch=3) as engine:
+            assert engine.speculation.drafts.batched == (name == "batched")
+            calls, proposals, run, propose = [], {}, engine.backend.run, engine.speculation.drafts.propose
+
+            def spy(graph, inputs, outputs):
+                if graph.startswith("draft"):
+                    calls.append(inputs["block_embeddings"].shape[0] if graph == "draft_batched" else 1)
+                return run(graph, inputs, outputs)
+
+            def logged(requests, rows, block_size=None):
+                out = propose(requests, rows, block_size)
+                for (slot, _), (ids, _) in zip(requests, out):
+                    seq = next(s for s in engine.active if s.slot == slot)
+                    proposals[(prompts.index(seq.prompt), len(seq.reply.out))] = ids.tolist()
+                return out
+
+            engine.backend.run, engine.speculation.drafts.propose = spy, logged
+            got = _drain([engine.stream(p, max_new_tokens=24, stop_token_ids=[], verify_len=3) for p in prompts])
+            runs[name] = (got, proposals, calls)
+    with runtime.load(art) as s:
+        expected = [s.generate(p, max_new_tokens=24, block_size=1, stop_token_ids=[], reuse_prefix=False).output_ids
+                    for p in prompts]
+    assert runs["batched"][0] == runs["per_sequence"][0] == expected
+    assert runs["batched"][1] == runs["per_sequence"][1] and len(runs["batched"][1]) >= 9
+    assert max(runs["batched"][2]) == 3 and set(runs["per_sequence"][2]) == {1}
+    assert len(runs["batched"][2]) < len(runs["per_sequence"][2]) / 2
+
+
+def test_draft_calls_respect_an_engines_context_row_limit(per_sequence_art):
     """Where an engine's profiles limit a draft call's context rows (TensorRT), a slot's pending taps (60-
     and 50-token prompts prefilled in 8-row chunks: more than the 40 rows a slot keeps) are read in calls of
     at most that many rows once the draft's cache holds rows; the streams still equal batch 1."""
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(3, 90, size=n)] for n in (60, 50)]
-    with runtime.load(art) as s:
+    with runtime.load(per_sequence_art) as s:
         expected = [s.generate(p, max_new_tokens=12, block_size=1, stop_token_ids=[], reuse_prefix=False).output_ids
                     for p in prompts]
-    with BatchEngine(art, max_batch=2, prefill_chunk=8) as engine:
+    with BatchEngine(per_sequence_art, max_batch=2, prefill_chunk=8) as engine:
         calls, run = [], engine.backend.run
 
         def spy(graph, inputs, outputs):

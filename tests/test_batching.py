@@ -112,16 +112,18 @@ def _oracle_drafts(engine, expected: dict[tuple, list[int]]) -> None:
     still runs first (its cache and timings as in a real step)."""
     real = engine.speculation.drafts.propose
 
-    def propose(slot, anchor_id, rows, block_size=None):
-        _, probs = real(slot, anchor_id, rows, block_size)
-        seq = next(s for s in engine.active if s.slot == slot)
-        k = len(seq.reply.out)
-        ids = list(expected[tuple(seq.prompt)][k:k + rows])
-        ids += [1] * (rows - len(ids))
-        wrong = k % (rows + 1)
-        if wrong < rows:
-            ids[wrong] = (ids[wrong] + 1) % rf.VOCAB
-        return np.array(ids, np.int64), probs
+    def propose(requests, rows, block_size=None):
+        out = []
+        for (slot, _), (_, probs) in zip(requests, real(requests, rows, block_size)):
+            seq = next(s for s in engine.active if s.slot == slot)
+            k = len(seq.reply.out)
+            ids = list(expected[tuple(seq.prompt)][k:k + rows])
+            ids += [1] * (rows - len(ids))
+            wrong = k % (rows + 1)
+            if wrong < rows:
+                ids[wrong] = (ids[wrong] + 1) % rf.VOCAB
+            out.append((np.array(ids, np.int64), probs))
+        return out
 
     engine.speculation.drafts.propose = propose
 

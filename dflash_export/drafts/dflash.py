@@ -22,8 +22,10 @@ from dflash_export.checkpoint.weights import (
     placeholder,
 )
 from dflash_export.drafts.registry import ExportedDraft
+from dflash_export.export.batched import export_batched_draft
 from dflash_export.export.graphs import export_draft
 from dflash_export.families.registry import draft_proposes
+from dflash_export.nn.batched_draft import BatchedDraft
 from dflash_export.nn.draft import DFlashDraft, ProposingDraft
 from dflash_export.nn.layers import cast_for_export
 from dflash_export.quant.int4 import QuantConfig, draft_quant_plan
@@ -95,12 +97,18 @@ def untrained_draft(tspec: TargetSpec) -> tuple[DraftSpec, dict]:
     return dspec, random_draft_state(dspec)
 
 
+# This family exports a batched draft too (`build --batched`: `nn.batched_draft.BatchedDraft`).
+BATCHES = True
+
+
 def export_for_build(tspec: TargetSpec, dspec: DraftSpec, dstate: dict, tsource: WeightSource, path: Path, torch_dtype,
-                     qconfig, proposal_head: str, target_takes_ids: bool, quiet: bool) -> ExportedDraft:
+                     qconfig, proposal_head: str, target_takes_ids: bool, quiet: bool,
+                     batched_path: Path | None = None) -> ExportedDraft:
     """`build`'s draft step (family hook): the draft graph at `path`, its last layer INT4 with
     `qconfig` (`draft_quant_plan`), ending in the proposal head (the target's LM head rows of its
     proposal vocabulary, streamed from `tsource`) where the target family takes proposal ids
-    (`target_takes_ids`) and the draft proposes (`families.registry.draft_proposes`)."""
+    (`target_takes_ids`) and the draft proposes (`families.registry.draft_proposes`). With
+    `batched_path`, a proposing draft's batched graph there too, reading the draft graph's weights."""
     dsource = WeightSource(f"draft {dspec.path or '(untrained)'}", tensors=dstate)
     dmod, dreaders = draft_export_module(dspec, dsource, torch_dtype)
     dquant = draft_quant_plan(dspec, dsource.shapes, qconfig) if qconfig is not None else None
@@ -108,8 +116,14 @@ def export_for_build(tspec: TargetSpec, dspec: DraftSpec, dstate: dict, tsource:
     if draft_proposes(target_takes_ids, dspec, qconfig):
         dmod, head_config = _attach_proposal_head(dmod, dreaders, tspec, dspec, tsource, torch_dtype, qconfig,
                                                   proposal_head)
-    rewrite = (dquant or head_config) and streaming_rewrite(
-        dreaders, dsource, torch_dtype, dquant and QuantConfig("rtn", dquant["block"]),
-        dquant["tensors"] if dquant else [], head_config)
-    export_draft(dmod, path, dreaders, progress=not quiet, rewrite=rewrite)
-    return ExportedDraft(head_config=head_config, quant_plan=dquant)
+
+    def rewrite():
+        return (dquant or head_config) and streaming_rewrite(
+            dreaders, dsource, torch_dtype, dquant and QuantConfig("rtn", dquant["block"]),
+            dquant["tensors"] if dquant else [], head_config)
+
+    export_draft(dmod, path, dreaders, progress=not quiet, rewrite=rewrite())
+    batched = batched_path is not None and isinstance(dmod, ProposingDraft)
+    if batched:
+        export_batched_draft(BatchedDraft.view_of(dmod), batched_path, dreaders, rewrite(), weights_of=path)
+    return ExportedDraft(head_config=head_config, quant_plan=dquant, batched=batched)

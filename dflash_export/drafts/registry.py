@@ -7,7 +7,8 @@ A draft family is one module naming the `ARCHITECTURES` its checkpoints declare 
   (raises DFlashError naming what is wrong);
 - `untrained_draft(tspec)`: (DraftSpec, state dict) of a deterministic random draft for `tspec`
   (a target without a released draft: the output stays exact, few proposals are accepted);
-- `export_for_build(...)`: writes the draft graph and returns an :class:`ExportedDraft`.
+- `export_for_build(...)`: writes the draft graph and returns an :class:`ExportedDraft`; a family with
+  `BATCHES = True` also takes `batched_path` (`build --batched`: the batched draft graph).
 
 A new family is its module and one line in DRAFT_FAMILIES.
 """
@@ -34,10 +35,12 @@ class ExportedDraft:
 
     head_config: the INT4 config of the proposal head rows in the draft graph, or None.
     quant_plan: the manifest's record of the draft's INT4 layers (None: none are INT4).
+    batched: the batched draft graph was written too (asked for, and the family and draft have one).
     """
 
     head_config: Any = None
     quant_plan: dict | None = None
+    batched: bool = False
 
 
 def draft_family(name: str) -> ModuleType:

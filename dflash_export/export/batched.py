@@ -1,6 +1,6 @@
-"""Export of the batched target graph (`nn.batched.BatchedTarget`), which reads its weights from the
-target graph's own external data file: the artifact holds the weights once however many graphs use
-them."""
+"""Export of the batched graphs (`nn.batched.BatchedTarget`, `nn.batched_draft.BatchedDraft`), which
+read their weights from the one-sequence graph's own external data file: the artifact holds the weights
+once however many graphs use them."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import torch
 
 from dflash_export.export.graphs import _trace, pack_and_rewrite, save_graph
 from dflash_export.nn.batched import batched_io_names
+from dflash_export.nn.batched_draft import batched_draft_io_names
 
 # initializers up to this size may be the batched graph's own (index constants); every larger one must
-# be one of the target's weights
+# be one of the one-sequence graph's weights
 OWN_INITIALIZER_BYTES = 1 << 20
 
 
@@ -46,6 +47,38 @@ def batched_target_inputs(module) -> tuple:
     return args, batched_io_names(a.num_layers), dyn
 
 
+def batched_draft_inputs(module) -> tuple:
+    """(dummy args, io names, dynamic shapes) to trace a BatchedDraft with: B=2 sequences with 4 and 1
+    cached rows and 2 and 3 new context rows (Ctot=5 packed of N=9 pending rows), L=6 keys, C=3, a
+    block of Bk=7 rows, R=4 proposal rows, M=40 cache rows: distinct sizes, so none is specialised."""
+    a = module.spec.arch
+    dt = module.compute_dtype
+    feat = module.fc.in_features
+    args = (
+        torch.randn(9, feat, dtype=dt),
+        torch.tensor([0, 1, 4, 5, 6], dtype=torch.int64),
+        torch.tensor([4, 5, 1, 2, 3], dtype=torch.int64),
+        torch.tensor([[0, 1, 0], [2, 3, 4]], dtype=torch.int64),
+        torch.tensor([2, 3], dtype=torch.int64),
+        torch.tensor([4, 1], dtype=torch.int64),
+        torch.tensor([[0, 1, 2, 3, 0, 0], [20, 0, 0, 0, 0, 0]], dtype=torch.int64),
+        torch.randn(2, 7, a.hidden_size, dtype=dt),
+        torch.arange(4, dtype=torch.int64),
+        *[torch.randn(40, a.num_kv_heads, a.head_dim, dtype=dt) for _ in range(2 * a.num_layers)],
+    )
+    B = torch.export.Dim("batch", min=1, max=1 << 10)
+    N = torch.export.Dim("tap_rows", min=1, max=1 << 24)
+    T = torch.export.Dim("context_rows", min=1, max=1 << 20)
+    C = torch.export.Dim("context_keys", min=1, max=1 << 20)
+    L = torch.export.Dim("past_keys", min=1, max=1 << 21)
+    K = torch.export.Dim("block_size", min=2, max=1 << 10)
+    R = torch.export.Dim("draft_rows", min=1, max=1 << 10)
+    M = torch.export.Dim("cache_rows", min=1, max=1 << 30)
+    dyn = ({0: N}, {0: T}, {0: T}, {0: B, 1: C}, {0: B}, {0: B}, {0: B, 1: L}, {0: B, 1: K}, {0: R},
+           tuple({0: M} for _ in range(2 * a.num_layers)))
+    return args, batched_draft_io_names(a.num_layers), dyn
+
+
 def export_batched_target(module, path: Path, readers: dict, rewrite=None, weights_of: Path | None = None) -> None:
     """Trace `module` (a BatchedTarget whose weights stream from `readers`), pack and `rewrite` it as the
     target graph was (`export.graphs._finish`), and write it to `path`. With `weights_of` (the target
@@ -56,7 +89,16 @@ def export_batched_target(module, path: Path, readers: dict, rewrite=None, weigh
         AssertionError: a large initializer of this graph that the target graph does not store with
             the same type and shape (the two exports diverged: a bug).
     """
-    args, names, dyn = batched_target_inputs(module)
+    _export_batched(module, batched_target_inputs(module), path, readers, rewrite, weights_of)
+
+
+def export_batched_draft(module, path: Path, readers: dict | None, rewrite=None, weights_of: Path | None = None) -> None:
+    """:func:`export_batched_target` for a BatchedDraft (`weights_of`: the draft graph)."""
+    _export_batched(module, batched_draft_inputs(module), path, readers or {}, rewrite, weights_of)
+
+
+def _export_batched(module, inputs: tuple, path: Path, readers: dict, rewrite, weights_of: Path | None) -> None:
+    args, names, dyn = inputs
     model = _trace(module, args, names, dyn, readers)
     pack_and_rewrite(model, readers, rewrite)
     if weights_of is not None and _link_external_weights(model, Path(weights_of)):
@@ -85,11 +127,11 @@ def _link_external_weights(model, target_path: Path) -> bool:
         tensor = value.const_value
         if name not in stored:
             if tensor.nbytes > OWN_INITIALIZER_BYTES:
-                raise AssertionError(f"batched target weight {name} ({tensor.nbytes} bytes) is not in {target_path.name}")
+                raise AssertionError(f"batched graph weight {name} ({tensor.nbytes} bytes) is not in {target_path.name}")
             continue
         location, offset, length, dtype, dims = stored[name]
         if dtype != tensor.dtype.value or dims != tuple(tensor.shape.numpy()):
-            raise AssertionError(f"batched target weight {name} differs from {target_path.name}'s "
+            raise AssertionError(f"batched graph weight {name} differs from {target_path.name}'s "
                                  f"({tensor.dtype}, {tensor.shape} against type {dtype}, {dims})")
         value.const_value = ir.ExternalTensor(location, offset, length, tensor.dtype, shape=tensor.shape, name=name,
                                               base_dir=str(target_path.parent))

@@ -15,6 +15,8 @@ import numpy as np
 from runtime.backends.base import ADDRESS_ALIGNMENT, Backend, Buffer, View
 from runtime.errors import DFlashError
 from runtime.manifest import (
+    BATCHED_DRAFT_GRAPH,
+    BATCHED_DRAFT_INPUTS,
     BATCHED_GRAPH,
     BATCHED_INPUTS,
     DTYPES,
@@ -98,8 +100,8 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
         DFlashError: the graph and the manifest disagree (a damaged or hand-edited artifact).
     """
 
-    if graph == BATCHED_GRAPH:
-        return _check_batched_io(inputs, manifest)
+    if graph in (BATCHED_GRAPH, BATCHED_DRAFT_GRAPH):
+        return _check_batched_io(graph, inputs, manifest)
     n = int(manifest[graph]["num_layers"])
     proposes = draft_proposes(manifest)
     proposals = "proposal_ids" if proposes else "draft_hidden"
@@ -125,15 +127,16 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
         raise DFlashError(f"{graph} graph stores K/V as {kv_type} but the manifest says {manifest['dtype']}; rebuild the artifact")
 
 
-def _check_batched_io(inputs: list[tuple[str, str]], manifest: dict) -> None:
-    """`check_graph_io` for the batched target graph (`runtime.batching`)."""
-    n = int(manifest[BATCHED_GRAPH]["num_layers"])
-    expected = list(BATCHED_INPUTS) + [f"past_{kind}_{i}" for i in range(n) for kind in ("key", "value")]
+def _check_batched_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) -> None:
+    """`check_graph_io` for the batched target and draft graphs (`runtime.batching`)."""
+    lead, section = (BATCHED_INPUTS, BATCHED_GRAPH) if graph == BATCHED_GRAPH else (BATCHED_DRAFT_INPUTS, "draft")
+    n = int(manifest[section]["num_layers"])
+    expected = list(lead) + [f"past_{kind}_{i}" for i in range(n) for kind in ("key", "value")]
     if [name for name, _ in inputs] != expected:
-        raise DFlashError(f"{BATCHED_GRAPH} graph inputs do not match the manifest ({n} layers); the artifact is "
+        raise DFlashError(f"{graph} graph inputs do not match the manifest ({n} layers); the artifact is "
                           "damaged, rebuild it with --batched")
     if dict(inputs)["past_key_0"] != _ORT_TYPES[DTYPES[manifest["dtype"]]]:
-        raise DFlashError(f"{BATCHED_GRAPH} graph stores K/V in another dtype than the manifest's {manifest['dtype']}; rebuild")
+        raise DFlashError(f"{graph} graph stores K/V in another dtype than the manifest's {manifest['dtype']}; rebuild")
 
 
 class HostBuffer(Buffer):

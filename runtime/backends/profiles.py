@@ -37,9 +37,11 @@ from dataclasses import dataclass, field
 
 from runtime.errors import DFlashError
 from runtime.manifest import (
+    BATCHED_DRAFT_GRAPH,
     BATCHED_GRAPH,
     DEFAULT_MAX_BATCH,
     DEFAULT_PREFILL_CHUNK,
+    has_batched_draft,
     is_hybrid,
 )
 
@@ -195,10 +197,31 @@ def batched_dim_ranges(manifest: dict, max_batch: int = DEFAULT_MAX_BATCH,
     ]
 
 
+def draft_pending_rows(manifest: dict, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
+    """Tap rows a batched engine's slot keeps for its draft before the draft must read them: one
+    prefill chunk and two blocks (`runtime.batching.drafts`)."""
+    return int(prefill_chunk) + 2 * int(manifest["draft"]["block_size"])
+
+
+def batched_draft_dim_ranges(manifest: dict, max_batch: int = DEFAULT_MAX_BATCH,
+                             prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[tuple[str, dict[str, Range]]]:
+    """(min, opt, max) of the batched draft graph's dimensions (`nn.batched_draft`), S = max_seq_len,
+    P = :func:`draft_pending_rows`: B in [1, max_batch] sequences, each with up to P new context rows
+    (C keys, Ctot packed rows up to max_batch x P) and up to S cached ones, blocks of 2 to the block
+    capacity, R proposal rows; the tap buffer fixed at max_batch x P rows, the caches at S x max_batch."""
+    S, mb, block = int(manifest["max_seq_len"]), int(max_batch), max(int(manifest["draft"]["block_size"]), 2)
+    pending, blocks = draft_pending_rows(manifest, prefill_chunk), max_block(manifest)
+    return [("batched_draft", {
+        "batch": _clamp(1, mb, mb), "tap_rows": (mb * pending,) * 3, "context_rows": _clamp(1, 2 * mb, mb * pending),
+        "context_keys": _clamp(1, 2, pending), "past_keys": _clamp(1, S // 2, S), "block_size": _clamp(2, block, blocks),
+        "draft_rows": _clamp(1, block - 1, blocks - 1), "cache_rows": (S * mb,) * 3})]
+
+
 def shape_ranges(manifest: dict, max_block_size: int | None = None, max_batch: int = DEFAULT_MAX_BATCH,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict[str, list[Profile]]:
-    """Optimization profiles of every graph: {"target": [...], "draft": [...]}, and "target_batched"
-    where the artifact has it (:func:`batched_dim_ranges`, for `max_batch` slots).
+    """Optimization profiles of every graph: {"target": [...], "draft": [...]}, and "target_batched" and
+    "draft_batched" where the artifact has them (:func:`batched_dim_ranges`,
+    :func:`batched_draft_dim_ranges`, for `max_batch` slots).
 
     Input shapes come from the graph IO recorded in the manifest (`manifest["io"]`): static dims
     as exported, symbolic dims (and expressions such as "proposals + 1") from :func:`dim_ranges`.
@@ -213,6 +236,8 @@ def shape_ranges(manifest: dict, max_block_size: int | None = None, max_batch: i
     ranges = dim_ranges(manifest, max_block_size)
     if BATCHED_GRAPH in manifest and BATCHED_GRAPH in io:
         ranges[BATCHED_GRAPH] = batched_dim_ranges(manifest, max_batch, prefill_chunk)
+    if has_batched_draft(manifest):
+        ranges[BATCHED_DRAFT_GRAPH] = batched_draft_dim_ranges(manifest, max_batch, prefill_chunk)
     for graph, profiles in ranges.items():
         out[graph] = []
         for name, dims in profiles:

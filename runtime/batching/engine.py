@@ -26,6 +26,7 @@ from runtime.backends.base import Backend
 from runtime.backends.profiles import MAX_BLOCK_SIZE
 from runtime.backends.select import make_backend
 from runtime.batching.calls import BatchedCalls
+from runtime.batching.drafts import draft_graph
 from runtime.batching.requests import BatchedGeneration, BatchedSequence
 from runtime.batching.slots import SlotTable
 from runtime.batching.speculating import BatchSpeculation
@@ -100,7 +101,7 @@ class BatchEngine(PromptEncoding):
         self.block_size = int(m["draft"]["block_size"])
         # batched speculation: where the batched graph feeds the draft and the draft proposes ids
         self.speculates = bool(speculation) and batched_feeds_draft(m) and draft_proposes(m)
-        graphs = (BATCHED_GRAPH, "draft") if self.speculates else (BATCHED_GRAPH,)
+        graphs = (BATCHED_GRAPH, draft_graph(m)) if self.speculates else (BATCHED_GRAPH,)
         self.backend = backend if isinstance(backend, Backend) else make_backend(
             backend, self.artifact_dir, m, threads, int4_accuracy_level, graphs=graphs)
         dtype = np.dtype(DTYPES[m["dtype"]])

@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from runtime.backends.base import View
+from runtime.backends.profiles import draft_pending_rows
 from runtime.batching.calls import BatchedCalls, SequenceRows
 from runtime.batching.drafts import SlotDrafts
 from runtime.batching.requests import BatchedSequence
@@ -44,7 +45,7 @@ class BatchSpeculation:
         self.calls, self.slots = calls, int(slots)
         self.block_size = int(manifest["draft"]["block_size"])
         self.drafts = SlotDrafts(calls.backend, manifest, artifact_dir, slots, dtype,
-                                 pending_rows=prefill_chunk + 2 * self.block_size)
+                                 pending_rows=draft_pending_rows(manifest, prefill_chunk))
         prior = TRAINED_DRAFT_PRIOR if manifest["draft"].get("trained") else UNTRAINED_DRAFT_PRIOR
         self.policy = BatchedLength(self._measure_costs(), AcceptanceEstimate(prior, self.block_size - 1))
 
@@ -61,10 +62,11 @@ class BatchSpeculation:
             limits = [lim if s.fixed is not None else 0 for s, lim in zip(seqs, limits)]
         offers = [s.lookup.propose(lim) if s.lookup is not None and lim > 0 else [] for s, lim in zip(seqs, limits)]
         rows = policy.draft_rows([lim if s.fixed is None and not o else 0 for s, lim, o in zip(seqs, limits, offers)])
-        drafted, drafts = [], []
-        for seq, lim, offer in zip(seqs, limits, offers):
-            k = lim if seq.fixed is not None else (0 if offer else min(rows, lim))
-            drafted.append(self._draft(seq, k, drafts) if k > 0 else (offer, None) if offer else None)
+        wanted = [lim if seq.fixed is not None else (0 if offer else min(rows, lim)) for seq, lim, offer in zip(seqs, limits, offers)]
+        drafts: list[tuple[int, int, float]] = []
+        proposed = self._draft(seqs, wanted, drafts)
+        drafted = [proposed[i] if k > 0 else (offer, None) if offer else None
+                   for i, (k, offer) in enumerate(zip(wanted, offers))]
         n = self._auto_length(seqs, drafted, rows, bool(any(offers)))
         cut = [d if d is None or s.fixed is not None else (d[0][:n], None if d[1] is None else d[1][:n])
                for s, d in zip(seqs, drafted)]
@@ -86,13 +88,22 @@ class BatchSpeculation:
         committed = sum(1 + acc for _, acc, _ in outcomes) + batch - len(outcomes)
         self.policy.observe(batch, self.calls.rows_per_sequence, call_s, drafts, outcomes, committed)
 
-    def _draft(self, seq: BatchedSequence, rows: int, drafts: list) -> Proposed:
-        """`seq`'s draft call for `rows` proposals, timed into `drafts`: (ids, probabilities)."""
-        t0 = time.perf_counter()
-        ids, probs = self.drafts.propose(seq.slot, seq.reply.out[-1], rows, seq.block_size)
-        drafts.append((rows, time.perf_counter() - t0))
-        seq.draft_s += drafts[-1][1]
-        return ids.tolist(), probs
+    def _draft(self, seqs: list[BatchedSequence], wanted: list[int], drafts: list) -> dict[int, Proposed]:
+        """The draft calls for sequence i's `wanted[i]` proposals (0: none), one per block size (one in
+        all, with the batched draft graph), timed into `drafts` as (sequences, block rows, seconds).
+        Returns {i: (ids, probabilities)}."""
+        out: dict[int, Proposed] = {}
+        for block in dict.fromkeys(s.block_size for s, k in zip(seqs, wanted) if k > 0):
+            group = [i for i, (s, k) in enumerate(zip(seqs, wanted)) if k > 0 and s.block_size == block]
+            rows = max(wanted[i] for i in group)
+            t0 = time.perf_counter()
+            results = self.drafts.propose([(seqs[i].slot, seqs[i].reply.out[-1]) for i in group], rows, block)
+            seconds = time.perf_counter() - t0
+            drafts.append((len(group), rows, seconds))
+            for i, (ids, probs) in zip(group, results):
+                seqs[i].draft_s += seconds / len(group)
+                out[i] = (ids[:wanted[i]].tolist(), probs[:wanted[i]])
+        return out
 
     def _auto_length(self, seqs: list[BatchedSequence], drafted: list, rows: int, offered: bool) -> int:
         """The verify length of the call: the policy's, from the automatic sequences' proposal chances
@@ -112,7 +123,8 @@ class BatchSpeculation:
     def _measure_costs(self) -> BatchedCallCosts:
         """Time batched calls of 1, slots / 2 and slots sequences x :data:`MEASURED_ROWS` rows (the faster
         of two, after 64 cached rows of zeros; beyond 4 rows per sequence only for one sequence,
-        extrapolated for more: the start-up cost stays a few calls) and draft calls: the policy's cost
+        extrapolated for more: the start-up cost stays a few calls) and draft calls of 1 and block - 1
+        rows (for one sequence and, with the batched draft graph, for every slot): the policy's cost
         curve, which the observed step times then scale. It writes slots' rows, which no one reads."""
         calls, drafts = self.calls, self.drafts
         batches = tuple(sorted({1, max(self.slots // 2, 1), self.slots}))
@@ -128,14 +140,18 @@ class BatchSpeculation:
                 batch = [SequenceRows(slot, past, [1] * t, wanted=t) for slot in range(b)]
                 seconds[i, j] = min(_timed(lambda: calls.run(batch)) for _ in range(2))  # (a new shape's first call is slower)
         draft_rows = tuple(sorted({1, max(self.block_size - 1, 1)}))
-        draft_s = []
-        for r in draft_rows:
-            calls.run([SequenceRows(0, 0, [1, 2])])
-            drafts.append(0, calls.taps.rows(0, 2), 2)
-            drafts.set_anchor(0, calls.next_embeddings.rows(0, 1))
-            draft_s.append(_timed(lambda: drafts.propose(0, 1, r)))
-        drafts.reset(0, 0)
-        return BatchedCallCosts(batches, rows, seconds, draft_rows, tuple(draft_s))
+        draft_batches = tuple(sorted({1, self.slots})) if drafts.batched else (1,)
+        draft_s = np.zeros((len(draft_batches), len(draft_rows)))
+        for i, b in enumerate(draft_batches):
+            for j, r in enumerate(draft_rows):
+                for slot in range(b):
+                    calls.run([SequenceRows(slot, 0, [1, 2])])
+                    drafts.append(slot, calls.taps.rows(0, 2), 2)
+                    drafts.set_anchor(slot, calls.next_embeddings.rows(0, 1))
+                draft_s[i, j] = _timed(lambda: drafts.propose([(slot, 1) for slot in range(b)], r))
+                for slot in range(b):
+                    drafts.reset(slot, 0)
+        return BatchedCallCosts(batches, rows, seconds, draft_rows, draft_s, draft_batches)
 
 
 def _timed(fn) -> float:

@@ -44,21 +44,25 @@ MEASURED_ROWS = (1, 2, 4, 8, 16)
 
 @dataclass
 class BatchedCallCosts:
-    """Measured seconds of batched target calls and of one sequence's draft call.
+    """Measured seconds of batched target calls and of draft calls.
 
     Attributes:
         batches: the measured batch sizes (ascending, e.g. (1, 4, 8)).
         rows: the measured rows per sequence (ascending, :data:`MEASURED_ROWS`).
         seconds: `[len(batches), len(rows)]` seconds of a target call.
         draft_rows: block rows a measured draft call computed (ascending, e.g. (1, 15)).
-        draft_seconds: seconds of those draft calls (a step's few context rows).
+        draft_seconds: `[len(draft_batches), len(draft_rows)]` seconds of those draft calls (a step's
+            few context rows per sequence).
+        draft_batches: sequences of the measured draft calls (ascending; (1,) where each sequence runs
+            its own draft call: then a step's draft calls cost the sum of theirs).
     """
 
     batches: tuple[int, ...]
     rows: tuple[int, ...]
     seconds: np.ndarray
     draft_rows: tuple[int, ...]
-    draft_seconds: tuple[float, ...]
+    draft_seconds: np.ndarray
+    draft_batches: tuple[int, ...] = (1,)
 
     def call_s(self, batch: int, rows: int) -> float:
         """Predicted seconds of a call of `batch` sequences x `rows` rows (linear interpolation, clamped
@@ -73,9 +77,13 @@ class BatchedCallCosts:
         hi = min(lo + 1, len(self.batches) - 1)
         return per_batch[lo] + (w - lo) * (per_batch[hi] - per_batch[lo])
 
-    def draft_s(self, rows: int) -> float:
-        """Predicted seconds of one draft call computing `rows` block rows."""
-        return float(np.interp(rows, self.draft_rows, self.draft_seconds))
+    def draft_s(self, rows: int, sequences: int = 1) -> float:
+        """Predicted seconds of drafting `rows` block rows for `sequences` sequences: one batched call
+        (interpolated between the measured numbers of sequences), or one call each."""
+        per_batch = [np.interp(rows, self.draft_rows, s) for s in np.atleast_2d(self.draft_seconds)]
+        if len(self.draft_batches) == 1:
+            return float(sequences * per_batch[0])
+        return float(np.interp(sequences, self.draft_batches, per_batch))
 
 
 class BatchedLength:
@@ -130,8 +138,9 @@ class BatchedLength:
         lims = np.asarray(limits)
         upto = np.minimum(np.arange(top + 1)[:, None], lims[None, :])  # [top + 1, B]
         committed = self._tokens[1][upto].sum(axis=1)
-        drafts = self.draft_scale * np.interp(upto[:, lims > 0], self.costs.draft_rows, self.costs.draft_seconds).sum(axis=1)
-        drafts[0] = 0.0
+        drafting = upto[:, lims > 0]
+        drafts = np.array([self.draft_scale * self.costs.draft_s(int(r.max()), r.size) if r.size and n else 0.0
+                           for n, r in enumerate(drafting)])
         return committed, self.call_seconds(len(limits), top) + drafts
 
     @property
@@ -228,22 +237,22 @@ class BatchedLength:
             return scale
         return scale + self.smoothing * (min(max(observed / predicted, 0.5 * scale), 2.0 * scale) - scale)
 
-    def observe(self, batch: int, rows: int, call_s: float, drafts: Sequence[tuple[int, float]],
+    def observe(self, batch: int, rows: int, call_s: float, drafts: Sequence[tuple[int, int, float]],
                 outcomes: Sequence[tuple[int, int, float | None]], committed: int) -> None:
         """Learn from one batched step: its call (`batch` x `rows`, `call_s` seconds), its draft calls'
-        (block rows, seconds) (empty: no draft call), each verifying sequence's (proposals verified,
+        (sequences, block rows, seconds) (empty: no draft call), each verifying sequence's (proposals verified,
         accepted, the draft's probability of its first proposal, or None for a lookup continuation) and
         the tokens the step committed in all."""
         if rows == 1:
             self.plain_scale = self._moved(self.plain_scale, call_s, self.costs.call_s(batch, rows))
         else:
             self.spec_scale = self._moved(self.spec_scale, call_s, self.costs.call_s(batch, rows))
-        for draft_rows, seconds in drafts:
-            self.draft_scale = self._moved(self.draft_scale, seconds, self.costs.draft_s(draft_rows))
+        for sequences, draft_rows, seconds in drafts:
+            self.draft_scale = self._moved(self.draft_scale, seconds, self.costs.draft_s(draft_rows, sequences))
         speculative = bool(drafts) or any(n > 0 for n, _, _ in outcomes)
         d = (self.speculative if speculative else self.plain).setdefault(batch, [0.0, 0.0])
         d[0] = self.decay * d[0] + committed
-        d[1] = self.decay * d[1] + call_s + sum(seconds for _, seconds in drafts)
+        d[1] = self.decay * d[1] + call_s + sum(seconds for _, _, seconds in drafts)
         for n, accepted, first_prob in outcomes:
             if n > 0 and first_prob is None:
                 self.lookup_acceptance.observe(n, accepted)
