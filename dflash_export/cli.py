@@ -61,7 +61,7 @@ def build_summary(manifest: dict, out: Path) -> str:
     head, KV capacity, draft block, taps, export time)."""
     d, q = manifest["draft"], manifest.get("quantization")
     quant = f", int4 {q['method']} block {q['block']}{' + LM head' if q.get('lm_head') else ''}" if q else ""
-    quant += ", batched graph" if "target_batched" in manifest else ""
+    quant += (", batched graphs" if "draft_batched" in manifest else ", batched graph") if "target_batched" in manifest else ""
     return (f"wrote {out.resolve()} ({manifest['family']}, {manifest['dtype']}{quant}, max_seq_len "
             f"{manifest['max_seq_len']}, block {d['block_size']}, taps {d['target_layer_ids']}, "
             f"export {manifest['export_seconds']}s)")

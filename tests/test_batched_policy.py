@@ -75,12 +75,15 @@ def test_low_acceptance_decodes_plainly_and_probes_with_a_doubling_gap():
     assert [policy.speculates([15]) for _ in range(4)] == [False] * 3 + [True]  # a probe after 4 plain steps
     assert policy.verify_length([policy.draft_confidence(np.array([0.01, 0.01]))], drafted_rows=2) >= 1  # verified
     policy.observe(1, 2, 0.011, [(1, 2, 0.002)], [(1, 0, 0.01)], 1)  # the probe: rejected
-    assert policy.probe_gap == 8
+    assert policy.probe_gaps[1] == 8
     assert [policy.speculates([15]) for _ in range(8)] == [False] * 7 + [True]
     for _ in range(3):
         policy.probing = True
         policy.observe(1, 2, 0.011, [(1, 1, 0.002)], [(1, 0, 0.01)], 1)
-    assert policy.probe_gap == 16  # capped at max_probe_gap
+    assert policy.probe_gaps[1] == 16  # capped at max_probe_gap
+    # another batch size keeps its own gap: speculating winning at one does not bring back probes at another
+    assert [policy.speculates([15, 15]) for _ in range(4)] == [False] * 3 + [True]
+    assert policy.probe_gaps.get(2, 4) == 4 and policy.probe_gaps[1] == 16
 
 
 def test_observed_costs_and_outcomes_move_the_decisions():

@@ -311,12 +311,12 @@ class BatchEngine(PromptEncoding):
             self._call(batch, [((), None)] * len(batch), self.prefill_chunk)
         decoding = [s for s in self.active if not s.prefilling and s not in batch]
         if decoding:
-            spec = self.speculation
+            spec, t0 = self.speculation, time.perf_counter()
             proposals, drafts = spec.propose(decoding) if spec is not None else ([((), None)] * len(decoding), [])
             outcomes = self._call(decoding, proposals, 1)
             self.speculative_steps += bool(outcomes)
-            if spec is not None:
-                spec.observe(len(decoding), self.last_call_s, drafts, outcomes)
+            if spec is not None:  # (the step's whole time: its host work differs between plain and speculative steps)
+                spec.observe(len(decoding), self.last_call_s, drafts, outcomes, time.perf_counter() - t0)
             self.steps += 1
 
     def _call(self, seqs: list[BatchedSequence], proposals: list, chunk: int) -> list[tuple[int, int, float]]:

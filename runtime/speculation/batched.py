@@ -80,10 +80,17 @@ class BatchedCallCosts:
     def draft_s(self, rows: int, sequences: int = 1) -> float:
         """Predicted seconds of drafting `rows` block rows for `sequences` sequences: one batched call
         (interpolated between the measured numbers of sequences), or one call each."""
-        per_batch = [np.interp(rows, self.draft_rows, s) for s in np.atleast_2d(self.draft_seconds)]
+        return float(self.drafts_s(np.array([rows]), sequences)[0])
+
+    def drafts_s(self, rows: np.ndarray, sequences: int) -> np.ndarray:
+        """:meth:`draft_s` of `sequences` sequences for each entry of `rows` (`[N]`)."""
+        per_batch = np.array([np.interp(rows, self.draft_rows, s) for s in np.atleast_2d(self.draft_seconds)])
         if len(self.draft_batches) == 1:
-            return float(sequences * per_batch[0])
-        return float(np.interp(sequences, self.draft_batches, per_batch))
+            return sequences * per_batch[0]
+        w = np.interp(sequences, self.draft_batches, np.arange(len(self.draft_batches), dtype=np.float64))
+        lo = int(np.floor(w))
+        hi = min(lo + 1, len(self.draft_batches) - 1)
+        return per_batch[lo] + (w - lo) * (per_batch[hi] - per_batch[lo])
 
 
 class BatchedLength:
@@ -93,7 +100,8 @@ class BatchedLength:
         costs: the measured call costs.
         acceptance: the engine's running acceptance estimate by block position (the drafted rate's prior).
         margin: draft only when predicted this much faster than plain batched decoding.
-        probe_gap / max_probe_gap: plain steps before a drafted probe, and the most (the gap doubles after
+        probe_gap / max_probe_gap: plain steps before a drafted probe, and the most, per batch size (the gap
+            doubles after
             each probe plain decoding still wins).
         smoothing: weight of one step in the running cost scales.
         prior_steps: steps the prior of a batch size's speculative rate is worth (the speculative / plain
@@ -106,11 +114,13 @@ class BatchedLength:
                  decay: float = 0.95):
         self.costs, self.acceptance = costs, acceptance
         self.margin, self.smoothing, self.prior_steps, self.decay = margin, smoothing, prior_steps, decay
-        self.first_probe_gap = self.probe_gap = int(probe_gap)
-        self.max_probe_gap = int(max_probe_gap)
+        self.first_probe_gap, self.max_probe_gap = int(probe_gap), int(max_probe_gap)
+        # batch size -> plain steps before its next probe (doubling while probes lose), plain steps since one
+        self.probe_gaps: dict[int, int] = {}
+        self.plain_runs: dict[int, int] = {}
         self.plain_scale = self.spec_scale = self.draft_scale = 1.0
         self.rows = 2  # block rows the draft calls compute (one more after a step that used them all)
-        self.plain_run, self.probing = 0, False
+        self.probing = False
         # batch size -> decayed [committed tokens, seconds] of speculative steps (draft calls included) and
         # of plain steps: the rates the decision to speculate compares
         self.speculative: dict[int, list[float]] = {}
@@ -139,8 +149,9 @@ class BatchedLength:
         upto = np.minimum(np.arange(top + 1)[:, None], lims[None, :])  # [top + 1, B]
         committed = self._tokens[1][upto].sum(axis=1)
         drafting = upto[:, lims > 0]
-        drafts = np.array([self.draft_scale * self.costs.draft_s(int(r.max()), r.size) if r.size and n else 0.0
-                           for n, r in enumerate(drafting)])
+        drafts = np.zeros(top + 1)
+        if drafting.shape[1]:  # one draft call computing the most rows any sequence drafts
+            drafts[1:] = self.draft_scale * self.costs.drafts_s(drafting[1:].max(axis=1), drafting.shape[1])
         return committed, self.call_seconds(len(limits), top) + drafts
 
     @property
@@ -170,12 +181,12 @@ class BatchedLength:
         tokens, spec_s = self.speculative.get(b, (0.0, 0.0))
         rate = (tokens + w * expected) / (spec_s + w * prior_s)
         if rate > self.margin * plain_rate:
-            self.plain_run, self.probing, self.probe_gap = 0, False, self.first_probe_gap
+            self.plain_runs[b], self.probing, self.probe_gaps[b] = 0, False, self.first_probe_gap
             return True
-        self.plain_run += 1
-        if self.plain_run < self.probe_gap:
+        self.plain_runs[b] = self.plain_runs.get(b, 0) + 1
+        if self.plain_runs[b] < self.probe_gaps.get(b, self.first_probe_gap):
             return False
-        self.plain_run, self.probing = 0, True
+        self.plain_runs[b], self.probing = 0, True
         return True
 
     def _measured_gain(self, batch: int) -> float | None:
@@ -238,11 +249,12 @@ class BatchedLength:
         return scale + self.smoothing * (min(max(observed / predicted, 0.5 * scale), 2.0 * scale) - scale)
 
     def observe(self, batch: int, rows: int, call_s: float, drafts: Sequence[tuple[int, int, float]],
-                outcomes: Sequence[tuple[int, int, float | None]], committed: int) -> None:
+                outcomes: Sequence[tuple[int, int, float | None]], committed: int, step_s: float | None = None) -> None:
         """Learn from one batched step: its call (`batch` x `rows`, `call_s` seconds), its draft calls'
-        (sequences, block rows, seconds) (empty: no draft call), each verifying sequence's (proposals verified,
-        accepted, the draft's probability of its first proposal, or None for a lookup continuation) and
-        the tokens the step committed in all."""
+        (sequences, block rows, seconds) (empty: no draft call), each verifying sequence's (proposals
+        verified, accepted, the draft's probability of its first proposal, or None for a lookup
+        continuation), the tokens the step committed in all, and the step's whole seconds (host work
+        included; default: its call and draft calls), which the speculative and plain rates count."""
         if rows == 1:
             self.plain_scale = self._moved(self.plain_scale, call_s, self.costs.call_s(batch, rows))
         else:
@@ -252,7 +264,7 @@ class BatchedLength:
         speculative = bool(drafts) or any(n > 0 for n, _, _ in outcomes)
         d = (self.speculative if speculative else self.plain).setdefault(batch, [0.0, 0.0])
         d[0] = self.decay * d[0] + committed
-        d[1] = self.decay * d[1] + call_s + sum(seconds for _, _, seconds in drafts)
+        d[1] = self.decay * d[1] + (step_s if step_s is not None else call_s + sum(seconds for _, _, seconds in drafts))
         for n, accepted, first_prob in outcomes:
             if n > 0 and first_prob is None:
                 self.lookup_acceptance.observe(n, accepted)
@@ -261,5 +273,5 @@ class BatchedLength:
                 self.hits = self.decay * self.hits + float(accepted > 0)
                 self.mass = self.decay * self.mass + float(first_prob)
         if self.probing and speculative:  # the gap shrinks back only once speculating wins again (see speculates)
-            self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
+            self.probe_gaps[batch] = min(2 * self.probe_gaps.get(batch, self.first_probe_gap), self.max_probe_gap)
             self.probing = False
