@@ -81,9 +81,10 @@ def test_low_acceptance_decodes_plainly_and_probes_with_a_doubling_gap():
         policy.probing = True
         policy.observe(1, 2, 0.011, [(1, 1, 0.002)], [(1, 0, 0.01)], 1)
     assert policy.probe_gaps[1] == 16  # capped at max_probe_gap
-    # another batch size keeps its own gap: speculating winning at one does not bring back probes at another
-    assert [policy.speculates([15, 15]) for _ in range(4)] == [False] * 3 + [True]
-    assert policy.probe_gaps.get(2, 4) == 4 and policy.probe_gaps[1] == 16
+    # a new batch size starts from the gap reached at the nearest one, and keeps its own from then on
+    assert [policy.speculates([15, 15]) for _ in range(16)] == [False] * 15 + [True]
+    policy.probe_gaps[1] = 4  # (speculating won again at batch 1)
+    assert policy.probe_gaps[2] == 16
 
 
 def test_observed_costs_and_outcomes_move_the_decisions():

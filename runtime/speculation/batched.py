@@ -184,10 +184,18 @@ class BatchedLength:
             self.plain_runs[b], self.probing, self.probe_gaps[b] = 0, False, self.first_probe_gap
             return True
         self.plain_runs[b] = self.plain_runs.get(b, 0) + 1
-        if self.plain_runs[b] < self.probe_gaps.get(b, self.first_probe_gap):
+        if self.plain_runs[b] < self._probe_gap(b):
             return False
         self.plain_runs[b], self.probing = 0, True
         return True
+
+    def _probe_gap(self, batch: int) -> int:
+        """Plain steps between probes at `batch`: its own gap, or, at a batch size not probed yet, the gap
+        reached at the nearest one (probes that lost there would lose here too: rows cost more)."""
+        if batch not in self.probe_gaps:
+            near = min(self.probe_gaps, key=lambda b: (abs(b - batch), b), default=None)
+            self.probe_gaps[batch] = self.first_probe_gap if near is None else self.probe_gaps[near]
+        return self.probe_gaps[batch]
 
     def _measured_gain(self, batch: int) -> float | None:
         """Speculative over plain rate measured at the batch size nearest `batch` that has both (None:
@@ -273,5 +281,5 @@ class BatchedLength:
                 self.hits = self.decay * self.hits + float(accepted > 0)
                 self.mass = self.decay * self.mass + float(first_prob)
         if self.probing and speculative:  # the gap shrinks back only once speculating wins again (see speculates)
-            self.probe_gaps[batch] = min(2 * self.probe_gaps.get(batch, self.first_probe_gap), self.max_probe_gap)
+            self.probe_gaps[batch] = min(2 * self._probe_gap(batch), self.max_probe_gap)
             self.probing = False
