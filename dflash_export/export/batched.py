@@ -37,12 +37,8 @@ def batched_target_inputs(module) -> tuple:
         torch.rand(u, dtype=torch.float32),
         *[torch.randn(a.num_kv_heads, c, a.head_dim, dtype=dt) for _ in range(2 * a.num_layers)],
     )
-    B = torch.export.Dim("batch", min=1, max=1 << 10)
-    T = torch.export.Dim("rows_per_sequence", min=1, max=1 << 20)
-    L = torch.export.Dim("keys", min=1, max=1 << 21)
-    K = torch.export.Dim("logit_rows", min=1, max=1 << 20)
-    U = torch.export.Dim("sampled_rows", min=0, max=1 << 20)
-    C = torch.export.Dim("cache_rows", min=1, max=1 << 30)
+    B, T, L, K, U, C = _dims(batch=(1, 10), rows_per_sequence=(1, 20), keys=(1, 21), logit_rows=(1, 20),
+                             sampled_rows=(0, 20), cache_rows=(1, 30))
     dyn = ({0: B, 1: T}, {0: B}, {0: B, 1: L}, {0: K}, {0: K}, {0: U}, tuple({1: C} for _ in range(2 * a.num_layers)))
     return args, batched_io_names(a.num_layers), dyn
 
@@ -66,17 +62,16 @@ def batched_draft_inputs(module) -> tuple:
         torch.arange(4, dtype=torch.int64),
         *[torch.randn(40, a.num_kv_heads, a.head_dim, dtype=dt) for _ in range(2 * a.num_layers)],
     )
-    B = torch.export.Dim("batch", min=1, max=1 << 10)
-    N = torch.export.Dim("tap_rows", min=1, max=1 << 24)
-    T = torch.export.Dim("context_rows", min=1, max=1 << 20)
-    C = torch.export.Dim("context_keys", min=1, max=1 << 20)
-    L = torch.export.Dim("past_keys", min=1, max=1 << 21)
-    K = torch.export.Dim("block_size", min=2, max=1 << 10)
-    R = torch.export.Dim("draft_rows", min=1, max=1 << 10)
-    M = torch.export.Dim("cache_rows", min=1, max=1 << 30)
+    B, N, T, C, L, K, R, M = _dims(batch=(1, 10), tap_rows=(1, 24), context_rows=(1, 20), context_keys=(1, 20),
+                                   past_keys=(1, 21), block_size=(2, 10), draft_rows=(1, 10), cache_rows=(1, 30))
     dyn = ({0: N}, {0: T}, {0: T}, {0: B, 1: C}, {0: B}, {0: B}, {0: B, 1: L}, {0: B, 1: K}, {0: R},
            tuple({0: M} for _ in range(2 * a.num_layers)))
     return args, batched_draft_io_names(a.num_layers), dyn
+
+
+def _dims(**ranges: tuple[int, int]) -> list:
+    """`torch.export.Dim`s named as the keyword arguments, each (min, log2 of max)."""
+    return [torch.export.Dim(name, min=lo, max=1 << bits) for name, (lo, bits) in ranges.items()]
 
 
 def export_batched_target(module, path: Path, readers: dict, rewrite=None, weights_of: Path | None = None) -> None:
