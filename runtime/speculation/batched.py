@@ -8,11 +8,12 @@ twice, as the one-sequence adaptive policy does with a proposing draft
 
 1. Before the draft calls (:meth:`BatchedLength.speculates`): whether the step verifies proposals at
    all. It does when the measured rate of speculative steps at this batch size (committed tokens per
-   second, draft calls included; a model's best drafted step is its prior) beats the measured rate of
-   plain steps at this batch size by `margin`; otherwise the step decodes plainly (no lookup, no draft
-   call), and a speculative step is still tried after a gap that doubles while plain decoding keeps
-   winning. Sequences with a lookup continuation take it (no draft call); the others' draft calls
-   compute :meth:`BatchedLength.draft_rows` block rows.
+   second, each step's whole time with its draft calls; a model's best drafted step is its prior) beats
+   the measured rate of plain steps at this batch size by `margin`; otherwise the step decodes plainly
+   (no lookup, no draft call), and a speculative step is still tried after a gap (per batch size) that
+   doubles while plain decoding keeps winning. Sequences with a lookup continuation take it (no draft
+   call); the others draft :meth:`BatchedLength.draft_rows` block rows, in one batched draft call where
+   the artifact has the batched draft graph.
 2. After them (:meth:`BatchedLength.verify_length`): the verify length n with the most expected
    committed tokens per second of the call, the draft calls being paid:
 
@@ -72,10 +73,7 @@ class BatchedCallCosts:
     def calls_s(self, batch: int, rows: np.ndarray) -> np.ndarray:
         """:meth:`call_s` of `batch` sequences for each entry of `rows` (`[N]`)."""
         per_batch = np.array([np.interp(rows, self.rows, s) for s in self.seconds])  # [batches, N]
-        w = np.interp(batch, self.batches, np.arange(len(self.batches), dtype=np.float64))
-        lo = int(np.floor(w))
-        hi = min(lo + 1, len(self.batches) - 1)
-        return per_batch[lo] + (w - lo) * (per_batch[hi] - per_batch[lo])
+        return _between(batch, self.batches, per_batch)
 
     def draft_s(self, rows: int, sequences: int = 1) -> float:
         """Predicted seconds of drafting `rows` block rows for `sequences` sequences: one batched call
@@ -87,10 +85,16 @@ class BatchedCallCosts:
         per_batch = np.array([np.interp(rows, self.draft_rows, s) for s in np.atleast_2d(self.draft_seconds)])
         if len(self.draft_batches) == 1:
             return sequences * per_batch[0]
-        w = np.interp(sequences, self.draft_batches, np.arange(len(self.draft_batches), dtype=np.float64))
-        lo = int(np.floor(w))
-        hi = min(lo + 1, len(self.draft_batches) - 1)
-        return per_batch[lo] + (w - lo) * (per_batch[hi] - per_batch[lo])
+        return _between(sequences, self.draft_batches, per_batch)
+
+
+def _between(batch: int, batches: tuple[int, ...], per_batch: np.ndarray) -> np.ndarray:
+    """Rows of `per_batch` (`[len(batches), N]`, measured at `batches`) interpolated linearly at `batch`
+    (clamped at the measured ends)."""
+    w = np.interp(batch, batches, np.arange(len(batches), dtype=np.float64))
+    lo = int(np.floor(w))
+    hi = min(lo + 1, len(batches) - 1)
+    return per_batch[lo] + (w - lo) * (per_batch[hi] - per_batch[lo])
 
 
 class BatchedLength:
@@ -101,8 +105,7 @@ class BatchedLength:
         acceptance: the engine's running acceptance estimate by block position (the drafted rate's prior).
         margin: draft only when predicted this much faster than plain batched decoding.
         probe_gap / max_probe_gap: plain steps before a drafted probe, and the most, per batch size (the gap
-            doubles after
-            each probe plain decoding still wins).
+            doubles after each probe plain decoding still wins).
         smoothing: weight of one step in the running cost scales.
         prior_steps: steps the prior of a batch size's speculative rate is worth (the speculative / plain
             ratio measured at the nearest batch size, or, before any, the model's best drafted step).
