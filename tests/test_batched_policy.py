@@ -33,6 +33,24 @@ def test_costs_interpolate_between_measured_shapes():
     assert c.call_s(4, 1) == pytest.approx(0.010 + (0.040 - 0.010) * 3 / 7)  # between batches 1 and 8
     assert c.call_s(16, 32) == pytest.approx(c.call_s(8, 16))  # clamped at the measured ends
     assert c.draft_s(8) == pytest.approx(0.002 + 0.003 * 7 / 14)
+    assert c.draft_s(8, sequences=3) == pytest.approx(3 * c.draft_s(8))  # one draft call per sequence
+
+
+def test_a_batched_draft_call_is_priced_as_one_call_and_the_model_counts_it_once():
+    """With draft calls measured at 1 and 8 sequences (one batched call), drafting for 4 sequences costs
+    the interpolated call, not four calls; a step's model adds it once, for the most rows any drafts."""
+    c = _costs()
+    batched = BatchedCallCosts(c.batches, c.rows, c.seconds, (1, 15), np.array([[0.002, 0.005], [0.009, 0.030]]), (1, 8))
+    assert batched.draft_s(1, sequences=4) == pytest.approx(0.002 + (0.009 - 0.002) * 3 / 7)
+    assert batched.draft_s(15, sequences=8) == pytest.approx(0.030)
+    policy = BatchedLength(batched, AcceptanceEstimate(0.7, 15))
+    per_sequence = BatchedLength(c, AcceptanceEstimate(0.7, 15))
+    _, seconds = policy.step_model([3, 0, 2, 3], 3)
+    _, each = per_sequence.step_model([3, 0, 2, 3], 3)
+    calls = policy.call_seconds(4, 3)
+    assert seconds[0] == pytest.approx(calls[0])  # no proposals: no draft call
+    assert seconds[2] - calls[2] == pytest.approx(batched.draft_s(2, sequences=3))
+    assert each[2] - calls[2] == pytest.approx(3 * c.draft_s(2))
 
 
 def test_drafts_alone_and_decodes_plainly_in_a_full_batch():
