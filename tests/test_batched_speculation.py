@@ -136,3 +136,14 @@ def test_draft_calls_respect_an_engines_context_row_limit(per_sequence_art):
     assert got == expected
     assert calls and all(rows <= 3 for past, rows in calls if past > 0)
     assert any(past == 0 and rows > 3 for past, rows in calls)  # (an empty cache's first call takes them all)
+
+
+def test_a_batched_draft_call_without_new_context_reads_nothing(art):  # noqa: F811 (the imported fixture)
+    """Slots with no pending tap rows (a fully reused prefix) still draft in one batched call: proposals
+    come back and the draft caches stay as they were."""
+    with BatchEngine(art, max_batch=2) as engine:
+        drafts = engine.speculation.drafts
+        drafts.draft_len[:], drafts.pending[:] = [0, 5], [0, 0]
+        out = drafts.propose([(0, 3), (1, 4)], 3)
+        assert [len(ids) for ids, _ in out] == [3, 3] and all(np.all((p >= 0) & (p <= 1)) for _, p in out)
+        assert drafts.draft_len == [0, 5] and drafts.pending == [0, 0]

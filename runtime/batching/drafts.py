@@ -208,8 +208,11 @@ class SlotDrafts:
         for i, s in enumerate(slots):
             ctx_index[i, :lengths[i]] = starts[i] + np.arange(lengths[i])
             key_index[i, :past[i]] = s * self.max_seq_len + np.arange(past[i])
-        values = {"context_rows": np.concatenate([s * self.pending_rows + np.arange(n) for s, n in zip(slots, lengths)]),
-                  "context_positions": np.concatenate([p + np.arange(n) for p, n in zip(past, lengths)]),
+        rows_in = [s * self.pending_rows + np.arange(n) for s, n in zip(slots, lengths)]
+        positions = [p + np.arange(n) for p, n in zip(past, lengths)]
+        if total == 0:  # (no new context anywhere: one masked stand-in row, as a graph input cannot be empty)
+            rows_in, positions, total = [np.zeros(1, np.int64)], [np.zeros(1, np.int64)], 1
+        values = {"context_rows": np.concatenate(rows_in), "context_positions": np.concatenate(positions),
                   "context_index": ctx_index, "context_lengths": lengths, "past_lengths": past, "key_index": key_index}
         inputs = {}
         for name, array in values.items():
