@@ -230,14 +230,19 @@ def batched_feeds_draft(manifest: dict[str, Any]) -> bool:
 
 
 def check_batched_graph(manifest: dict[str, Any], artifact_dir: Path) -> None:
-    """Raise DFlashError unless the artifact has a batched target graph (built with `--batched`)."""
+    """Raise DFlashError unless the artifact has a batched target graph (built with `--batched`), and the
+    batched draft graph where its manifest lists one."""
     section = manifest.get(BATCHED_GRAPH)
     if not isinstance(section, dict):
         raise DFlashError(f"{artifact_dir} has no batched target graph; rebuild it with `python -m dflash_export build "
                           "--batched` to serve several requests at once (or serve with --max-batch 1)")
-    graph = section.get("graph")
-    if not isinstance(graph, str) or Path(graph).name != graph or not (Path(artifact_dir) / graph).is_file():
-        raise DFlashError(f"{artifact_dir}: the batched target graph {graph!r} is missing; the artifact is incomplete, rebuild it")
+    for what, part in (("target", section), ("draft", manifest.get(BATCHED_DRAFT_GRAPH))):
+        graph = part.get("graph") if isinstance(part, dict) else None
+        if part is None and what == "draft":
+            continue  # (optional: per-sequence draft calls)
+        if not isinstance(graph, str) or Path(graph).name != graph or not (Path(artifact_dir) / graph).is_file():
+            raise DFlashError(f"{artifact_dir}: the batched {what} graph {graph!r} is missing; the artifact is incomplete, "
+                              "rebuild it")
     for key in ("num_layers", "num_kv_heads", "head_dim", "vocab_size"):
         value = section.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -270,7 +270,21 @@ def test_errors_are_one_clear_message(art, tmp_path_factory):
 def test_manifest_records_the_batched_graph_and_its_checks(art):
     m = json.loads((art / "manifest.json").read_text())
     assert m["target_batched"]["graph"] == "target_batched.onnx"
-    assert "target_batched" in m["graph_checks"] and "Loop" not in m["graph_checks"]["target_batched"]["ops"]
+    assert m["draft_batched"]["graph"] == "draft_batched.onnx"
+    for graph in ("target_batched", "draft_batched"):
+        assert graph in m["graph_checks"] and "Loop" not in m["graph_checks"][graph]["ops"]
+
+
+@pytest.mark.parametrize("graph", ["target_batched", "draft_batched"])
+def test_a_missing_batched_graph_is_one_clear_error(art, tmp_path, graph):
+    import shutil
+
+    out = tmp_path / "artifact"
+    shutil.copytree(art, out)
+    (out / f"{graph}.onnx").unlink()
+    with pytest.raises(DFlashError, match=rf"the batched {graph.split('_')[0]} graph '{graph}.onnx' is missing; "
+                                          "the artifact is incomplete, rebuild it"):
+        BatchEngine(out)
 
 
 def test_serve_max_batch_needs_a_batched_artifact(tmp_path_factory):
