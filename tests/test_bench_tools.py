@@ -65,3 +65,14 @@ def test_serve_bench_needs_a_chat_template_before_starting_the_server(qwen, caps
     with pytest.raises(SystemExit) as exc:
         serve_bench.main([str(qwen.artifact), "--max-tokens", "1"])
     assert exc.value.code == 2 and "--max-tokens >= 2" in capsys.readouterr().err
+
+
+def test_batch_bench_steady_rate_leaves_out_the_tail():
+    """`batch_bench`'s all-clients-busy aggregate: the window ends when the first client runs out of work,
+    and a request crossing it counts the share of its tokens inside (evenly over its time)."""
+    from dflash_export.eval.batch_bench import steady_tok_s
+
+    records = [dict(start=0.0, end=10.0, tokens=100, client=0), dict(start=10.0, end=20.0, tokens=100, client=0),
+               dict(start=0.0, end=8.0, tokens=80, client=1), dict(start=8.0, end=12.0, tokens=40, client=1)]
+    # window [0, 12] (client 1 idle from 12): 100 + 20 (of client 0's second) + 80 + 40 tokens
+    assert steady_tok_s(records) == pytest.approx(240 / 12)

@@ -3,15 +3,17 @@
 the one-at-a-time server (`--max-batch 1`, speculative decoding), in one run.
 
     python -m dflash_export.eval.batch_bench ARTIFACT [--streams 1,2,4,8] [--max-tokens 64] [--limit 2]
-        [--rounds 2] [--max-batch 8]
+        [--rounds 2] [--max-batch 8] [--per-stream 2]
 
 The artifact must be built with `--batched`. Both servers run as subprocesses (`python -m runtime serve`),
 idle while the other is loaded. For each N in --streams and each round, each mode (their order
 rotating) gets N concurrent streaming chat clients (the official openai client, one thread each)
 working through the held-out prompts (`models/prompts/eval.jsonl`, --limit per category, greedy,
---max-tokens each; at least 2N requests so every client sends two). Printed per server and N, medians over
+--max-tokens each; at least --per-stream x N requests, 2 by default). Printed per server and N, medians over
 rounds: aggregate decode tokens/s (completion tokens of all requests / the load's wall time, first
-token included; for the batched modes also over plain batched decoding's at the same N), p50/p95 time to first token, p50/p95 gap between streamed chunks (inter-token latency;
+token included; for the batched modes also over plain batched decoding's at the same N), the aggregate
+while all N clients are busy (`steady_tok_s`: the load's tail, where fewer requests remain than clients,
+left out), p50/p95 time to first token, p50/p95 gap between streamed chunks (inter-token latency;
 a speculative chunk can carry several tokens), the share of the batched server's decoding steps that
 verified proposals (its /health counters), and replies that differ from the one-at-a-time server's reply
 to the same prompt with one client.
@@ -46,24 +48,25 @@ def one_request(client, prompt: str, max_tokens: int, extra: dict | None = None)
             tokens = chunk.usage.completion_tokens
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     return {"prompt": prompt, "text": "".join(text), "tokens": tokens,
-            "ttft": (stamps[0] if stamps else time.perf_counter()) - t0, "gaps": gaps}
+            "ttft": (stamps[0] if stamps else time.perf_counter()) - t0, "gaps": gaps, "start": t0,
+            "end": time.perf_counter()}
 
 
-def load(url: str, prompts: list[str], streams: int, max_tokens: int, extra: dict | None = None
-         ) -> tuple[float, list[dict]]:
-    """`streams` clients working through `prompts` (repeated to at least 2 per client), each request with
-    the fields `extra`. Returns (wall seconds, per-request records)."""
+def load(url: str, prompts: list[str], streams: int, max_tokens: int, extra: dict | None = None,
+         per_stream: int = 2) -> tuple[float, list[dict]]:
+    """`streams` clients working through `prompts` (repeated to at least `per_stream` per client), each
+    request with the fields `extra`. Returns (wall seconds, per-request records)."""
     import openai
 
     work: queue.Queue = queue.Queue()
     todo = list(prompts)
-    while len(todo) < 2 * streams:
+    while len(todo) < per_stream * streams:
         todo += prompts
     for p in todo:
         work.put(p)
     records, lock = [], threading.Lock()
 
-    def client_thread():
+    def client_thread(client: int):
         c = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
         while True:
             try:
@@ -72,10 +75,10 @@ def load(url: str, prompts: list[str], streams: int, max_tokens: int, extra: dic
                 break
             r = one_request(c, p, max_tokens, extra)
             with lock:
-                records.append(r)
+                records.append({**r, "client": client})
         c.close()
 
-    threads = [threading.Thread(target=client_thread) for _ in range(streams)]
+    threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(streams)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -89,10 +92,22 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def steady_tok_s(records: list[dict]) -> float:
+    """Aggregate tokens/s while every client is busy: from the first request's start until the first
+    client runs out of work (its last request's end), each request's tokens counted evenly over its own
+    time. The whole load's figure also counts its tail, where fewer requests remain than clients."""
+    start = min(r["start"] for r in records)
+    end = min(max(r["end"] for r in records if r["client"] == c) for c in {r["client"] for r in records})
+    inside = sum(r["tokens"] * max(0.0, min(r["end"], end) - max(r["start"], start)) / max(r["end"] - r["start"], 1e-9)
+                 for r in records)
+    return inside / max(end - start, 1e-9)
+
+
 def summarize(seconds: float, records: list[dict], reference: dict[str, str]) -> dict:
     gaps = [g for r in records for g in r["gaps"]]
     ttft = [r["ttft"] for r in records]
-    return {"tok_s": sum(r["tokens"] for r in records) / seconds, "ttft50": pct(ttft, 0.5), "ttft95": pct(ttft, 0.95),
+    return {"tok_s": sum(r["tokens"] for r in records) / seconds, "steady_tok_s": steady_tok_s(records),
+            "ttft50": pct(ttft, 0.5), "ttft95": pct(ttft, 0.95),
             "itl50": pct(gaps, 0.5), "itl95": pct(gaps, 0.95),
             "differ": sum(reference.get(r["prompt"], r["text"]) != r["text"] for r in records), "n": len(records)}
 
@@ -106,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-batch", type=int, default=8, help="the batched server's slots")
     p.add_argument("--prompts", default=str(DEFAULT_EVAL))
+    p.add_argument("--per-stream", type=int, default=2, help="requests each client sends at least (more: a shorter tail)")
     args = p.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
     prompts = eval_prompts(Path(args.prompts), args.limit)
@@ -126,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name in names[shift:] + names[:shift]:
                     server, extra = modes[name]
                     before = _steps(servers[server].url)
-                    seconds, records = load(servers[server].url, prompts, n, args.max_tokens, extra)
+                    seconds, records = load(servers[server].url, prompts, n, args.max_tokens, extra, args.per_stream)
                     after = _steps(servers[server].url)
                     row = summarize(seconds, records, reference)
                     steps = after[0] - before[0]
@@ -138,17 +154,17 @@ def main(argv: list[str] | None = None) -> int:
             s.stop()
     med = lambda key, runs: statistics.median(r[key] for r in runs)  # noqa: E731
     print(f"\n{len(prompts)} held-out prompts, {args.max_tokens} tokens each, greedy, {args.rounds} rounds (medians)\n")
-    print("| server | streams | aggregate tok/s | vs 1 stream | vs plain batched | TTFT p50 / p95 ms |"
-          " inter-token p50 / p95 ms | speculative steps | replies differing from one client |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| server | streams | aggregate tok/s | vs 1 stream | vs plain batched | all clients busy: tok/s, vs 1 stream |"
+          " TTFT p50 / p95 ms | inter-token p50 / p95 ms | speculative steps | replies differing from one client |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     plain = names[-1]
     for name in names:
-        base = med("tok_s", results[name, streams[0]])
+        base, steady_base = med("tok_s", results[name, streams[0]]), med("steady_tok_s", results[name, streams[0]])
         for n in streams:
             runs = results[name, n]
-            tok_s = med("tok_s", runs)
+            tok_s, steady = med("tok_s", runs), med("steady_tok_s", runs)
             vs_plain = f"{tok_s / med('tok_s', results[plain, n]):.2f}x" if modes[name][0] == "batched" else "-"
-            print(f"| {name} | {n} | {tok_s:.1f} | {tok_s / base:.2f}x | {vs_plain} | "
+            print(f"| {name} | {n} | {tok_s:.1f} | {tok_s / base:.2f}x | {vs_plain} | {steady:.1f}, {steady / steady_base:.2f}x | "
                   f"{med('ttft50', runs) * 1e3:.0f} / {med('ttft95', runs) * 1e3:.0f} | "
                   f"{med('itl50', runs) * 1e3:.1f} / {med('itl95', runs) * 1e3:.1f} | {_share(runs)} | "
                   f"{sum(r['differ'] for r in runs)} of {sum(r['n'] for r in runs)} |")
