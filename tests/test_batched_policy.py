@@ -132,3 +132,19 @@ def test_a_new_batch_size_starts_from_what_the_nearest_one_measured():
         policy.observe(3, 3, 0.04, [(3, 2, 0.003)], [(2, 0, 0.9)] * 3, 3)  # speculative: 70 tok/s
     assert policy._measured_gain(2) == pytest.approx((3 / 0.043) / (3 / 0.02))
     assert not policy.speculates([15] * 2)
+
+
+def test_the_plain_step_after_a_speculative_one_charges_its_excess_to_speculation():
+    """A plain step right after a speculative one at the same batch size runs slower (another call shape ran
+    between): its time beyond the plain rate counts against speculation, not against plain decoding."""
+    policy = _policy(0.7, probe_gap=1000)
+    for _ in range(5):
+        policy.observe(4, 1, 0.02, [], [], 4, 0.02)  # plain: 200 tok/s
+    policy.observe(4, 3, 0.04, [(4, 2, 0.004)], [(2, 1, 0.9)] * 4, 12, 0.044)  # speculative
+    spec_before = list(policy.speculative[4])
+    plain_before = list(policy.plain[4])
+    policy.observe(4, 1, 0.025, [], [], 4, 0.025)  # 5 ms slower than the plain rate says
+    assert policy.speculative[4][1] == pytest.approx(spec_before[1] + 0.005)
+    assert policy.plain[4][1] == pytest.approx(policy.decay * plain_before[1] + 0.020)
+    policy.observe(4, 1, 0.025, [], [], 4, 0.025)  # a second plain step: its own
+    assert policy.speculative[4][1] == pytest.approx(spec_before[1] + 0.005)

@@ -124,6 +124,7 @@ class BatchedLength:
         self.plain_scale = self.spec_scale = self.draft_scale = 1.0
         self.rows = 2  # block rows the draft calls compute (one more after a step that used them all)
         self.probing = False
+        self._after_speculative: int | None = None  # the batch size of the last step, where it speculated
         # batch size -> decayed [committed tokens, seconds] of speculative steps (draft calls included) and
         # of plain steps: the rates the decision to speculate compares
         self.speculative: dict[int, list[float]] = {}
@@ -265,7 +266,9 @@ class BatchedLength:
         (sequences, block rows, seconds) (empty: no draft call), each verifying sequence's (proposals
         verified, accepted, the draft's probability of its first proposal, or None for a lookup
         continuation), the tokens the step committed in all, and the step's whole seconds (host work
-        included; default: its call and draft calls), which the speculative and plain rates count."""
+        included; default: its call and draft calls), which the speculative and plain rates count (a plain
+        step right after a speculative one at the same batch size passes its excess over the plain rate
+        to the speculative rate)."""
         if rows == 1:
             self.plain_scale = self._moved(self.plain_scale, call_s, self.costs.call_s(batch, rows))
         else:
@@ -273,9 +276,18 @@ class BatchedLength:
         for sequences, draft_rows, seconds in drafts:
             self.draft_scale = self._moved(self.draft_scale, seconds, self.costs.draft_s(draft_rows, sequences))
         speculative = bool(drafts) or any(n > 0 for n, _, _ in outcomes)
+        seconds = step_s if step_s is not None else call_s + sum(s for _, _, s in drafts)
+        plain = self.plain.get(batch)
+        if not speculative and self._after_speculative == batch and plain and plain[0] > 0 and batch in self.speculative:
+            # the first plain step after a speculative one runs slower (another call shape ran between):
+            # its excess over the plain rate is the speculative step's cost
+            excess = max(0.0, seconds - committed * plain[1] / plain[0])
+            self.speculative[batch][1] += excess
+            seconds -= excess
+        self._after_speculative = batch if speculative else None
         d = (self.speculative if speculative else self.plain).setdefault(batch, [0.0, 0.0])
         d[0] = self.decay * d[0] + committed
-        d[1] = self.decay * d[1] + (step_s if step_s is not None else call_s + sum(seconds for _, _, seconds in drafts))
+        d[1] = self.decay * d[1] + seconds
         for n, accepted, first_prob in outcomes:
             if n > 0 and first_prob is None:
                 self.lookup_acceptance.observe(n, accepted)
