@@ -236,10 +236,9 @@ def check_batched_graph(manifest: dict[str, Any], artifact_dir: Path) -> None:
     if not isinstance(section, dict):
         raise DFlashError(f"{artifact_dir} has no batched target graph; rebuild it with `python -m dflash_export build "
                           "--batched` to serve several requests at once (or serve with --max-batch 1)")
-    for what, part in (("target", section), ("draft", manifest.get(BATCHED_DRAFT_GRAPH))):
+    parts = [("target", section)] + ([("draft", manifest[BATCHED_DRAFT_GRAPH])] if BATCHED_DRAFT_GRAPH in manifest else [])
+    for what, part in parts:
         graph = part.get("graph") if isinstance(part, dict) else None
-        if part is None and what == "draft":
-            continue  # (optional: per-sequence draft calls)
         if not isinstance(graph, str) or Path(graph).name != graph or not (Path(artifact_dir) / graph).is_file():
             raise DFlashError(f"{artifact_dir}: the batched {what} graph {graph!r} is missing; the artifact is incomplete, "
                               "rebuild it")

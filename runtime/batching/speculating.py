@@ -152,10 +152,10 @@ class BatchSpeculation:
         """Seconds of a draft call of `rows` block rows for slots 0..sequences - 1, each after two
         committed rows (the slots are reset after it)."""
         calls, drafts = self.calls, self.drafts
+        calls.run([SequenceRows(slot, 0, [1, 2]) for slot in range(sequences)])  # (one batched call writes them all)
         for slot in range(sequences):
-            calls.run([SequenceRows(slot, 0, [1, 2])])
-            drafts.append(slot, calls.taps.rows(0, 2), 2)
-            drafts.set_anchor(slot, calls.next_embeddings.rows(0, 1))
+            drafts.append(slot, calls.taps.rows(slot * calls.rows_per_sequence, 2), 2)
+            drafts.set_anchor(slot, calls.next_embeddings.rows(slot, 1))
         seconds = _timed(lambda: drafts.propose([(slot, 1) for slot in range(sequences)], rows))
         for slot in range(sequences):
             drafts.reset(slot, 0)
