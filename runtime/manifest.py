@@ -208,6 +208,8 @@ TREE_SHAPE_INPUTS = ("tree_depth", "tree_bias")
 # inputs before the caches (`dflash_export.nn.batched`)
 BATCHED_GRAPH = "target_batched"
 BATCHED_INPUTS = ("input_ids", "past_lengths", "key_index", "logit_rows", "temperature", "uniform")
+# a hybrid's batched graph also takes each sequence's GDN state slot and pending rows (`nn.batched_hybrid`)
+BATCHED_HYBRID_INPUTS = ("state_slots", "pending_index", "pending_lengths")
 DEFAULT_MAX_BATCH = 4  # sequences a batched engine decodes at once (measured: docs/performance.md#batched-serving)
 DEFAULT_PREFILL_CHUNK = 256  # prompt rows per prefill call: what a long prompt makes running streams wait at most
 

@@ -11,6 +11,7 @@ import torch
 from dflash_export.export.graphs import _trace, pack_and_rewrite, save_graph
 from dflash_export.nn.batched import batched_io_names
 from dflash_export.nn.batched_draft import batched_draft_io_names
+from dflash_export.nn.batched_hybrid import batched_hybrid_io_names
 
 # initializers up to this size may be the batched graph's own (index constants); every larger one must
 # be one of the one-sequence graph's weights
@@ -21,26 +22,52 @@ def batched_target_inputs(module) -> tuple:
     """(dummy args, io names, dynamic shapes) to trace a BatchedTarget with. Sizes are distinct and
     >= 2 (B=2, T=3, L=9 keys, K=5, U=4, C=40 cache rows) so no dimension is specialised."""
     a = module.spec.arch
-    dt = module.compute_dtype
+    args = batched_target_inputs_of(module.spec.vocab_size, a.num_kv_heads, a.head_dim, a.num_layers, module.compute_dtype)
+    B, T, L, K, U, C = _dims(batch=(1, 10), rows_per_sequence=(1, 20), keys=(1, 21), logit_rows=(1, 20),
+                             sampled_rows=(0, 20), cache_rows=(1, 30))
+    dyn = ({0: B, 1: T}, {0: B}, {0: B, 1: L}, {0: K}, {0: K}, {0: U}, tuple({1: C} for _ in range(2 * a.num_layers)))
+    return args, batched_io_names(a.num_layers), dyn
+
+
+def batched_target_inputs_of(vocab_size: int, kv_heads: int, head_dim: int, layers: int, dtype) -> tuple:
+    """The dummy args of `batched_target_inputs` (B=2, T=3, L=9, K=5, U=4, C=40) with `layers` layers'
+    caches."""
     b, t, n_keys, k, u, c = 2, 3, 9, 5, 4, 40
     past = torch.tensor([6, 2], dtype=torch.int64)
     index = torch.zeros(b, n_keys, dtype=torch.int64)
     for i in range(b):
         index[i, : past[i]] = torch.arange(int(past[i])) * 4 + i
         index[i, past[i]: past[i] + t] = c + i * t + torch.arange(t)
-    args = (
-        torch.randint(0, module.spec.vocab_size, (b, t), dtype=torch.int64),
-        past,
-        index,
-        torch.tensor([0, 2, 3, 4, 5], dtype=torch.int64),
-        torch.rand(k, dtype=torch.float32),
-        torch.rand(u, dtype=torch.float32),
-        *[torch.randn(a.num_kv_heads, c, a.head_dim, dtype=dt) for _ in range(2 * a.num_layers)],
-    )
-    B, T, L, K, U, C = _dims(batch=(1, 10), rows_per_sequence=(1, 20), keys=(1, 21), logit_rows=(1, 20),
-                             sampled_rows=(0, 20), cache_rows=(1, 30))
-    dyn = ({0: B, 1: T}, {0: B}, {0: B, 1: L}, {0: K}, {0: K}, {0: U}, tuple({1: C} for _ in range(2 * a.num_layers)))
-    return args, batched_io_names(a.num_layers), dyn
+    return (torch.randint(0, vocab_size, (b, t), dtype=torch.int64), past, index,
+            torch.tensor([0, 2, 3, 4, 5], dtype=torch.int64), torch.rand(k, dtype=torch.float32),
+            torch.rand(u, dtype=torch.float32),
+            *[torch.randn(kv_heads, c, head_dim, dtype=dtype) for _ in range(2 * layers)])
+
+
+def batched_hybrid_inputs(module) -> tuple:
+    """(dummy args, io names, dynamic shapes) to trace a BatchedHybridTarget with: `batched_target_inputs`'
+    sizes, S=3 state slots, P=4 pending rows of M=24 buffer rows (sequences with 4 and 1 pending rows)."""
+    s, dt = module.spec, module.compute_dtype
+    args = batched_target_inputs_of(s.vocab_size, s.num_kv_heads, s.head_dim, 0, dt)
+    b, slots, p, m, c = 2, 3, 4, 24, 40
+    caches, dyn_caches = [], []
+    B, T, L, K, U, C, P, M = _dims(batch=(1, 10), rows_per_sequence=(1, 6), keys=(1, 21), logit_rows=(1, 20),
+                                   sampled_rows=(0, 20), cache_rows=(1, 30), pending_rows=(1, 6), pending_buffer=(1, 30))
+    S = torch.export.Dim("state_slots", min=1, max=1 << 10)
+    for kind in s.layer_types:
+        if kind == "full_attention":
+            caches += [torch.randn(s.num_kv_heads, c, s.head_dim, dtype=dt) for _ in range(2)]
+            dyn_caches += [{1: C}, {1: C}]
+        else:
+            caches += [torch.randn(slots, s.conv_kernel - 1, s.conv_dim, dtype=dt),
+                       torch.randn(slots, s.num_v_heads, s.key_head_dim, s.value_head_dim) * 0.1,
+                       torch.randn(m, s.conv_dim, dtype=dt), torch.randn(m, s.num_v_heads, dtype=dt),
+                       torch.randn(m, s.num_v_heads, dtype=dt)]
+            dyn_caches += [{0: S}, {0: S}, {0: M}, {0: M}, {0: M}]
+    state = (torch.tensor([2, 0], dtype=torch.int64), torch.tensor([[4, 5, 6, 7], [0, 1, 2, 3]], dtype=torch.int64),
+             torch.tensor([4, 1], dtype=torch.int64))
+    dyn = ({0: B, 1: T}, {0: B}, {0: B, 1: L}, {0: K}, {0: K}, {0: U}, {0: B}, {0: B, 1: P}, {0: B}, tuple(dyn_caches))
+    return (*args, *state, *caches), batched_hybrid_io_names(s.layer_types), dyn
 
 
 def batched_draft_inputs(module) -> tuple:
@@ -85,6 +112,11 @@ def export_batched_target(module, path: Path, readers: dict, rewrite=None, weigh
             the same type and shape (the two exports diverged: a bug).
     """
     _export_batched(module, batched_target_inputs(module), path, readers, rewrite, weights_of)
+
+
+def export_batched_hybrid(module, path: Path, readers: dict, rewrite=None, weights_of: Path | None = None) -> None:
+    """:func:`export_batched_target` for a BatchedHybridTarget (`weights_of`: the hybrid target graph)."""
+    _export_batched(module, batched_hybrid_inputs(module), path, readers, rewrite, weights_of)
 
 
 def export_batched_draft(module, path: Path, readers: dict | None, rewrite=None, weights_of: Path | None = None) -> None:

@@ -56,7 +56,8 @@ def _unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
     return inv + torch.bmm(inv, eye - inv + torch.bmm(a, inv))
 
 
-def gated_delta_chunk(q, k, v, g, beta, state, outputs: bool = True, final_state: bool = True):
+def gated_delta_chunk(q, k, v, g, beta, state, outputs: bool = True, final_state: bool = True,
+                      padded: bool = False):
     """The gated delta rule over n <= MAX_ROWS rows in one chunk-parallel (WY) step, math in fp32.
 
     Per value head, token by token (as transformers' `torch_recurrent_gated_delta_rule`):
@@ -69,6 +70,9 @@ def gated_delta_chunk(q, k, v, g, beta, state, outputs: bool = True, final_state
         g: fp32 `[n, Hv]`, log decays (<= 0). beta: `[n, Hv]` in (0, 1).
         state: `[Hv, dk, dv]`, the state before the n rows. n = 0 is allowed.
         outputs / final_state: which results to compute.
+        padded: n >= 1, and rows of zeros (k = v = 0, g = 0, beta = 0) appended to the chunk must leave
+            every result bit-identical: the sums over rows are then the last rows of the running sums
+            (CumSum, sequential) instead of ReduceSums, which a SIMD reduction groups by the row count.
 
     Returns:
         (o fp32 `[n, Hv, dv]` or None, state after the n rows fp32 `[Hv, dk, dv]` or None).
@@ -103,7 +107,9 @@ def gated_delta_chunk(q, k, v, g, beta, state, outputs: bool = True, final_state
         out = torch.bmm(qs * torch.exp(cum)[..., None], state) + torch.bmm(attn, v_new)
         out = out.transpose(0, 1)
     if final_state:
-        total = g.sum(dim=1)  # [Hv]: a sum, so that n = 0 needs no empty slice
-        k_decayed = k * torch.exp(later.sum(dim=1))[..., None]  # decay from row j to the end
+        # [Hv] and [Hv, n]: sums, so that n = 0 needs no empty slice (or, padded, the running sums' last rows)
+        total = cum[:, -1] if padded else g.sum(dim=1)
+        to_end = between[:, -1] if padded else later.sum(dim=1)
+        k_decayed = k * torch.exp(to_end)[..., None]  # decay from row j to the end
         new_state = state * torch.exp(total)[:, None, None] + torch.bmm(k_decayed.transpose(1, 2), v_new)
     return out, new_state
