@@ -216,8 +216,8 @@ def build(options: BuildOptions) -> dict:
     draft_kind = family_of(dspec.path) if dspec.path is not None else draft_family(DEFAULT_DRAFT_FAMILY)
     qconfig = _checked_quant_config(o, family, tspec, dspec, tsource)
     if o.batched and not getattr(family, "BATCHES", False):
-        raise DFlashError(f"--batched needs a Qwen3 or Llama target; {tspec.family} targets (recurrent layers) have no "
-                          "batched graph yet: serve them one request at a time (drop --batched)")
+        raise DFlashError(f"--batched needs a Qwen3, Llama or Qwen3.5 target; {tspec.family} targets have no batched "
+                          "graph: serve them one request at a time (drop --batched)")
     dtype, quiet, proposal_head, max_seq_len = o.dtype, o.quiet, o.proposal_head, o.max_seq_len
     if o.draft_vocab == "full":
         dspec = replace(dspec, draft_vocab=None)
@@ -232,7 +232,7 @@ def build(options: BuildOptions) -> dict:
         with stage(f"exporting draft.onnx{' and draft_batched.onnx' if o.batched else ''}"):
             batched_draft = {"batched_path": tmp / "draft_batched.onnx"} if o.batched and getattr(draft_kind, "BATCHES", False) else {}
             drafted = draft_kind.export_for_build(tspec, dspec, dstate, tsource, tmp / "draft.onnx", torch_dtype, qconfig,
-                                                  proposal_head, family.DRAFT_PROPOSES, quiet, **batched_draft)
+                                                  proposal_head, family.DRAFT_PROPOSES or o.batched, quiet, **batched_draft)
             head_config, dquant = drafted.head_config, drafted.quant_plan
             del dstate
         with stage(f"exporting target.onnx{' and target_batched.onnx' if o.batched else ''} ({family.EXPORT_TITLE})"):

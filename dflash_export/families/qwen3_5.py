@@ -44,6 +44,7 @@ from dflash_export.checkpoint.weights import (
     empty_module,
     load_module_weights,
 )
+from dflash_export.export.batched import export_batched_hybrid
 from dflash_export.export.graphs import export_target
 from dflash_export.export.replication import Layout
 from dflash_export.families.dense import (
@@ -53,6 +54,7 @@ from dflash_export.families.dense import (
 )
 from dflash_export.families.registry import ExportedTarget, draft_proposes
 from dflash_export.families.shared import upcast_weights_on_use
+from dflash_export.nn.batched_hybrid import BatchedHybridTarget
 from dflash_export.nn.gated_delta import MAX_ROWS
 from dflash_export.nn.layers import TargetForExport
 from dflash_export.nn.qwen3_5 import (
@@ -77,6 +79,10 @@ NORM_WEIGHT_OFFSET = 1.0
 # A draft with a proposal vocabulary returns hidden rows the hybrid target ranks itself (chains only);
 # with an INT4 LM head the draft ends in the proposal head (`families.registry.draft_proposes`).
 DRAFT_PROPOSES = False
+
+# This family exports a batched target too (`build --batched`: `nn.batched_hybrid.BatchedHybridTarget`, one
+# Gated DeltaNet state per slot).
+BATCHES = True
 
 
 def read_target(model_dir: Path, cfg: dict) -> TargetSpec | None:
@@ -255,18 +261,24 @@ def _derived_in_graph(name: str) -> bool:
 
 
 def export_for_build(tspec: TargetSpec, dspec, source, path: Path, dtype: torch.dtype, qconfig, proposal_head: str,
-                     quiet: bool) -> ExportedTarget:
+                     quiet: bool, batched_path: Path | None = None) -> ExportedTarget:
     """`build`'s target step for a hybrid (family hook; fp32 or fp16, INT4 with `qconfig`): the graph at
     `path`, each weight read from its shard (a ConditionalGeneration's under its text name) when its
-    initializer is written, INT4-quantized on the way, as for Qwen3 targets."""
+    initializer is written, INT4-quantized on the way, as for Qwen3 targets; with `batched_path`, also the
+    batched hybrid target (`nn.batched_hybrid`) there, reading the target graph's weights file."""
 
     text = source.renamed(text_weight_name)
-    module, readers = target_export_module(tspec, dspec, text, dtype, HybridDFlashTarget, _derived_in_graph,
-                                           draft_proposes(DRAFT_PROPOSES, dspec, qconfig))
+    # a batched build's draft proposes ids (the batched graph verifies ids), so the target takes them too
+    proposes = draft_proposes(DRAFT_PROPOSES or batched_path is not None, dspec, qconfig)
+    module, readers = target_export_module(tspec, dspec, text, dtype, HybridDFlashTarget, _derived_in_graph, proposes)
     names = _quantized_names(module, qconfig) if qconfig is not None else []
     head_config = proposal_head_config(proposal_head, "draft_head" in readers, qconfig, tspec.hybrid.hidden_size)
     rewrite = streaming_rewrite(readers, text, dtype, qconfig, names, head_config)
     export_target(module, Path(path), readers, progress=not quiet, rewrite=rewrite, layout=replication_layout(module))
+    if batched_path is not None:
+        bmod, breaders = target_export_module(tspec, dspec, text, dtype, BatchedHybridTarget, _derived_in_graph, True)
+        export_batched_hybrid(bmod, batched_path, breaders, streaming_rewrite(breaders, text, dtype, qconfig, names, None),
+                              weights_of=path)
     return ExportedTarget(text.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(), names,
                           head_config)
 

@@ -18,6 +18,7 @@ from runtime.manifest import (
     BATCHED_DRAFT_GRAPH,
     BATCHED_DRAFT_INPUTS,
     BATCHED_GRAPH,
+    BATCHED_HYBRID_INPUTS,
     BATCHED_INPUTS,
     DTYPES,
     TREE_INPUTS,
@@ -129,13 +130,17 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
 
 def _check_batched_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) -> None:
     """`check_graph_io` for the batched target and draft graphs (`runtime.batching`)."""
-    lead, section = (BATCHED_INPUTS, BATCHED_GRAPH) if graph == BATCHED_GRAPH else (BATCHED_DRAFT_INPUTS, "draft")
-    n = int(manifest[section]["num_layers"])
-    expected = list(lead) + [f"past_{kind}_{i}" for i in range(n) for kind in ("key", "value")]
+    types = layer_types(manifest["target"]) if graph == BATCHED_GRAPH else ["full_attention"] * int(manifest["draft"]["num_layers"])
+    hybrid = "linear_attention" in types
+    lead = (BATCHED_INPUTS + (BATCHED_HYBRID_INPUTS if hybrid else ())) if graph == BATCHED_GRAPH else BATCHED_DRAFT_INPUTS
+    expected = list(lead)
+    for i, kind in enumerate(types):
+        expected += gdn_io_names(i)[0] if kind == "linear_attention" else [f"past_key_{i}", f"past_value_{i}"]
     if [name for name, _ in inputs] != expected:
-        raise DFlashError(f"{graph} graph inputs do not match the manifest ({n} layers); the artifact is "
+        raise DFlashError(f"{graph} graph inputs do not match the manifest ({len(types)} layers); the artifact is "
                           "damaged, rebuild it with --batched")
-    if dict(inputs)["past_key_0"] != _ORT_TYPES[DTYPES[manifest["dtype"]]]:
+    first_kv = next(i for i, kind in enumerate(types) if kind != "linear_attention")
+    if dict(inputs)[f"past_key_{first_kv}"] != _ORT_TYPES[DTYPES[manifest["dtype"]]]:
         raise DFlashError(f"{graph} graph stores K/V in another dtype than the manifest's {manifest['dtype']}; rebuild")
 
 

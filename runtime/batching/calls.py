@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.backends.base import View
-from runtime.manifest import BATCHED_GRAPH
+from runtime.batching.states import SlotStates
+from runtime.manifest import BATCHED_GRAPH, layer_types
 
 
 @dataclass
@@ -61,8 +62,16 @@ class BatchedCalls:
         self.max_seq_len = int(manifest["max_seq_len"])
         hkv, d = int(sec["num_kv_heads"]), int(sec["head_dim"])
         self.cache_rows = self.max_seq_len * self.slots
+        kinds = layer_types(manifest["target"])
+        # K/V for the attention layers; a hybrid's Gated DeltaNet layers keep one state per slot instead
+        self.attention_layers = [i for i, kind in enumerate(kinds) if kind != "linear_attention"]
         self.kv = [(be.alloc(dtype, hkv, (self.cache_rows, d)), be.alloc(dtype, hkv, (self.cache_rows, d)))
-                   for _ in range(int(sec["num_layers"]))]
+                   for _ in self.attention_layers]
+        gdn_layers = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
+        # the most rows of one sequence in a call (a hybrid's delta rule takes at most max_call_rows)
+        self.sequence_rows = int(manifest["target"]["max_call_rows"]) if gdn_layers else None
+        self.states = SlotStates(be, gdn_layers, manifest["target"]["gdn"], self.slots, self.max_rows,
+                                 self.sequence_rows, dtype) if gdn_layers else None
         self.new_kv = [(be.alloc(dtype, self.max_rows, (hkv, d)), be.alloc(dtype, self.max_rows, (hkv, d))) for _ in self.kv]
         self.input_ids = be.alloc(np.int64, self.max_rows)
         self.past_lengths = be.alloc(np.int64, self.slots)
@@ -94,11 +103,29 @@ class BatchedCalls:
             self.run([SequenceRows(0, 3, [4, 5])])
             two = [self.backend.read(buf.rows(0, 1)) for pair in self.new_kv for buf in pair]
             self.pad_single_rows = not all(np.array_equal(a, b) for a, b in zip(one, two))
+            self.forget(0)
         return self.pad_single_rows
+
+    def forget(self, slot: int) -> None:
+        """A slot's rows will be prefilled from position 0: a hybrid's GDN state there is zeroed."""
+        if self.states is not None:
+            self.states.forget(slot)
+
+    def keep(self, slot: int, rows: int) -> int:
+        """The first `rows` cached rows of `slot` are reused: returns how many it can keep (a hybrid's
+        state keeps only a prefix ending within its pending rows, else none: `SlotStates.keep`)."""
+        return rows if self.states is None else self.states.keep(slot, rows)
+
+    def commit(self, index: int, rows: int) -> None:
+        """Sequence `index` of the last call committed its first `rows` rows (K/V need nothing: a length
+        update; a hybrid's GDN layers keep those rows' recorded inputs as the slot's pending rows)."""
+        if self.states is not None:
+            self.states.commit(index, rows)
 
     def run(self, batch: list[SequenceRows], keep_logits: bool = False) -> np.ndarray:
         """One call on `batch` (at most `slots` sequences, distinct slots, each past + len(ids) within
-        max_seq_len). Writes every new row's K/V to its slot and returns the posterior ids (int64, the
+        max_seq_len and, for a hybrid, len(ids) within :attr:`sequence_rows`; then :meth:`commit` each
+        sequence's committed rows). Writes every new row's K/V to its slot and returns the posterior ids (int64, the
         wanted rows of each sequence, in batch order). With `keep_logits` their fp32 logits rows are
         left in :attr:`logits` rows 0.. for the host (:meth:`read_logits`); with :attr:`features`, the
         taps of every row i * T + j (:attr:`rows_per_sequence` T) are left in :attr:`taps` and the
@@ -139,11 +166,15 @@ class BatchedCalls:
             outputs["logits"] = self.logits_buffer().rows(0, k)
         if self.features:
             outputs["next_embeddings"], outputs["taps"] = self.next_embeddings.rows(0, k), self.taps.rows(0, b * t)
-        for i, ((key, value), (new_k, new_v)) in enumerate(zip(self.kv, self.new_kv)):
+        if self.states is not None:
+            self.states.bind([s.slot for s in batch], t, inputs, outputs)
+        for i, (key, value), (new_k, new_v) in zip(self.attention_layers, self.kv, self.new_kv):
             inputs[f"past_key_{i}"], inputs[f"past_value_{i}"] = key.rows(0, key.capacity // key.row_elems), \
                 value.rows(0, value.capacity // value.row_elems)
             outputs[f"key_{i}"], outputs[f"value_{i}"] = new_k.rows(0, b * t), new_v.rows(0, b * t)
         be.run(BATCHED_GRAPH, inputs, outputs)
+        if self.states is not None:
+            self.states.after_call()
         src = np.array([i * t + j for i, s in enumerate(batch) for j in range(len(s.ids))], np.int64)
         dst = np.array([(s.past + j) * self.slots + s.slot for s in batch for j in range(len(s.ids))], np.int64)
         for (key, value), (new_k, new_v) in zip(self.kv, self.new_kv):

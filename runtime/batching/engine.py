@@ -112,6 +112,10 @@ class BatchEngine(PromptEncoding):
         self.calls.decide_row_padding()  # (before any slot holds a sequence: the probe writes slot 0)
         self.speculation = BatchSpeculation(self.calls, m, self.artifact_dir, max_batch, prefill_chunk, dtype) \
             if self.speculates else None
+        for slot in range(max_batch):  # (the probes above wrote the slots: a hybrid's states start from zero)
+            self.calls.forget(slot)
+        # a sequence's prompt rows per prefill call (a hybrid's delta rule takes at most max_call_rows)
+        self.sequence_chunk = min(prefill_chunk, self.calls.sequence_rows or prefill_chunk)
         self.slots = SlotTable(max_batch)
         self.cond = threading.Condition()
         self.waiting: deque[BatchedSequence] = deque()
@@ -270,6 +274,7 @@ class BatchEngine(PromptEncoding):
         while self.waiting and self.slots.free:
             seq = self.waiting.popleft()
             seq.slot, seq.reused = self.slots.take(seq.prompt, seq.opts.reuse_prefix)
+            seq.reused = self.calls.keep(seq.slot, seq.reused)
             seq.cached = seq.reused
             if self.speculation is not None:
                 self.speculation.drafts.reset(seq.slot, seq.reused)
@@ -303,12 +308,12 @@ class BatchEngine(PromptEncoding):
         prefilling = sorted((s for s in active if s.prefilling), key=lambda s: len(s.prompt) - s.cached)
         batch: list[BatchedSequence] = []
         for seq in prefilling:
-            rows = min(len(seq.prompt) - seq.cached, self.prefill_chunk)
+            rows = min(len(seq.prompt) - seq.cached, self.sequence_chunk)
             if batch and (len(batch) + 1) * rows > self.prefill_chunk:  # each sequence is padded to the longest
                 break
             batch.append(seq)
         if batch:
-            self._call(batch, [((), None)] * len(batch), self.prefill_chunk)
+            self._call(batch, [((), None)] * len(batch), self.sequence_chunk)
         decoding = [s for s in self.active if not s.prefilling and s not in batch]
         if decoding:
             spec, t0 = self.speculation, time.perf_counter()
@@ -351,6 +356,7 @@ class BatchEngine(PromptEncoding):
                     seq.acceptance.append(acc + 1)
                     outcomes.append((n, acc, None if probs is None else float(probs[0])))
             seq.cached += committed_rows
+            self.calls.commit(i, committed_rows)
             if self.speculation is not None:  # (the graph's posterior row acc embeds its id: the anchor)
                 anchor = self.calls.next_embeddings.rows(base + acc, 1) if tokens else None
                 self.speculation.keep(seq, self.calls.taps.rows(i * t, committed_rows), committed_rows, anchor,
