@@ -13,6 +13,7 @@ import tiny_models
 from hybrid_fixtures import VOCAB
 from shared_cache import shared_dir
 from test_batching import _drain, _oracle_drafts
+from test_trt_backend_double import doubles  # noqa: F401 (a fixture)
 
 import runtime
 from dflash_export.build import BuildOptions, build
@@ -111,3 +112,30 @@ def test_a_follow_up_reuses_its_slots_state(art):
         fresh = engine.generate([follow, branch], max_new_tokens=8, stop_token_ids=[], reuse_prefix=False)
     assert reused.output_ids == fresh[0].output_ids
     assert branched == fresh[1].output_ids
+
+
+def test_batched_hybrid_through_the_tensorrt_double(art, tmp_path_factory, doubles):  # noqa: F811
+    """The TensorRT backend's own code on the batched hybrid graph, through the test double (NOT TensorRT:
+    the double runs the ONNX graph with onnxruntime, refusing shapes outside the engine's profiles):
+    `engine --max-batch 2` gives profiles for the GDN states, pending rows and 64-row prefill chunks,
+    and the streams (a 70-token prompt, verified proposals) equal onnxruntime's."""
+    import shutil
+
+    from test_trt_backend_double import GPU, FakeTensorRT
+
+    from dflash_export.trt.engine import build_engines
+
+    out = tmp_path_factory.mktemp("trt_batched_hybrid") / "artifact"
+    shutil.copytree(art, out)
+    manifest = build_engines(out, precision="fp32", trt=FakeTensorRT("10.3.0.30"), gpu=GPU, quiet=True, max_batch=2)
+    prefill = next(p for p in manifest["trt"]["profiles"]["target_batched"] if p["name"] == "batched_prefill")
+    assert prefill["shapes"]["input_ids"][2] == [2, 64] and prefill["shapes"]["recurrent_state_0"][0][0] == 2
+    prompts = _prompts(4)[:3]
+    with BatchEngine(out, max_batch=2, backend="ort") as engine:
+        expected = _drain([engine.stream(p, max_new_tokens=10, stop_token_ids=[]) for p in prompts])
+    with BatchEngine(out, max_batch=2, backend="trt") as engine:
+        got = _drain([engine.stream(p, max_new_tokens=10, stop_token_ids=[]) for p in prompts])
+        verified = _drain([engine.stream(p, max_new_tokens=10, stop_token_ids=[], verify_len="all") for p in prompts])
+        assert engine.status()["speculative_steps"] > 0
+    assert got == expected
+    assert verified == expected

@@ -182,11 +182,18 @@ def batched_dim_ranges(manifest: dict, max_batch: int = DEFAULT_MAX_BATCH,
       sizes its activations for B * T = max_batch * prefill_chunk), L in [1, S + prefill_chunk], K and U
       up to max_batch;
     - both: the caches' rows fixed at S * max_batch (one slot per sequence: an engine serves exactly
-      `max_batch` slots).
+      `max_batch` slots); a hybrid's GDN states fixed at max_batch slots, its pending-row buffers at
+      max_batch x R rows, and P pending rows per sequence in [1, R] (R = max_call_rows, which also caps
+      a prefill chunk's rows per sequence).
     """
     S, mb, chunk = int(manifest["max_seq_len"]), int(max_batch), int(prefill_chunk)
     block = max(int(manifest["draft"]["block_size"]), 2)
     cache = {"cache_rows": (S * mb, S * mb, S * mb)}
+    limit = manifest["target"].get("max_call_rows")
+    if limit is not None:  # a hybrid (`nn.batched_hybrid`)
+        r = int(limit)
+        chunk = min(chunk, r)
+        cache.update(state_slots=(mb, mb, mb), pending_buffer=(mb * r, mb * r, mb * r), pending_rows=(1, 1, r))
     return [
         ("batched_decode", {"batch": _clamp(1, mb, mb), "rows_per_sequence": _clamp(1, 1, block),
                             "keys": _clamp(1, S // 2, S + block), "logit_rows": _clamp(1, mb, mb * block),
