@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from hybrid_fixtures import VOCAB
 
 TAPS = (0, 2, 3)

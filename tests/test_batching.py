@@ -428,13 +428,6 @@ def test_generate_takes_a_list_and_a_burst_fills_slots_before_the_queue(art):
 
 
 @pytest.mark.slow  # (the hybrid fixture's build; the fast set has no other user of it)
-def test_batched_build_refuses_a_hybrid_target_before_any_output(hybrid_pair, tmp_path):
-    out = tmp_path / "artifact"
-    with pytest.raises(DFlashError, match="--batched needs a Qwen3 or Llama target"):
-        build(BuildOptions(str(hybrid_pair.target_dir), out=out, batched=True, quiet=True))
-    assert not out.exists() and not list(tmp_path.iterdir())
-
-
 def test_requests_are_refused_as_the_session_refuses_them(art):
     """The batched engine checks block_size, verify_len, top_k and stop ids as `Session.check_request` does,
     with the same messages (the server answers a request alike whatever --max-batch)."""

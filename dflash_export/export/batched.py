@@ -49,7 +49,7 @@ def batched_hybrid_inputs(module) -> tuple:
     sizes, S=3 state slots, P=4 pending rows of M=24 buffer rows (sequences with 4 and 1 pending rows)."""
     s, dt = module.spec, module.compute_dtype
     args = batched_target_inputs_of(s.vocab_size, s.num_kv_heads, s.head_dim, 0, dt)
-    b, slots, p, m, c = 2, 3, 4, 24, 40
+    slots, m, c = 3, 24, 40  # (B=2 and P=4: the state inputs below)
     caches, dyn_caches = [], []
     B, T, L, K, U, C, P, M = _dims(batch=(1, 10), rows_per_sequence=(1, 6), keys=(1, 21), logit_rows=(1, 20),
                                    sampled_rows=(0, 20), cache_rows=(1, 30), pending_rows=(1, 6), pending_buffer=(1, 30))
