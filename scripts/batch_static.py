@@ -8,7 +8,10 @@ is a fixed verify_len). One JSON line per N, mode and round (with the share of d
 verified proposals).
 
     python scripts/batch_static.py ART [--batch 1,2,4,8] [--max-new-tokens 64] [--limit 2] [--threads 2]
-        [--modes auto] [--rounds 1]
+        [--modes auto] [--rounds 1] [--prompt-ids LEN]
+
+--prompt-ids LEN takes 2 x the largest N prompts of LEN random token ids (seeded) instead of the held-out
+texts: for artifacts without a tokenizer (random-weight checkpoints).
 
 ART must be built with `python -m dflash_export build --batched`.
 """
@@ -16,6 +19,8 @@ ART must be built with `python -m dflash_export build --batched`.
 import argparse
 import json
 import time
+
+import numpy as np
 
 from dflash_export.eval.bench import DEFAULT_EVAL, eval_prompts
 from runtime.batching import BatchEngine
@@ -30,12 +35,17 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--modes", default="auto", help="comma-separated: plain (block_size 1), auto, or a verify_len")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--prompt-ids", type=int, default=0, help="random token-id prompts of this length instead of texts")
     args = p.parse_args()
     modes = args.modes.split(",")
     batches = [int(b) for b in args.batch.split(",")]
-    texts = eval_prompts(DEFAULT_EVAL, args.limit)
+    if args.prompt_ids:
+        rng = np.random.default_rng(0)
+        texts = [[int(t) for t in rng.integers(100, 20000, size=args.prompt_ids)] for _ in range(2 * max(batches))]
+    else:
+        texts = eval_prompts(DEFAULT_EVAL, args.limit)
     with BatchEngine(args.artifact, max_batch=max(batches), threads=args.threads) as engine:
-        engine.generate([texts[0]], chat=True, max_new_tokens=4)  # warm-up
+        engine.generate([texts[0]], chat=isinstance(texts[0], str), max_new_tokens=4)  # warm-up
         for n in batches:
             for rnd in range(args.rounds):
                 for mode in (modes if rnd % 2 == 0 else modes[::-1]):
@@ -56,7 +66,7 @@ def _run(engine, texts: list[str], n: int, max_new_tokens: int, mode: str) -> di
     tokens = 0
     for i in range(0, len(texts), n):
         t0 = time.perf_counter()
-        handles = [engine.stream(t, chat=True, max_new_tokens=max_new_tokens, stop_token_ids=[], **options)
+        handles = [engine.stream(t, chat=isinstance(t, str), max_new_tokens=max_new_tokens, stop_token_ids=[], **options)
                    for t in texts[i:i + n]]
         firsts = []
         for h in handles:
