@@ -91,7 +91,24 @@ def load_manifest(artifact_dir: str | Path) -> dict[str, Any]:
         graph = artifact_dir / manifest[section]["graph"]
         if not graph.is_file():
             raise DFlashError(f"{artifact_dir}: {graph.name} is missing; the artifact is incomplete, rebuild it")
+    if is_hybrid(manifest):
+        _check_hybrid_fields(manifest["target"], path)
     return manifest
+
+
+# a hybrid target's sizes the runtime allocates its states by (`runtime.graphs.recurrent`, `runtime.batching.states`)
+_GDN_FIELDS = ("conv_kernel", "conv_dim", "num_value_heads", "key_head_dim", "value_head_dim")
+
+
+def _check_hybrid_fields(target: dict[str, Any], path: Path) -> None:
+    """Raise DFlashError unless a hybrid's `target.max_call_rows` and `target.gdn` sizes are positive integers."""
+    gdn = target.get("gdn")
+    fields = [("max_call_rows", target.get("max_call_rows"))]
+    fields += [(f"gdn.{k}", gdn.get(k) if isinstance(gdn, dict) else None) for k in _GDN_FIELDS]
+    for name, value in fields:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DFlashError(f"{path}: target.{name} is {value!r}, expected a positive integer (a hybrid target's "
+                              "state sizes); rebuild the artifact")
 
 
 def greedy_form_exported(manifest: dict[str, Any]) -> bool:

@@ -139,3 +139,21 @@ def test_batched_hybrid_through_the_tensorrt_double(art, tmp_path_factory, doubl
         assert engine.status()["speculative_steps"] > 0
     assert got == expected
     assert verified == expected
+
+
+@pytest.mark.parametrize("edit", ["no max_call_rows", "max_call_rows 0", "no gdn", "gdn.conv_dim 'x'"])
+def test_a_damaged_hybrid_manifest_is_one_clear_error(art, tmp_path, edit):
+    import shutil
+
+    from runtime.errors import DFlashError
+
+    out = tmp_path / "artifact"
+    shutil.copytree(art, out)
+    m = json.loads((out / "manifest.json").read_text())
+    t = m["target"]
+    {"no max_call_rows": lambda: t.pop("max_call_rows"), "max_call_rows 0": lambda: t.update(max_call_rows=0),
+     "no gdn": lambda: t.pop("gdn"), "gdn.conv_dim 'x'": lambda: t["gdn"].update(conv_dim="x")}[edit]()
+    (out / "manifest.json").write_text(json.dumps(m))
+    for load in (lambda: BatchEngine(out, max_batch=2), lambda: runtime.load(out)):
+        with pytest.raises(DFlashError, match=r"target\.(max_call_rows|gdn\.\w+) is .*positive integer"):
+            load()

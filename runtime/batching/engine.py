@@ -134,7 +134,7 @@ class BatchEngine(PromptEncoding):
 
         Args: as :meth:`runtime.Session.stream` (prompt or messages, chat, enable_thinking, and the
             :class:`runtime.options.GenerationOptions` fields). `verify_len`: "auto" (default: the
-            engine's policy), 0 (plain), an integer or "all"; a tree "L+A" verifies its chain of L.
+            engine's policy), an integer or "all"; a tree "L+A" verifies its chain of L.
             `block_size` 1 decodes plainly. Speculation never changes the output. `on_event`: see
             :class:`BatchedGeneration`.
 
