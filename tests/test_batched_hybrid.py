@@ -180,3 +180,44 @@ def test_in_the_graph_a_sequence_gets_the_same_floats_in_any_batch(modules, grap
                 assert np.array_equal(together[k][i * t: i * t + n], alone[k]), f"sequence {i} output {k}"
         base += n
     assert np.isfinite(together[1]).all()
+
+
+def test_the_replicated_batched_graph_is_the_full_trace(tmp_path):
+    """A 6-layer hybrid ([GDN, GDN, attention] x 2): the batched graph made from a traced 4-layer template
+    (`families.qwen3_5.batched_replication_layout`) is the one tracing every layer gives: the same
+    operators and wiring, the same weights, the same onnxruntime outputs bit for bit."""
+    import warnings
+
+    import onnxruntime as ort
+    import transformers
+    from graph_compare import assert_same_graph
+    from hybrid_fixtures import CONFIG
+
+    from dflash_export.export.batched import batched_hybrid_inputs, export_batched_hybrid
+    from dflash_export.export.graphs import ReplicationWarning
+    from dflash_export.families.qwen3_5 import batched_replication_layout
+    from dflash_export.nn import qwen3_5 as q35
+    from dflash_export.nn.batched_hybrid import BatchedHybridTarget
+    from dflash_export.nn.layers import load_weights
+
+    torch.manual_seed(1)
+    kinds = ["linear_attention", "linear_attention", "full_attention"] * 2
+    cfg = transformers.Qwen3_5TextConfig(**{**CONFIG, "num_hidden_layers": 6, "layer_types": kinds})
+    model = transformers.Qwen3_5ForCausalLM(cfg).eval()
+    with torch.no_grad():  # zero-centred norms start at zero: give every layer its own
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.2)
+    module = BatchedHybridTarget(q35.HybridSpec.from_config(cfg.to_dict()), (1, 3, 5)).eval()
+    load_weights(module, q35.text_state_dict(model.state_dict()), "6-layer hybrid")
+    full, replicated = tmp_path / "full.onnx", tmp_path / "replicated.onnx"
+    export_batched_hybrid(module, full, {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicationWarning)
+        export_batched_hybrid(module, replicated, {}, layout=batched_replication_layout(module))
+    assert_same_graph(full, replicated)
+    args, (names, _), _ = batched_hybrid_inputs(module)
+    feeds = {n: a.numpy() for n, a in zip(names, args)}
+    outs = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, feeds) for p in (full, replicated)]
+    for a, b in zip(*outs):
+        assert np.array_equal(a, b)

@@ -8,7 +8,12 @@ from pathlib import Path
 
 import torch
 
-from dflash_export.export.graphs import _trace, pack_and_rewrite, save_graph
+from dflash_export.export.graphs import (
+    _trace,
+    pack_and_rewrite,
+    save_graph,
+    traced_graph,
+)
 from dflash_export.nn.batched import batched_io_names
 from dflash_export.nn.batched_draft import batched_draft_io_names
 from dflash_export.nn.batched_hybrid import batched_hybrid_io_names
@@ -114,9 +119,15 @@ def export_batched_target(module, path: Path, readers: dict, rewrite=None, weigh
     _export_batched(module, batched_target_inputs(module), path, readers, rewrite, weights_of)
 
 
-def export_batched_hybrid(module, path: Path, readers: dict, rewrite=None, weights_of: Path | None = None) -> None:
-    """:func:`export_batched_target` for a BatchedHybridTarget (`weights_of`: the hybrid target graph)."""
-    _export_batched(module, batched_hybrid_inputs(module), path, readers, rewrite, weights_of)
+def export_batched_hybrid(module, path: Path, readers: dict, rewrite=None, weights_of: Path | None = None,
+                          layout=None) -> None:
+    """:func:`export_batched_target` for a BatchedHybridTarget (`weights_of`: the hybrid target graph).
+    With its `layout` (`export.replication.Layout`), a template's layers are traced and copied, as for
+    the one-sequence hybrid graph: Gated DeltaNet layers trace slowly."""
+    if layout is None:
+        _export_batched(module, batched_hybrid_inputs(module), path, readers, rewrite, weights_of)
+        return
+    _save_batched(traced_graph(module, readers, layout)[0], path, readers, rewrite, weights_of)
 
 
 def export_batched_draft(module, path: Path, readers: dict | None, rewrite=None, weights_of: Path | None = None) -> None:
@@ -126,7 +137,10 @@ def export_batched_draft(module, path: Path, readers: dict | None, rewrite=None,
 
 def _export_batched(module, inputs: tuple, path: Path, readers: dict, rewrite, weights_of: Path | None) -> None:
     args, names, dyn = inputs
-    model = _trace(module, args, names, dyn, readers)
+    _save_batched(_trace(module, args, names, dyn, readers), path, readers, rewrite, weights_of)
+
+
+def _save_batched(model, path: Path, readers: dict, rewrite, weights_of: Path | None) -> None:
     pack_and_rewrite(model, readers, rewrite)
     if weights_of is not None and _link_external_weights(model, Path(weights_of)):
         import onnx_ir as ir

@@ -148,10 +148,21 @@ def export_target(module, path: Path, readers: dict | None = None, progress: boo
         ValueError: an unknown `replicate`.
     """
 
+    readers = readers or {}
+    model, how = traced_graph(module, readers, layout or lr.dense_layout(module), replicate)
+    t0 = time.perf_counter()
+    _finish(model, path, readers, progress, rewrite)
+    if progress:
+        print(f"{Path(path).name}: {how}; packed and wrote it in {time.perf_counter() - t0:.1f}s",
+              file=sys.stderr, flush=True)
+
+
+def traced_graph(module, readers: dict, layout, replicate: str = "auto") -> tuple:
+    """The optimized graph of a target export module with its `layout` (`export.replication.Layout`): a
+    traced template's layers copied (`replicate` "auto": where the layout allows it, else every layer
+    traced, with a ReplicationWarning; "always": or raise; "never"), and a line saying how long it took."""
     if replicate not in ("auto", "always", "never"):
         raise ValueError(f"replicate must be auto, always or never (got {replicate!r})")
-    readers = readers or {}
-    layout = layout or lr.dense_layout(module)
     model = None
     if replicate != "never" and lr.replicable(module, layout):
         try:
@@ -165,11 +176,7 @@ def export_target(module, path: Path, readers: dict | None = None, progress: boo
         t0 = time.perf_counter()
         model = _trace(module, *layout.export_inputs(module), readers)
         how = f"traced and optimized {len(layout.kinds)} layers in {time.perf_counter() - t0:.1f}s"
-    t0 = time.perf_counter()
-    _finish(model, path, readers, progress, rewrite)
-    if progress:
-        print(f"{Path(path).name}: {how}; packed and wrote it in {time.perf_counter() - t0:.1f}s",
-              file=sys.stderr, flush=True)
+    return model, how
 
 
 def _replicated_target(module, readers: dict, layout) -> tuple:

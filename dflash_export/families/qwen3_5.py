@@ -44,7 +44,7 @@ from dflash_export.checkpoint.weights import (
     empty_module,
     load_module_weights,
 )
-from dflash_export.export.batched import export_batched_hybrid
+from dflash_export.export.batched import batched_hybrid_inputs, export_batched_hybrid
 from dflash_export.export.graphs import export_target
 from dflash_export.export.replication import Layout
 from dflash_export.families.dense import (
@@ -54,7 +54,7 @@ from dflash_export.families.dense import (
 )
 from dflash_export.families.registry import ExportedTarget, draft_proposes
 from dflash_export.families.shared import upcast_weights_on_use
-from dflash_export.nn.batched_hybrid import BatchedHybridTarget
+from dflash_export.nn.batched_hybrid import BatchedHybridTarget, batched_hybrid_io_names
 from dflash_export.nn.gated_delta import MAX_ROWS
 from dflash_export.nn.layers import TargetForExport
 from dflash_export.nn.qwen3_5 import (
@@ -190,6 +190,18 @@ def replication_layout(module: HybridDFlashTarget):
                   export_inputs=export_inputs, io_names=io_names, folded=folded_constants, whole=_derived_in_graph)
 
 
+def batched_replication_layout(module: BatchedHybridTarget):
+    """The batched hybrid's `export.replication.Layout`: `replication_layout`'s, traced and named as the
+    batched graph (`export.batched.batched_hybrid_inputs`)."""
+
+    def make_template(kinds, taps):
+        return BatchedHybridTarget(replace(module.spec, layer_types=tuple(kinds)), taps, module.compute_dtype)
+
+    return Layout(kinds=tuple(module.spec.layer_types), cache_names=cache_names, make_template=make_template,
+                  export_inputs=batched_hybrid_inputs, io_names=lambda m: batched_hybrid_io_names(m.spec.layer_types),
+                  folded=folded_constants, whole=_derived_in_graph)
+
+
 def folded_constants(layer) -> list[tuple[str, np.ndarray]]:
     """The constants the graph optimizer folds from a hybrid decoder layer's weights, as it computes them
     (numpy, in the parameters' dtypes): `1 + w` of each zero-centred norm (fp32), the conv kernel's K
@@ -278,7 +290,7 @@ def export_for_build(tspec: TargetSpec, dspec, source, path: Path, dtype: torch.
     if batched_path is not None:
         bmod, breaders = target_export_module(tspec, dspec, text, dtype, BatchedHybridTarget, _derived_in_graph, True)
         export_batched_hybrid(bmod, batched_path, breaders, streaming_rewrite(breaders, text, dtype, qconfig, names, None),
-                              weights_of=path)
+                              weights_of=path, layout=batched_replication_layout(bmod))
     return ExportedTarget(text.read_row("model.embed_tokens.weight", dspec.mask_token_id).float().numpy(), names,
                           head_config)
 

@@ -36,7 +36,12 @@ import torch
 from dflash_export.nn.batched import BATCHED_OUTPUTS, _attend, _posterior, key_layout
 from dflash_export.nn.gated_delta import MAX_ROWS, gated_delta_chunk
 from dflash_export.nn.layers import TargetForExport, rope_cos_sin
-from dflash_export.nn.qwen3_5 import GatedDeltaNet, Qwen35TargetForExport, cache_names
+from dflash_export.nn.qwen3_5 import (
+    GatedDeltaNet,
+    HybridDecoderLayer,
+    Qwen35TargetForExport,
+    cache_names,
+)
 from runtime.manifest import BATCHED_HYBRID_INPUTS, BATCHED_INPUTS
 
 
@@ -74,13 +79,21 @@ def _plus_zero_row(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(torch.cat([x, torch.zeros_like(x[:1])], dim=0) for x in xs)
 
 
-def batched_gdn(gdn: GatedDeltaNet, x, b: int, t: int, caches, slots, pending_index, pending_valid, tail_index):
+def _rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` (int64 `[n]`) of `table [N, ...]` -> `[n, ...]`, as one Gather (an Embedding) with no
+    node on the index: indices are shared by every layer, and a per-layer node on them (index_select's
+    Reshape) would be merged across layers, which layer replication cannot copy."""
+    return torch.nn.functional.embedding(index, table.reshape(table.shape[0], -1)).view(-1, *table.shape[1:])
+
+
+def batched_gdn(gdn: GatedDeltaNet, x, b: int, t: int, caches, slots, pending_rows, pending_valid, tail_index):
     """One GDN layer for B sequences of T rows (see the module docstring).
 
     Args:
         x: normed hidden `[B * T, d]`. caches: (conv_state `[S, K-1, C]`, recurrent_state fp32
             `[S, Hv, dk, dv]`, pending_qkv `[M, C]`, pending_a / pending_b `[M, Hv]`).
-        slots: int64 `[B]`. pending_index: int64 `[B, P]`. pending_valid: bool `[B, P]`.
+        slots: int64 `[B]`. pending_rows: int64 `[B * P]` (the flattened `pending_index`).
+        pending_valid: bool `[P, B, 1]`: whether pending row p of sequence b is one (not padding).
         tail_index: int64 `[B * (K-1)]`: rows of the flattened `[B * (K-1+P), C]` context that are each
             sequence's conv state after its pending rows.
 
@@ -88,22 +101,20 @@ def batched_gdn(gdn: GatedDeltaNet, x, b: int, t: int, caches, slots, pending_in
         (out `[B * T, d]`, conv_state_out `[B, K-1, C]`, recurrent_state_out `[B, Hv, dk, dv]`, qkv, a, b).
     """
     conv_state, rec_state, pend_qkv, pend_a, pend_b = caches
-    k1, hv, p = gdn.kernel - 1, gdn.num_v_heads, pending_index.shape[1]
-    flat = pending_index.reshape(-1)
-    conv = torch.index_select(conv_state, 0, slots)
-    pending = torch.index_select(pend_qkv, 0, flat).view(b, p, -1).to(conv.dtype)
+    k1, hv, p = gdn.kernel - 1, gdn.num_v_heads, pending_valid.shape[0]
+    conv = _rows(conv_state, slots)
+    pending = _rows(pend_qkv, pending_rows).view(b, p, -1).to(conv.dtype)
     context = torch.cat([conv, pending], dim=1)  # [B, K-1+P, C]
     _, k_p, v_p = _qkv_heads(gdn, gdn.conv(context.transpose(0, 1), p))
-    g_p, beta_p = gdn.gates(torch.index_select(pend_a, 0, flat), torch.index_select(pend_b, 0, flat))
-    valid = pending_valid.transpose(0, 1)[..., None]  # [P, B, 1]
+    g_p, beta_p = gdn.gates(_rows(pend_a, pending_rows), _rows(pend_b, pending_rows))
     zero = torch.zeros((), dtype=torch.float32)
-    g_p = torch.where(valid, _by_position(g_p, b, p), zero).reshape(p, b * hv)
-    beta_p = torch.where(valid, _by_position(beta_p, b, p), zero).reshape(p, b * hv)
-    state = torch.index_select(rec_state, 0, slots).to(torch.float32)
+    g_p = torch.where(pending_valid, _by_position(g_p, b, p), zero).reshape(p, b * hv)
+    beta_p = torch.where(pending_valid, _by_position(beta_p, b, p), zero).reshape(p, b * hv)
+    state = _rows(rec_state, slots).to(torch.float32)
     k_p, v_p, g_p, beta_p = _plus_zero_row(k_p, v_p, g_p, beta_p)
     _, state = gated_delta_chunk(None, k_p, v_p, g_p, beta_p, state.reshape(b * hv, *state.shape[2:]), outputs=False,
                                  padded=True)
-    conv_out = torch.index_select(context.reshape(-1, context.shape[-1]), 0, tail_index).view(b, k1, -1)
+    conv_out = _rows(context.reshape(-1, context.shape[-1]), tail_index).view(b, k1, -1)
     # the new rows, from the folded state; their own inputs are only recorded
     qkv, a, b_in = gdn.in_proj_qkv(x), gdn.in_proj_a(x), gdn.in_proj_b(x)
     rows = torch.cat([conv_out, qkv.view(b, t, -1).to(conv_out.dtype)], dim=1)
@@ -116,6 +127,27 @@ def batched_gdn(gdn: GatedDeltaNet, x, b: int, t: int, caches, slots, pending_in
     o = gdn.norm(o, z).reshape(b * t, hv * gdn.value_head_dim)
     new_state = state.view(b, hv, *state.shape[1:])
     return gdn.out_proj(o.to(gdn.out_proj.weight.dtype)), conv_out, new_state, qkv, a, b_in
+
+
+class BatchedHybridLayer(HybridDecoderLayer):
+    """A hybrid decoder layer over B sequences: its own module call, so the exporter scopes its nodes by
+    layer (`model.layers.j`) and layer replication can copy a traced template's layers."""
+
+    def forward(self, h, cache, b: int, t: int, rope, tables, state_tables):
+        """`h [B * T, d]`, this layer's cache inputs -> (`h`, its outputs). `rope`: (cos, sin) per row;
+        `tables`: (`key_layout`'s cache index and places, the attention bias, key ones); `state_tables`:
+        (state slots, pending index, pending validity, conv tail index) of `batched_gdn`."""
+        x = self.input_layernorm(h)
+        if self.layer_type == "linear_attention":
+            mixed, *outs = batched_gdn(self.linear_attn, x, b, t, cache, *state_tables)
+        else:
+            attn = self.self_attn
+            q, gate = attn.query(x, *rope)
+            k, v = attn.key_value(x, *rope)
+            out = _attend(attn, q, cache[0], cache[1], k, v, tables[:2], tables[2], tables[3], b, t)
+            mixed, outs = attn.o_proj(out * torch.sigmoid(gate)), [k, v]
+        h = h + mixed
+        return h + self.mlp(self.post_attention_layernorm(h)), outs
 
 
 class BatchedHybridTarget(Qwen35TargetForExport):
@@ -133,6 +165,8 @@ class BatchedHybridTarget(Qwen35TargetForExport):
         self.register_buffer("draft_vocab", None, persistent=False)
         self.register_buffer("draft_head", None, persistent=False)
         self.compute_dtype = dtype
+        for layer in self.model.layers:  # the same parameters, the batched forward
+            layer.__class__ = BatchedHybridLayer
 
     def forward(self, input_ids, past_lengths, key_index, logit_rows, temperature, uniform,
                 state_slots, pending_index, pending_lengths, *caches):
@@ -147,29 +181,20 @@ class BatchedHybridTarget(Qwen35TargetForExport):
         lowest = torch.finfo(torch.float32).min
         bias = torch.where(tables[-1], torch.zeros((), dtype=torch.float32), torch.full((), lowest))
         bias = bias.repeat(1, attn0.num_heads // attn0.num_kv_heads, 1)
-        key_ones = torch.ones(key_index.shape[1], 16, dtype=torch.float32)
+        tables = (*tables[:2], bias, torch.ones(key_index.shape[1], 16, dtype=torch.float32))
         p = pending_index.shape[1]
         steps = torch.arange(p, dtype=torch.int64)
         pending_valid = steps[None, :] < pending_lengths[:, None]
         k1 = spec.conv_kernel - 1
         tail = torch.arange(b, dtype=torch.int64)[:, None] * (k1 + p) + pending_lengths[:, None] \
             + torch.arange(k1, dtype=torch.int64)[None, :]
+        # (every table shared by the layers is made here, outside them: replication copies a layer's nodes)
+        state_tables = (state_slots, pending_index.reshape(-1), pending_valid.transpose(0, 1)[..., None], tail.reshape(-1))
         h = self.model.embed_tokens(input_ids.reshape(-1))
         taps, new = {}, []
         for i, layer in enumerate(self.model.layers):
             cache = caches[self.cache_offsets[i]: self.cache_offsets[i + 1]]
-            x = layer.input_layernorm(h)
-            if layer.layer_type == "linear_attention":
-                mixed, *outs = batched_gdn(layer.linear_attn, x, b, t, cache, state_slots, pending_index,
-                                           pending_valid, tail.reshape(-1))
-            else:
-                attn = layer.self_attn
-                q, gate = attn.query(x, cos, sin)
-                k, v = attn.key_value(x, cos, sin)
-                out = _attend(attn, q, cache[0], cache[1], k, v, tables[:2], bias, key_ones, b, t)
-                mixed, outs = attn.o_proj(out * torch.sigmoid(gate)), [k, v]
-            h = h + mixed
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h, outs = layer(h, cache, b, t, (cos, sin), tables, state_tables)
             new += outs
             if i in self.tap_layers and i != spec.num_layers - 1:
                 taps[i] = h
