@@ -193,7 +193,10 @@ def test_the_replicated_batched_graph_is_the_full_trace(tmp_path):
     from graph_compare import assert_same_graph
     from hybrid_fixtures import CONFIG
 
-    from dflash_export.export.batched import batched_hybrid_inputs, export_batched_hybrid
+    from dflash_export.export.batched import (
+        batched_hybrid_inputs,
+        export_batched_hybrid,
+    )
     from dflash_export.export.graphs import ReplicationWarning
     from dflash_export.families.qwen3_5 import batched_replication_layout
     from dflash_export.nn import qwen3_5 as q35
