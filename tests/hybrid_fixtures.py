@@ -18,6 +18,26 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
 
 
+# six layers whose first attention layer is not the replication template's (layer 1)
+SIX_LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention"] * 2
+
+
+def six_layer_model():
+    """A seeded random 6-layer Qwen3_5ForCausalLM (`SIX_LAYER_TYPES`) with distinct norms, conv kernels
+    and decays per layer (zero-centred norms start at zero: each layer gets its own)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(1)
+    cfg = transformers.Qwen3_5TextConfig(**{**CONFIG, "num_hidden_layers": 6, "layer_types": SIX_LAYER_TYPES})
+    model = transformers.Qwen3_5ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.2)
+    return model
+
+
 @dataclass
 class HybridPair:
     model: object  # the transformers Qwen3_5ForCausalLM (eager attention), the numerical reference
@@ -40,7 +60,6 @@ def make_hybrid(tmp_path_factory) -> HybridPair:
 
     import torch
     import transformers
-
     from shared_cache import shared_dir
 
     def make(root: Path) -> None:
@@ -69,8 +88,8 @@ def streamed_build(target: Path, out: Path) -> tuple[dict, list]:
     from collections import Counter
     from unittest import mock
 
-    from dflash_export.checkpoint import weights
     from dflash_export.build import BuildOptions, build
+    from dflash_export.checkpoint import weights
 
     reads, streamed = Counter(), []
     read, bind = weights.WeightSource.read, weights.bind_weights

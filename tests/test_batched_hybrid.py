@@ -189,9 +189,8 @@ def test_the_replicated_batched_graph_is_the_full_trace(tmp_path):
     import warnings
 
     import onnxruntime as ort
-    import transformers
     from graph_compare import assert_same_graph
-    from hybrid_fixtures import CONFIG
+    from hybrid_fixtures import six_layer_model
 
     from dflash_export.export.batched import (
         batched_hybrid_inputs,
@@ -203,15 +202,8 @@ def test_the_replicated_batched_graph_is_the_full_trace(tmp_path):
     from dflash_export.nn.batched_hybrid import BatchedHybridTarget
     from dflash_export.nn.layers import load_weights
 
-    torch.manual_seed(1)
-    kinds = ["linear_attention", "linear_attention", "full_attention"] * 2
-    cfg = transformers.Qwen3_5TextConfig(**{**CONFIG, "num_hidden_layers": 6, "layer_types": kinds})
-    model = transformers.Qwen3_5ForCausalLM(cfg).eval()
-    with torch.no_grad():  # zero-centred norms start at zero: give every layer its own
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.2)
-    module = BatchedHybridTarget(q35.HybridSpec.from_config(cfg.to_dict()), (1, 3, 5)).eval()
+    model = six_layer_model()
+    module = BatchedHybridTarget(q35.HybridSpec.from_config(model.config.to_dict()), (1, 3, 5)).eval()
     load_weights(module, q35.text_state_dict(model.state_dict()), "6-layer hybrid")
     full, replicated = tmp_path / "full.onnx", tmp_path / "replicated.onnx"
     export_batched_hybrid(module, full, {})

@@ -10,19 +10,17 @@ import warnings
 
 import onnx
 import pytest
-
 import tiny_models
-from dflash_export.export import graphs as export_mod
-from dflash_export.export import replication as layer_replication
-from dflash_export.checkpoint import weights as weights_mod
-from dflash_export.build import BuildOptions, build
-from dflash_export.export.graphs import ReplicationWarning
 from graph_compare import assert_same_graph, run_both
-from hybrid_fixtures import CONFIG, VOCAB
+from hybrid_fixtures import VOCAB, six_layer_model
 from int4_fusion import assert_int4_fused
 
-# the first attention layer is not the template's (layer 1): lengths read from its caches are remapped
-LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention"] * 2
+from dflash_export.build import BuildOptions, build
+from dflash_export.checkpoint import weights as weights_mod
+from dflash_export.export import graphs as export_mod
+from dflash_export.export import replication as layer_replication
+from dflash_export.export.graphs import ReplicationWarning
+
 MATRICES = {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
             "down_proj"}
 
@@ -30,16 +28,7 @@ MATRICES = {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj"
 @pytest.fixture(scope="module")
 def six_layer_hybrid(tmp_path_factory):
     """A random 6-layer Qwen3_5ForCausalLM checkpoint with distinct norms, conv kernels and decays per layer."""
-    import torch
-    import transformers
-
-    torch.manual_seed(1)
-    cfg = transformers.Qwen3_5TextConfig(**{**CONFIG, "num_hidden_layers": 6, "layer_types": LAYER_TYPES})
-    model = transformers.Qwen3_5ForCausalLM(cfg).eval()
-    with torch.no_grad():  # zero-centred norms start at zero: give every layer its own
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.2)
+    model = six_layer_model()
     root = tmp_path_factory.mktemp("hybrid_replication")
     model.save_pretrained(root / "target", safe_serialization=True)
     return root / "target"

@@ -104,14 +104,40 @@ def bound_bytes(weight_bytes: int) -> int:
     return int(1.25 * weight_bytes) + GIB
 
 
+# Runs `python -m MODULE ARGS` and, at exit, writes the process's own peak RSS (VmHWM, in KiB) to a file.
+# The kernel's ru_maxrss of a child is no good here: at exec it keeps the high-water mark of the memory
+# the child was forked with, i.e. the parent's size (a test worker holding models reads as that).
+_PEAK_WRAPPER = """
+import atexit, runpy, sys
+out = sys.argv.pop(1)
+def record_peak():
+    with open("/proc/self/status") as f:
+        kib = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
+    with open(out, "w") as f:
+        f.write(kib)
+atexit.register(record_peak)
+module = sys.argv.pop(1)
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
 def run_measured(cmd: list[str], log: Path) -> tuple[int, float, int]:
-    """Run `cmd`; returns (exit status, wall seconds, peak RSS bytes of that child alone)."""
+    """Run `cmd` (`[python, "-m", module, *args]`); returns (exit status, wall seconds, peak RSS bytes of
+    that process alone: its VmHWM where /proc has one, else the kernel's ru_maxrss)."""
+    peak_file = Path(log).with_suffix(".peak")
+    peak_file.unlink(missing_ok=True)
+    wrapped = cmd
+    if len(cmd) > 2 and cmd[1] == "-m" and Path("/proc/self/status").is_file():
+        wrapped = [cmd[0], "-c", _PEAK_WRAPPER, str(peak_file), *cmd[2:]]
     t0 = time.perf_counter()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(wrapped, stdout=out, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, time.perf_counter() - t0, usage.ru_maxrss * 1024  # ru_maxrss is in KiB on Linux
+    peak = usage.ru_maxrss * 1024  # ru_maxrss is in KiB on Linux
+    if peak_file.is_file():
+        peak = int(peak_file.read_text()) * 1024
+    return proc.returncode, time.perf_counter() - t0, peak
 
 
 def dir_bytes(path: Path) -> int:
