@@ -41,6 +41,9 @@ def cmd_build(args) -> int:
 
         manifest = build_engines(Path(args.out), precision=args.precision)
     print(build_summary(manifest, Path(args.out)))
+    if not (Path(args.out) / "tokenizer" / "tokenizer.json").is_file():
+        print("note: the target has no tokenizer files: the artifact takes token ids (`generate --prompt-ids`, "
+              "Python), and `serve` needs a tokenizer", file=sys.stderr)
     if not manifest["draft"]["trained"]:
         print("note: the draft is UNTRAINED (deterministic random init): output is exact but few proposals are "
               "accepted; pass --draft DIR for a trained draft", file=sys.stderr)
