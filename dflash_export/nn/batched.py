@@ -72,6 +72,16 @@ def key_layout(past_lengths: torch.Tensor, key_index: torch.Tensor, cache_rows: 
     return cached, places, visible
 
 
+def attention_tables(past_lengths: torch.Tensor, key_index: torch.Tensor, cache_rows: int, attn, rows: int) -> tuple:
+    """What every attention layer of a batched call shares (`_attend`'s `tables`): `key_layout`'s cache
+    index and new-row places, the additive bias fp32 `[B, group * T, L]` (0 where visible, the fp32
+    minimum elsewhere; rows ordered (head in group, t), as the queries) and key ones fp32 `[L, 16]`."""
+    cached, places, visible = key_layout(past_lengths, key_index, cache_rows, attn.num_kv_heads, rows)
+    bias = torch.where(visible, torch.zeros((), dtype=torch.float32), torch.full((), torch.finfo(torch.float32).min))
+    bias = bias.repeat(1, attn.num_heads // attn.num_kv_heads, 1)
+    return cached, places, bias, torch.ones(key_index.shape[1], 16, dtype=torch.float32)
+
+
 class BatchedTarget(TargetForExport):
     """`TargetForExport`'s decoder and LM head over B sequences (see the module docstring). Dense
     families only (Qwen3 / Llama). It holds no proposal head: a sequence's proposals are ids (its draft
@@ -80,17 +90,11 @@ class BatchedTarget(TargetForExport):
     def forward(self, input_ids, past_lengths, key_index, logit_rows, temperature, uniform, *past):
         b, t = input_ids.shape
         attn0 = self.model.layers[0].self_attn
-        group = attn0.num_heads // attn0.num_kv_heads
         positions = (past_lengths[:, None] + torch.arange(t, dtype=torch.int64)[None, :]).reshape(-1)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
         rot = rope_matrix(cos, sin)
         rot_q = rot * attn0.scale
-        tables = key_layout(past_lengths, key_index, past[0].shape[1], attn0.num_kv_heads, t)
-        visible = tables[-1]
-        lowest = torch.finfo(torch.float32).min
-        bias = torch.where(visible, torch.zeros((), dtype=torch.float32), torch.full((), lowest))
-        bias = bias.repeat(1, group, 1)  # [B, group * T, L]: rows ordered (head in group, t), as the queries
-        key_ones = torch.ones(key_index.shape[1], 16, dtype=torch.float32)
+        tables = attention_tables(past_lengths, key_index, past[0].shape[1], attn0, t)
         h = self.model.embed_tokens(input_ids.reshape(-1))
         new_kv, taps = [], {}
         for li, layer in enumerate(self.model.layers):
@@ -98,7 +102,7 @@ class BatchedTarget(TargetForExport):
             q = layer.self_attn.query(x, rot_q, None)
             k, v = layer.self_attn.key_value(x, rot, None)
             i = len(new_kv)
-            out = _attend(layer.self_attn, q, past[i], past[i + 1], k, v, tables[:2], bias, key_ones, b, t)
+            out = _attend(layer.self_attn, q, past[i], past[i + 1], k, v, tables, b, t)
             h = h + layer.self_attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             new_kv += [k, v]
@@ -111,13 +115,13 @@ class BatchedTarget(TargetForExport):
         return (next_ids, logits, self.model.embed_tokens(next_ids), self.tap_features(taps, final), *new_kv)
 
 
-def _attend(attn, q, past_k, past_v, k, v, tables, bias, key_ones, b: int, t: int) -> torch.Tensor:
+def _attend(attn, q, past_k, past_v, k, v, tables, b: int, t: int) -> torch.Tensor:
     """Split-invariant attention (`nn.layers._split_invariant_values`) of `q [B * T, H, D]` over each
-    sequence's keys: its cache rows and its new rows, in the order `tables` (`key_layout`) gives.
+    sequence's keys: its cache rows and its new rows, in the order `tables` (`attention_tables`) gives.
     Returns `[B * T, H * D]`."""
     hkv, d = attn.num_kv_heads, attn.head_dim
     g = attn.num_heads // hkv
-    cached, places = tables
+    cached, places, bias, key_ones = tables
     n_keys = key_ones.shape[0]
 
     def arranged(cache, rows):  # -> [Hkv, B, L, D]: the cache rows, the new rows written in their places

@@ -33,7 +33,12 @@ from __future__ import annotations
 
 import torch
 
-from dflash_export.nn.batched import BATCHED_OUTPUTS, _attend, _posterior, key_layout
+from dflash_export.nn.batched import (
+    BATCHED_OUTPUTS,
+    _attend,
+    _posterior,
+    attention_tables,
+)
 from dflash_export.nn.gated_delta import MAX_ROWS, gated_delta_chunk
 from dflash_export.nn.layers import TargetForExport, rope_cos_sin
 from dflash_export.nn.qwen3_5 import (
@@ -135,8 +140,8 @@ class BatchedHybridLayer(HybridDecoderLayer):
 
     def forward(self, h, cache, b: int, t: int, rope, tables, state_tables):
         """`h [B * T, d]`, this layer's cache inputs -> (`h`, its outputs). `rope`: (cos, sin) per row;
-        `tables`: (`key_layout`'s cache index and places, the attention bias, key ones); `state_tables`:
-        (state slots, pending index, pending validity, conv tail index) of `batched_gdn`."""
+        `tables`: `nn.batched.attention_tables`; `state_tables`: `batched_gdn`'s slots, pending_rows,
+        pending_valid and tail_index."""
         x = self.input_layernorm(h)
         if self.layer_type == "linear_attention":
             mixed, *outs = batched_gdn(self.linear_attn, x, b, t, cache, *state_tables)
@@ -144,7 +149,7 @@ class BatchedHybridLayer(HybridDecoderLayer):
             attn = self.self_attn
             q, gate = attn.query(x, *rope)
             k, v = attn.key_value(x, *rope)
-            out = _attend(attn, q, cache[0], cache[1], k, v, tables[:2], tables[2], tables[3], b, t)
+            out = _attend(attn, q, cache[0], cache[1], k, v, tables, b, t)
             mixed, outs = attn.o_proj(out * torch.sigmoid(gate)), [k, v]
         h = h + mixed
         return h + self.mlp(self.post_attention_layernorm(h)), outs
@@ -177,11 +182,7 @@ class BatchedHybridTarget(Qwen35TargetForExport):
         cos, sin = rope_cos_sin(positions, self.inv_freq, 1.0)
         first = caches[self.cache_offsets[self.first_attention]]
         attn0 = self.model.layers[self.first_attention].self_attn
-        tables = key_layout(past_lengths, key_index, first.shape[1], attn0.num_kv_heads, t)
-        lowest = torch.finfo(torch.float32).min
-        bias = torch.where(tables[-1], torch.zeros((), dtype=torch.float32), torch.full((), lowest))
-        bias = bias.repeat(1, attn0.num_heads // attn0.num_kv_heads, 1)
-        tables = (*tables[:2], bias, torch.ones(key_index.shape[1], 16, dtype=torch.float32))
+        tables = attention_tables(past_lengths, key_index, first.shape[1], attn0, t)
         p = pending_index.shape[1]
         steps = torch.arange(p, dtype=torch.int64)
         pending_valid = steps[None, :] < pending_lengths[:, None]

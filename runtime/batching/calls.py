@@ -94,7 +94,7 @@ class BatchedCalls:
     def decide_row_padding(self) -> bool:
         """Pad one-row calls only where the backend rounds activations to int8 and a one-row call gives
         its row other floats than a two-row call (`runtime.graphs.row_exact`'s probe, on slot 0, whose
-        cached ids the caller forgets). Returns the decision."""
+        cached ids and state the caller forgets). Returns the decision."""
         self.pad_single_rows = False
         if getattr(self.backend, "int8_activations", False) and self.max_seq_len >= 5:
             self.run([SequenceRows(0, 0, [1, 2, 3])])
@@ -103,7 +103,6 @@ class BatchedCalls:
             self.run([SequenceRows(0, 3, [4, 5])])
             two = [self.backend.read(buf.rows(0, 1)) for pair in self.new_kv for buf in pair]
             self.pad_single_rows = not all(np.array_equal(a, b) for a, b in zip(one, two))
-            self.forget(0)
         return self.pad_single_rows
 
     def forget(self, slot: int) -> None:
