@@ -323,6 +323,11 @@ def _tool_versions() -> dict:
     return versions
 
 
+def _shared_weights(tmp: Path, graph: str) -> str:
+    """Where a batched graph's weights live: its one-sequence graph's data file, or inline (a small model)."""
+    return f"{graph}.onnx's data file" if (tmp / f"{graph}.onnx.data").exists() else "inline, a copy of the one-sequence graph's"
+
+
 def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, checks, tok_info, tmp: Path,
               hashes: dict[str, dict[str, str]]) -> dict:
     a, da = tspec.arch, dspec.arch
@@ -372,9 +377,9 @@ def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, che
         "graph_checks": checks,
         **({"target_batched": {"graph": "target_batched.onnx", "num_layers": a.num_layers, "num_kv_heads": a.num_kv_heads,
                                "head_dim": a.head_dim, "hidden_size": a.hidden_size, "vocab_size": tspec.vocab_size,
-                               "weights": "target.onnx's data file", "draft_features": True}}
+                               "weights": _shared_weights(tmp, "target"), "draft_features": True}}
            if "target_batched" in checks else {}),
-        **({"draft_batched": {"graph": "draft_batched.onnx", "weights": "draft.onnx's data file"}}
+        **({"draft_batched": {"graph": "draft_batched.onnx", "weights": _shared_weights(tmp, "draft")}}
            if "draft_batched" in checks else {}),
         "sources": sources,
         "tools": _tool_versions(),

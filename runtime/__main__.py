@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=None,
                    help="generations decoded at once (needs an artifact built with --batched; default: "
                         f"{DEFAULT_MAX_BATCH} for such artifacts, else 1: one at a time, with speculative decoding)")
-    s.add_argument("--model-name", help="the model id clients use (default: the target checkpoint's name)")
+    s.add_argument("--model-name", help="the model id clients use (default: the target's name; for a local checkpoint, the artifact directory's)")
     s.add_argument("--max-connections", type=int, default=64,
                    help="open connections beyond this get 503 at once (default: 64; see the README's Serving limits)")
     s.set_defaults(func=cmd_serve)

@@ -273,6 +273,9 @@ def test_manifest_records_the_batched_graph_and_its_checks(art):
     assert m["draft_batched"]["graph"] == "draft_batched.onnx"
     for graph in ("target_batched", "draft_batched"):
         assert graph in m["graph_checks"] and "Loop" not in m["graph_checks"][graph]["ops"]
+        # the tiny model's one-sequence graphs keep their weights inline: no data file to share
+        assert not (art / f"{graph.split('_')[0]}.onnx.data").exists()
+        assert m[graph]["weights"] == "inline, a copy of the one-sequence graph's"
 
 
 @pytest.mark.parametrize("graph", ["target_batched", "draft_batched"])

@@ -382,6 +382,14 @@ def test_text_without_tokenizer_or_template(qwen, tmp_path):
     with pytest.raises(DFlashError, match="has no tokenizer; pass token ids"):
         sess.generate("t5 t6", max_new_tokens=2)
     assert sess.generate([5, 6], max_new_tokens=2, stop_token_ids=[]).text is None
+    with pytest.raises(DFlashError, match="no tokenizer; pass stop_token_ids instead"):
+        sess.generate([5, 6], max_new_tokens=2, stop=["t7"])  # stop strings match text, which it cannot make
+
+
+@pytest.mark.parametrize("threads", [0, -3, 1.5, True, "2"])
+def test_bad_thread_count(qwen, threads):
+    with pytest.raises(DFlashError, match=f"threads must be a positive integer, or None for all cores; got {threads!r}"):
+        runtime.load(qwen.artifact, threads=threads)
 
 
 def test_target_weights_that_do_not_match_the_config_are_refused_up_front(ckpt, tmp_path):

@@ -17,16 +17,15 @@ def make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | N
     TensorRT or CUDA) are imported only when chosen.
 
     Raises:
-        DFlashError: an unknown name, or the backend's own load errors.
+        DFlashError: an unknown name, `threads` neither None nor a positive integer, or the backend's
+            own load errors.
     """
-
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise DFlashError(f"threads must be a positive integer, or None for all cores; got {threads!r}")
     if name == "ort":
-
         return OrtBackend(artifact_dir, manifest, threads=threads, int4_accuracy_level=int4_accuracy_level, graphs=graphs)
     if name == "trt":  # TensorRT and CUDA are imported only here
-
         return TrtBackend(artifact_dir, manifest, graphs=graphs)
     if name == "ort-cuda":
-
         return OrtCudaBackend(artifact_dir, manifest, threads=threads, graphs=graphs)
     raise DFlashError(f"unknown backend {name!r}; available: ort, ort-cuda, trt")
