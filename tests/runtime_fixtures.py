@@ -136,6 +136,28 @@ def ctxfree_mask_id(target_dir: Path) -> int:
     return int(fixed[-1])
 
 
+DECODING_PROMPTS = ([5, 6, 7], [1, 40, 33, 12, 90, 7, 61, 18], [3])
+REFERENCE_TOKENS = 48  # length of the plain-greedy reference continuations
+
+
+def greedy_reference(pair: Pair):
+    """`ref(prompt, n=None)`: the plain-greedy continuation (block_size 1, no stop ids) of `prompt` on the
+    pair's artifact itself, `n` tokens (default: 48, or what fits), computed once per prompt and n."""
+    import runtime
+
+    sess = runtime.load(pair.artifact)
+    cache = {}
+
+    def ref(prompt, n=None):
+        n = min(REFERENCE_TOKENS, pair.max_seq_len - len(prompt)) if n is None else n
+        key = (tuple(prompt), n)
+        if key not in cache:
+            cache[key] = sess.generate(list(prompt), max_new_tokens=n, stop_token_ids=[], block_size=1).output_ids
+        return cache[key]
+
+    return ref
+
+
 def artifact(kind: str, tmp_path_factory) -> Pair:
     """The built artifact of `kind` (exported once per test run, shared by the xdist workers)."""
     if kind in _ARTIFACTS:

@@ -13,7 +13,7 @@ import tiny_models
 from hybrid_fixtures import VOCAB
 from shared_cache import shared_dir
 from test_batching import _drain, _oracle_drafts
-from test_trt_backend_double import doubles  # noqa: F401 (a fixture)
+from trt_doubles import doubles  # noqa: F401 (a fixture)
 
 import runtime
 from dflash_export.build import BuildOptions, build
@@ -121,7 +121,7 @@ def test_batched_hybrid_through_the_tensorrt_double(art, tmp_path_factory, doubl
     and the streams (a 70-token prompt, verified proposals) equal onnxruntime's."""
     import shutil
 
-    from test_trt_backend_double import GPU, FakeTensorRT
+    from trt_doubles import GPU, FakeTensorRT
 
     from dflash_export.trt.engine import build_engines
 

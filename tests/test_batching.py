@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import runtime_fixtures as rf
 from shared_cache import shared_dir
-from test_trt_backend_double import doubles  # noqa: F401 (a fixture)
+from trt_doubles import doubles  # noqa: F401 (a fixture)
 
 import runtime
 from dflash_export.build import BuildOptions, build
@@ -311,7 +311,7 @@ def test_batched_engine_through_the_tensorrt_double(art, tmp_path_factory, doubl
     call the engine makes (verify steps of a whole block included), and the streams equal onnxruntime's."""
     import shutil
 
-    from test_trt_backend_double import GPU, FakeTensorRT
+    from trt_doubles import GPU, FakeTensorRT
 
 
     out = tmp_path_factory.mktemp("trt_batched") / "artifact"

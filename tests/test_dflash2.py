@@ -14,7 +14,7 @@ import runtime_fixtures as rf
 import tiny_models
 import torch
 from dflash2_reference import F64, Reference, rms
-from test_trt_backend_double import GPU, FakeTensorRT, doubles  # noqa: F401 - `doubles` is a fixture
+from trt_doubles import GPU, FakeTensorRT, doubles  # noqa: F401 - `doubles` is a fixture
 
 import runtime
 from dflash_export.build import BuildOptions, build
@@ -306,10 +306,10 @@ def test_check_compares_the_selector_with_the_pytorch_module(dense, tmp_path, ca
 
 
 # ---- TensorRT (a test double only: nothing ran on TensorRT here) ----------------------------------
-@pytest.mark.slow  # engines through the double; fast: test_trt_backend_double.py
+@pytest.mark.slow  # engines through the double; fast: test_trt_backend_double.py (doubles: trt_doubles.py)
 def test_tensorrt_path_through_the_test_double(dense, tmp_path, doubles):  # noqa: F811
     """The engine builder's profiles (a fixed block, the anchor input) and the TensorRT backend's bindings,
-    through `test_trt_backend_double`'s TensorRT and CUDA doubles (onnxruntime executes the "engines"):
+    through `trt_doubles`'s TensorRT and CUDA doubles (onnxruntime executes the "engines"):
     the same steps and output as onnxruntime, greedy and sampled."""
     import shutil
 

@@ -2,7 +2,7 @@
 
 THIS IS NOT TENSORRT VERIFICATION: dflash_export/engine.py and runtime/trt_backend.py are written
 against TensorRT's documented Python API (10.3 through 11.x) and run here only against
-`FakeTensorRT` / `FakeCuda` (tests/test_trt_backend_double.py), which execute the "engines" with
+`FakeTensorRT` / `FakeCuda` (tests/trt_doubles.py), which execute the "engines" with
 onnxruntime on their ONNX graphs. What this checks for hybrids: `build_engines` writes profiles for
 the state and pending-row inputs (static state shapes, pending rows 0 at prefill and up to
 max_call_rows otherwise, T + N <= max_call_rows at every corner, the attention layer's K/V under its
@@ -26,7 +26,7 @@ import shutil
 import numpy as np
 import pytest
 
-from test_trt_backend_double import GPU, FakeTensorRT, doubles  # noqa: F401 - `doubles` is a fixture
+from trt_doubles import GPU, FakeTensorRT, doubles  # noqa: F401 - `doubles` is a fixture
 
 from hybrid_fixtures import VOCAB, oracle_draft
 from test_profiles import _record  # records each backend call's input/output shapes
@@ -188,7 +188,7 @@ def test_recurrent_state_dtype_is_checked(hybrid, doubles, monkeypatch):  # noqa
     """An engine whose recurrent state is not fp32 (the manifest's dtype) is refused at load, and a
     buffer of another dtype bound to it is refused before the engine runs."""
     import runtime
-    import test_trt_backend_double as d
+    import trt_doubles as d
     from runtime.errors import DFlashError
 
     out, _, _ = hybrid

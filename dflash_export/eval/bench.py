@@ -9,7 +9,7 @@ step costs auto chose from, the verify-cost curve, and decode tokens/s at long p
 are wrapped in the model's chat template as one user turn when it has one. Writes `bench.json` and
 `bench.png`.
 
-Instead of that report, one of these modes (each in its own module):
+Instead of that report, one of these modes (each in its own module; the report itself is built in `dflash_export.eval.bench_report`):
 
 - `--ab ARMS`: plain against policy arms, interleaved in one process, with rounds, bootstrap intervals
   and an A/A control (`dflash_export.eval.ab`); writes `ab.json`.
@@ -26,13 +26,19 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
 
 from dflash_export.build import prepare_pair
 from dflash_export.eval import ab, draft_ranks, replay
+from dflash_export.eval.bench_report import (
+    plot,
+    positional_acceptance,
+    print_table,
+    summarise,
+    timing,
+)
 from dflash_export.eval.torch_loop import torch_spec_generate
 from dflash_export.eval.verify_costs import (
     DEFAULT_PAST_LEN,
@@ -91,21 +97,6 @@ def parse_policies(text: str, block_size: int) -> list[str]:
             raise DFlashError(f"--policies entry {label!r} must be auto, a verify length from 1 to block size - 1 = "
                               f"{block_size - 1}, or a verify tree L+A (A from 1 to 3, e.g. 1+3)")
     return labels
-
-
-def positional_acceptance(steps: list[dict]) -> list[float]:
-    """P(proposal j accepted | proposals 0..j-1 accepted), j = 0.., from `record_steps` steps: the
-    draft's, so lookup steps (`runtime.speculation.lookup`) are left out."""
-    reached, accepted = Counter(), Counter()
-    for s in steps:
-        if s.get("lookup"):
-            continue
-        n = len(s["proposed"])
-        for j in range(min(s["accepted"] + 1, n)):
-            reached[j] += 1
-            if j < s["accepted"]:
-                accepted[j] += 1
-    return [accepted[j] / reached[j] if reached[j] else 0.0 for j in range(max(reached) + 1 if reached else 0)]
 
 
 def _check_args(args, sess) -> int:
@@ -318,17 +309,17 @@ def _run_report(args, sess, b: int, policies: list[str], past_lengths: list[int]
     sess.generate([1, 2, 3], max_new_tokens=4, stop_token_ids=[], block_size=b, verify_len=max(b - 1, 1), reuse_prefix=False)  # warm-up
     rows = [_bench_prompt(sess, p, ids, args, b, policies, torch_ctx) for p, ids in zip(prompts, encoded)]
     curve = verify_cost_curve(sess)
-    report = _summarise(rows, curve, b, policies, args, sess)
+    report = summarise(rows, curve, b, policies, args, sess)
     if costs is not None:
         report["step_costs"] = {"step_ms": costs.step_ms, "past_len": costs.past_len, "seconds_to_load_or_measure": costs_s}
     if past_lengths:
         report["long_context"] = long_context(sess, encoded, past_lengths, b)
     # written whole: a kill mid-write must not leave a truncated bench.json beside an older bench.png
     (out / ".bench.json.tmp").write_text(json.dumps(report, indent=2))
-    _plot(report, out / ".bench.tmp.png")
+    plot(report, out / ".bench.tmp.png")
     (out / ".bench.json.tmp").replace(out / "bench.json")
     (out / ".bench.tmp.png").replace(out / "bench.png")
-    _print_table(report)
+    print_table(report)
     print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
     _warn_inversions(report["verify_cost_curve"])
     return 0
@@ -337,13 +328,13 @@ def _run_report(args, sess, b: int, policies: list[str], past_lengths: list[int]
 def _bench_prompt(sess, p: dict, ids: list[int], args, b: int, policies: list[str], torch_ctx) -> dict:
     """Plain, then every policy, on one prompt (interleaved per prompt, so drifting load hits all alike)."""
     plain = sess.generate(ids, max_new_tokens=args.max_new_tokens, block_size=1, reuse_prefix=False)
-    row = {"id": p["id"], "category": p["category"], "prompt_tokens": len(ids), "plain": _timing(plain), "policies": {}}
+    row = {"id": p["id"], "category": p["category"], "prompt_tokens": len(ids), "plain": timing(plain), "policies": {}}
     for label in policies:
         res = sess.generate(ids, max_new_tokens=args.max_new_tokens, block_size=b, record_steps=True,
                             verify_len=None if label == "auto" else label if "+" in label else int(label),
                             reuse_prefix=False)
         row["policies"][label] = {
-            **_timing(res),
+            **timing(res),
             "lossless_match": res.output_ids == plain.output_ids,
             "acceptance_lengths": res.acceptance_lengths,
             "tau": res.tau,
@@ -379,142 +370,6 @@ def long_context(sess, encoded: list[list[int]], past_lengths: list[int], b: int
                     "auto_tokens_per_s": spec.decode_tokens_per_s, "auto_tau": spec.tau,
                     "lossless_match": spec.output_ids == plain.output_ids})
     return out
-
-
-def _timing(res) -> dict:
-    decode = res.draft_s + res.verify_s + res.host_s
-    return {
-        "tokens": len(res.output_ids),
-        "tokens_per_s": res.tokens_per_s,
-        "decode_tokens_per_s": res.decode_tokens_per_s,
-        "prefill_s": res.prefill_s,
-        "draft_s": res.draft_s,
-        "verify_s": res.verify_s,
-        "host_s": res.host_s,
-        "host_fraction": res.host_s / decode if decode else 0.0,
-        "steps": len(res.acceptance_lengths) if res.acceptance_lengths else max(len(res.output_ids) - 1, 0),
-    }
-
-
-def _decode_s(t: dict) -> float:
-    return t["draft_s"] + t["verify_s"] + t["host_s"]
-
-
-def _aggregate(subset: list[dict], policies: list[str]) -> dict:
-    """Totals over prompts: tokens after the first / decode time, per policy, and the speedups."""
-    plain_t = sum(_decode_s(r["plain"]) for r in subset)
-    plain_rate = sum(r["plain"]["tokens"] - 1 for r in subset) / plain_t if plain_t else 0.0
-    out = {"prompts": len(subset), "plain_tokens_per_s": plain_rate, "plain_prefill_s_mean": float(np.mean([r["plain"]["prefill_s"] for r in subset])), "policies": {}}
-    for label in policies:
-        runs = [r["policies"][label] for r in subset]
-        t = sum(_decode_s(x) for x in runs)
-        rate = sum(x["tokens"] - 1 for x in runs) / t if t else 0.0
-        acc = [a for x in runs for a in x["acceptance_lengths"]]
-        lens = [n for x in runs for n in x["verify_lens"]]
-        out["policies"][label] = {
-            "tokens_per_s": rate,
-            "speedup": rate / plain_rate if plain_rate else 0.0,
-            "tau": float(np.mean(acc)) if acc else 1.0,
-            "plain_step_fraction": lens.count(0) / len(lens) if lens else 0.0,
-            "lookup_step_fraction": sum(x["lookup_steps"] for x in runs) / len(lens) if lens else 0.0,
-            "mean_verify_len": float(np.mean(lens)) if lens else 0.0,
-            "draft_fraction": sum(x["draft_s"] for x in runs) / t if t else 0.0,
-            "verify_fraction": sum(x["verify_s"] for x in runs) / t if t else 0.0,
-            "host_fraction": sum(x["host_s"] for x in runs) / t if t else 0.0,
-            "lossless_matches": sum(x["lossless_match"] for x in runs),
-        }
-    if subset and "torch" in subset[0]:
-        torch_t = sum(r["torch"]["seconds"] for r in subset)
-        n = sum(r["plain"]["tokens"] for r in subset)
-        spec_total = sum(r["plain"]["tokens"] / r["torch"]["spec_tokens_per_s"] for r in subset if r["torch"]["spec_tokens_per_s"])
-        out["torch_loop_tokens_per_s"] = n / torch_t if torch_t else 0.0
-        out["spec_end_to_end_tokens_per_s"] = n / spec_total if spec_total else 0.0
-        out["speedup_vs_torch_loop"] = out["spec_end_to_end_tokens_per_s"] / out["torch_loop_tokens_per_s"] if out["torch_loop_tokens_per_s"] else 0.0
-    return out
-
-
-def _summarise(rows, curve, b, policies, args, sess) -> dict:
-    cats = defaultdict(list)
-    for r in rows:
-        cats[r["category"]].append(r)
-    full = str(b - 1) if str(b - 1) in policies else None  # positional acceptance needs full verification
-    pos = defaultdict(list)
-    for r in rows:
-        for j, v in enumerate(r["policies"][full]["positional_acceptance"] if full else []):
-            pos[j].append(v)
-    first = policies[0] if policies else None
-    hist = Counter(a for r in rows for a in (r["policies"][first]["acceptance_lengths"] if first else []))
-    return {
-        "artifact": str(args.artifact),
-        "backend": args.backend,
-        "block_size": b,
-        "policies": policies,
-        "max_new_tokens": args.max_new_tokens,
-        "draft_trained": sess.manifest["draft"]["trained"],
-        "overall": _aggregate(rows, policies),
-        "by_category": {c: _aggregate(v, policies) for c, v in sorted(cats.items())},
-        "tau_histogram": {"policy": first, **{int(k): v for k, v in sorted(hist.items())}},
-        "positional_acceptance": [float(np.mean(pos[j])) for j in sorted(pos)],
-        "verify_cost_curve": curve,
-        "prompts": rows,
-    }
-
-
-def _print_table(report: dict) -> None:
-    policies = report["policies"]
-    print(f"\n{'category':<18}{'n':>4}{'plain tok/s':>13}" + "".join(f"{'x ' + p:>10}" for p in policies)
-          + (f"{'tau auto':>10}{'plain %':>9}" if "auto" in policies else ""))
-    for name, s in [*report["by_category"].items(), ("overall", report["overall"])]:
-        line = f"{name:<18}{s['prompts']:>4}{s['plain_tokens_per_s']:>13.1f}"
-        line += "".join(f"{s['policies'][p]['speedup']:>10.2f}" for p in policies)
-        if "auto" in policies:
-            a = s["policies"]["auto"]
-            line += f"{a['tau']:>10.2f}{100 * a['plain_step_fraction']:>9.1f}"
-        print(line)
-    o = report["overall"]
-    bad = {p: o["prompts"] - v["lossless_matches"] for p, v in o["policies"].items() if v["lossless_matches"] < o["prompts"]}
-    print("speculative == plain on every prompt" if not bad else f"speculative != plain on some prompts: {bad}")
-    if "torch_loop_tokens_per_s" in o:
-        print(f"PyTorch loop {o['torch_loop_tokens_per_s']:.1f} tok/s vs this runtime {o['spec_end_to_end_tokens_per_s']:.1f} tok/s "
-              f"(x{o['speedup_vs_torch_loop']:.2f}, end to end incl. prefill)")
-    if "step_costs" in report:
-        c = report["step_costs"]
-        print("auto's step costs (ms) by proposals verified: " + ", ".join(f"{n}:{v:.1f}" for n, v in c["step_ms"].items())
-              + f" (past {c['past_len']}; loaded or measured in {c['seconds_to_load_or_measure']:.2f} s)")
-    c = report["verify_cost_curve"]
-    print("target call (ms) by proposals verified: " + ", ".join(f"{n}:{v:.1f}" for n, v in c["verify_ms"].items())
-          + f"; draft call {c['draft_ms']:.1f} ms ({c.get('draft_1row_ms', c['draft_ms']):.1f} ms for 1 row)")
-    for row in report.get("long_context", []):
-        print(f"past {row['past_len']:>5}: plain {row['plain_tokens_per_s']:.1f} tok/s ({row['plain_ms_per_step']:.1f} ms/step), "
-              f"auto {row['auto_tokens_per_s']:.1f} tok/s (tau {row['auto_tau']:.2f})")
-
-
-def _plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    hist = {k: v for k, v in report["tau_histogram"].items() if k != "policy"}
-    axes[0].bar(list(hist.keys()), list(hist.values()))
-    axes[0].set(title=f"tokens per step ({report['tau_histogram']['policy']})", xlabel="acc + 1", ylabel="steps")
-    cats = list(report["by_category"])
-    width = 0.8 / max(len(report["policies"]), 1)
-    for i, pol in enumerate(report["policies"]):
-        axes[1].bar([c + i * width for c in range(len(cats))], [report["by_category"][c]["policies"][pol]["speedup"] for c in cats],
-                    width, label=pol)
-    axes[1].set_xticks(range(len(cats)), cats, rotation=30)
-    axes[1].axhline(1.0, color="gray", lw=0.8)
-    if report["policies"]:
-        axes[1].legend(title="verify")
-    axes[1].set(title="speedup over plain decoding", ylabel="x")
-    curve = report["verify_cost_curve"]
-    axes[2].plot([int(k) for k in curve["verify_ms"]], list(curve["verify_ms"].values()), marker="o")
-    axes[2].set(title=f"target call cost (past {curve['past_len']})", xlabel="proposals verified", ylabel="ms")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _torch_baseline(sess):
