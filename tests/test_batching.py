@@ -334,6 +334,9 @@ def test_batched_engine_through_the_tensorrt_double(art, tmp_path_factory, doubl
         assert engine.status()["speculative_steps"] > 0 and engine.speculation.drafts.calls > 0
     assert got == expected
     assert verified == greedy
+    # each new K/V row reaches its slot in one strided copy per layer and kind (all heads at once)
+    layers = int(manifest["target"]["num_layers"])
+    assert doubles["cuda"].copies_2d > 0 and doubles["cuda"].copies_2d % (2 * layers) == 0
 
 
 def test_callbacks_that_raise_or_close_do_not_stop_the_scheduler(art):

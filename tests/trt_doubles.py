@@ -29,6 +29,8 @@ class FakeCuda:
     def __init__(self):
         self.blocks: dict[int, np.ndarray] = {}
         self.copies = {1: 0, 2: 0, 3: 0}
+        self.copies_2d = 0
+        self.handle = _FakeCudart(self)  # the libcudart functions the backend calls directly
 
     def malloc(self, nbytes):
         raw = np.zeros(nbytes + ALIGN, np.uint8)
@@ -59,6 +61,26 @@ class FakeCuda:
 
     def destroy_stream(self, ptr):
         pass
+
+
+class _FakeCudart:
+    """`wrapper().handle`: libcudart's cudaMemcpy2DAsync (and cudaGetDeviceCount) on host memory."""
+
+    def __init__(self, cuda: FakeCuda):
+        self.cuda = cuda
+
+    def cudaGetDeviceCount(self, *args):
+        return 0
+
+    def cudaMemcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):
+        dst, src = dst.value, src.value
+        dpitch, spitch, width, height = dpitch.value, spitch.value, width.value, height.value
+        assert kind.value == 3 and stream.value == 0xC0DE and width <= min(dpitch, spitch)
+        for i in range(height):  # each destination and source row must lie in a device allocation
+            assert self.cuda.is_device(dst + i * dpitch, width) and self.cuda.is_device(src + i * spitch, width)
+            ctypes.memmove(dst + i * dpitch, src + i * spitch, width)
+        self.cuda.copies_2d += 1
+        return 0
 
 
 class _Enum:

@@ -211,6 +211,22 @@ class CudaMemoryBackend(Backend):
             raise ValueError(f"copy of {src.shape} {src.buffer.dtype} into {dst.shape} {dst.buffer.dtype}")
         self._memcpy(dst.buffer.address(dst), src.buffer.address(src), src.size * src.buffer.dtype.itemsize, D2D)
 
+    def scatter_heads(self, dst: Buffer, rows: np.ndarray, src: View, src_rows: np.ndarray) -> None:
+        """One strided copy (cudaMemcpy2DAsync) per row, all heads at once: the row's `[H, D]` block in
+        `src` to row `rows[i]` of each head of `dst`. The base class's copy per row and head would be
+        36 layers x 2 x 8 heads = 576 calls per decoded token of a Qwen3-8B batch."""
+        heads, d = src.shape[1], src.shape[2]
+        item = src.buffer.dtype.itemsize
+        per_head = dst.capacity // heads * item  # bytes between heads in the head-major cache
+        src_base = src.buffer.address(src)
+        for row, s in zip(np.asarray(rows).tolist(), np.asarray(src_rows).tolist()):
+            status = self.cuda.handle.cudaMemcpy2DAsync(
+                ctypes.c_void_p(dst.ptr + int(row) * d * item), ctypes.c_size_t(per_head),
+                ctypes.c_void_p(src_base + int(s) * heads * d * item), ctypes.c_size_t(d * item),
+                ctypes.c_size_t(d * item), ctypes.c_size_t(heads), ctypes.c_int(D2D), ctypes.c_void_p(self.stream))
+            if status:
+                raise DFlashError(f"cudaMemcpy2DAsync failed with CUDA error {status} while writing new K/V rows")
+
     def synchronize(self) -> None:
         self.cuda.stream_synchronize(self.stream)
 
