@@ -382,7 +382,7 @@ def test_text_without_tokenizer_or_template(qwen, tmp_path):
     with pytest.raises(DFlashError, match="has no tokenizer; pass token ids"):
         sess.generate("t5 t6", max_new_tokens=2)
     assert sess.generate([5, 6], max_new_tokens=2, stop_token_ids=[]).text is None
-    with pytest.raises(DFlashError, match="no tokenizer; pass stop_token_ids instead"):
+    with pytest.raises(DFlashError, match=r"has no tokenizer: drop them \(--stop\), or end replies at token ids with stop_token_ids"):
         sess.generate([5, 6], max_new_tokens=2, stop=["t7"])  # stop strings match text, which it cannot make
 
 

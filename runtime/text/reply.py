@@ -29,8 +29,8 @@ class ReplyText:
 
     def __init__(self, decode: Callable[[list[int]], str] | None, stop: Sequence[str], stop_ids: set[int]):
         if decode is None and stop:
-            raise DFlashError("stop strings are matched on the reply's text and this artifact has no tokenizer; "
-                              "pass stop_token_ids instead")
+            raise DFlashError("stop strings are matched on the reply's text and this artifact has no tokenizer: "
+                              "drop them (--stop), or end replies at token ids with stop_token_ids")
         self.incremental = IncrementalText(decode) if decode is not None else None
         self.stops = StopStrings(stop)
         self.stop_ids = stop_ids
