@@ -6,7 +6,7 @@ M x t(1) / t(M) bounds what batching M sequences can gain on INT4 weights.
 
     python scripts/int4_rows_cost.py [--shapes 576x1536,2048x6144] [--threads 2] [--block 32] [--bits 4]
         [--levels 4,1,0]
-    python scripts/int4_rows_cost.py --artifact ART [--batch 1,4,8] [--rounds 5]
+    python scripts/int4_rows_cost.py --artifact ART [--batch 1,4,8] [--rounds 5] [--providers P,...]
 
 --artifact ART (an INT4 artifact built with --batched) times all of its target's INT4 matrices (every
 layer's and the LM head, its own weights) as one call at each batch size's rows, and the batched engine's
@@ -38,7 +38,7 @@ def int4_matmul(k: int, n: int, block: int = 32, bits: int = 4) -> bytes:
     graph = helper.make_graph(nodes, "int4_matmul", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
                               initializer=[w, scales, zero])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]).SerializeToString()
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10).SerializeToString()
 
 
 def artifact_matrices(artifact: Path, workdir: Path) -> tuple[Path, dict[int, int]]:
@@ -68,7 +68,7 @@ def artifact_matrices(artifact: Path, workdir: Path) -> tuple[Path, dict[int, in
         if t.data_location == TensorProto.EXTERNAL:
             load_external_data_for_tensor(t, str(artifact))
     path = workdir / "matrices.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(path),
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10), str(path),
               save_as_external_data=True, location="matrices.onnx.data")
     return path, widths
 
@@ -86,15 +86,18 @@ def timed_calls(sess, feeds: dict, rounds: int) -> float:
     return sorted(per)[len(per) // 2]
 
 
-def engine_steps(artifact: Path, batches: list[int], rounds: int, threads: int) -> dict[int, float]:
+def engine_steps(artifact: Path, batches: list[int], rounds: int, threads: int, providers: list[str]) -> dict[int, float]:
     """Median seconds per plain decoding step of the batched engine at each batch size (static batches
-    of 100-token random-id prompts, 48 new tokens each, no stop ids)."""
+    of 100-token random-id prompts, 48 new tokens each, no stop ids), on onnxruntime's `providers`."""
+    from runtime.backends.ort import OrtBackend
     from runtime.batching import BatchEngine
+    from runtime.manifest import BATCHED_GRAPH, load_manifest
 
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(100, 20000, size=100)] for _ in range(max(batches))]
     steps: dict[int, list[float]] = {b: [] for b in batches}
-    with BatchEngine(artifact, max_batch=max(batches), threads=threads) as engine:
+    backend = OrtBackend(artifact, load_manifest(artifact), providers=providers, threads=threads, graphs=(BATCHED_GRAPH,))
+    with BatchEngine(artifact, max_batch=max(batches), backend=backend, speculation=False) as engine:
         engine.generate(prompts[:1], max_new_tokens=4)
         for _ in range(rounds):
             for b in batches:
@@ -109,20 +112,20 @@ def engine_steps(artifact: Path, batches: list[int], rounds: int, threads: int) 
     return {b: sorted(v)[len(v) // 2] for b, v in steps.items()}
 
 
-def artifact_bound(artifact: Path, batches: list[int], rounds: int, threads: int) -> None:
+def artifact_bound(artifact: Path, batches: list[int], rounds: int, threads: int, providers: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path, widths = artifact_matrices(artifact, Path(tmp))
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4")
-        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(str(path), opts, providers=providers)
         rng = np.random.default_rng(1)
         matrices = {b: timed_calls(sess, {f"x_{k}": rng.standard_normal((b, k)).astype(np.float32) for k in widths}, rounds)
                     for b in batches}
         del sess
     print(f"{sum(widths.values())} INT4 matrices (input widths {widths}), one call, ms at "
           + ", ".join(f"{b} rows: {matrices[b] * 1e3:.2f}" for b in batches), flush=True)
-    step = engine_steps(artifact, batches, rounds, threads)
+    step = engine_steps(artifact, batches, rounds, threads, providers)
     one = step[batches[0]]
     for b in batches:
         bound = b * one / (one + matrices[b] - matrices[batches[0]])
@@ -140,9 +143,13 @@ def main() -> int:
     p.add_argument("--block", type=int, default=32, help="quantization block along K")
     p.add_argument("--bits", type=int, choices=(4, 8), default=4, help="8: the same INT4 values in uint8 weights")
     p.add_argument("--levels", default="4,1,0", help="accuracy levels to time")
+    p.add_argument("--providers", default="CPUExecutionProvider",
+                   help="onnxruntime execution providers, comma-separated (e.g. OpenVINOExecutionProvider,"
+                        "CPUExecutionProvider where onnxruntime-openvino is installed)")
     args = p.parse_args()
+    providers = args.providers.split(",")
     if args.artifact:
-        artifact_bound(args.artifact, [int(b) for b in args.batch.split(",")], args.rounds, args.threads)
+        artifact_bound(args.artifact, [int(b) for b in args.batch.split(",")], args.rounds, args.threads, providers)
         return 0
     for shape in args.shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))
@@ -151,7 +158,7 @@ def main() -> int:
             opts = ort.SessionOptions()
             opts.intra_op_num_threads = args.threads
             opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
-            sess = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+            sess = ort.InferenceSession(model, opts, providers=providers)
             micros = []
             for m in (1, 4, 8):
                 x = np.random.default_rng(1).standard_normal((m, k)).astype(np.float32)
