@@ -7,6 +7,7 @@ M x t(1) / t(M) bounds what batching M sequences can gain on INT4 weights.
     python scripts/int4_rows_cost.py [--shapes 576x1536,2048x6144] [--threads 2] [--block 32] [--bits 4]
         [--levels 4,1,0]
     python scripts/int4_rows_cost.py --artifact ART [--batch 1,4,8] [--rounds 5] [--providers P,...]
+        [--key-bucket N] [--greedy-reductions]
 
 --artifact ART (an INT4 artifact built with --batched) times all of its target's INT4 matrices (every
 layer's and the LM head, its own weights) as one call at each batch size's rows, and the batched engine's
@@ -15,6 +16,7 @@ nothing but those matrices grew with the rows: N x step(1) / (step(1) + matrices
 """
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -86,9 +88,41 @@ def timed_calls(sess, feeds: dict, rounds: int) -> float:
     return sorted(per)[len(per) // 2]
 
 
-def engine_steps(artifact: Path, batches: list[int], rounds: int, threads: int, providers: list[str]) -> dict[int, float]:
+def greedy_as_reductions(artifact: Path, workdir: Path) -> Path:
+    """A copy of `artifact` whose batched graph picks greedy ids with ReduceMax, Equal, Where and ReduceMin
+    (the first index of the maximum, as ArgMax) instead of ArgMax, which OpenVINO runs as a TopK that
+    is slow on several rows. Returns the copy's path."""
+    import shutil
+
+    import onnx
+    from onnx import numpy_helper
+
+    out = workdir / "artifact"
+    shutil.copytree(artifact, out)
+    model = onnx.load(str(out / "target_batched.onnx"), load_external_data=False)
+    graph = model.graph
+    i = next(k for k, n in enumerate(graph.node) if n.op_type == "ArgMax")
+    node = graph.node[i]
+    vocab = int(json.loads((artifact / "manifest.json").read_text())["target"]["vocab_size"])
+    graph.initializer.extend([numpy_helper.from_array(np.arange(vocab, dtype=np.int64), "greedy_ids"),
+                              numpy_helper.from_array(np.array([vocab - 1], np.int64), "greedy_last"),
+                              numpy_helper.from_array(np.array([-1], np.int64), "greedy_axis")])
+    logits, ids = node.input[0], node.output[0]
+    del graph.node[i]
+    for k, n in enumerate([helper.make_node("ReduceMax", [logits, "greedy_axis"], ["greedy_max"], keepdims=1),
+                           helper.make_node("Equal", [logits, "greedy_max"], ["greedy_is_max"]),
+                           helper.make_node("Where", ["greedy_is_max", "greedy_ids", "greedy_last"], ["greedy_where"]),
+                           helper.make_node("ReduceMin", ["greedy_where", "greedy_axis"], [ids], keepdims=0)]):
+        graph.node.insert(i + k, n)
+    onnx.save(model, str(out / "target_batched.onnx"))
+    return out
+
+
+def engine_steps(artifact: Path, batches: list[int], rounds: int, threads: int, providers: list[str],
+                 key_bucket: int = 1) -> dict[int, float]:
     """Median seconds per plain decoding step of the batched engine at each batch size (static batches
-    of 100-token random-id prompts, 48 new tokens each, no stop ids), on onnxruntime's `providers`."""
+    of 100-token random-id prompts, 48 new tokens each, no stop ids), on onnxruntime's `providers`, each
+    call's keys rounded up to a multiple of `key_bucket`."""
     from runtime.backends.ort import OrtBackend
     from runtime.batching import BatchEngine
     from runtime.manifest import BATCHED_GRAPH, load_manifest
@@ -98,6 +132,7 @@ def engine_steps(artifact: Path, batches: list[int], rounds: int, threads: int, 
     steps: dict[int, list[float]] = {b: [] for b in batches}
     backend = OrtBackend(artifact, load_manifest(artifact), providers=providers, threads=threads, graphs=(BATCHED_GRAPH,))
     with BatchEngine(artifact, max_batch=max(batches), backend=backend, speculation=False) as engine:
+        engine.calls.key_bucket = key_bucket
         engine.generate(prompts[:1], max_new_tokens=4)
         for _ in range(rounds):
             for b in batches:
@@ -112,7 +147,8 @@ def engine_steps(artifact: Path, batches: list[int], rounds: int, threads: int, 
     return {b: sorted(v)[len(v) // 2] for b, v in steps.items()}
 
 
-def artifact_bound(artifact: Path, batches: list[int], rounds: int, threads: int, providers: list[str]) -> None:
+def artifact_bound(artifact: Path, batches: list[int], rounds: int, threads: int, providers: list[str],
+                   key_bucket: int = 1, reductions: bool = False) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path, widths = artifact_matrices(artifact, Path(tmp))
         opts = ort.SessionOptions()
@@ -125,7 +161,9 @@ def artifact_bound(artifact: Path, batches: list[int], rounds: int, threads: int
         del sess
     print(f"{sum(widths.values())} INT4 matrices (input widths {widths}), one call, ms at "
           + ", ".join(f"{b} rows: {matrices[b] * 1e3:.2f}" for b in batches), flush=True)
-    step = engine_steps(artifact, batches, rounds, threads, providers)
+    with tempfile.TemporaryDirectory() as tmp:
+        stepped = greedy_as_reductions(artifact, Path(tmp)) if reductions else artifact
+        step = engine_steps(stepped, batches, rounds, threads, providers, key_bucket)
     one = step[batches[0]]
     for b in batches:
         bound = b * one / (one + matrices[b] - matrices[batches[0]])
@@ -146,10 +184,14 @@ def main() -> int:
     p.add_argument("--providers", default="CPUExecutionProvider",
                    help="onnxruntime execution providers, comma-separated (e.g. OpenVINOExecutionProvider,"
                         "CPUExecutionProvider where onnxruntime-openvino is installed)")
+    p.add_argument("--key-bucket", type=int, default=1, help="round each call's keys up to a multiple of this")
+    p.add_argument("--greedy-reductions", action="store_true",
+                   help="time a copy whose batched graph picks greedy ids without ArgMax (see greedy_as_reductions)")
     args = p.parse_args()
     providers = args.providers.split(",")
     if args.artifact:
-        artifact_bound(args.artifact, [int(b) for b in args.batch.split(",")], args.rounds, args.threads, providers)
+        artifact_bound(args.artifact, [int(b) for b in args.batch.split(",")], args.rounds, args.threads, providers,
+                       args.key_bucket, args.greedy_reductions)
         return 0
     for shape in args.shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))

@@ -106,6 +106,25 @@ def test_seeded_sampling_equals_batch1_in_a_mixed_batch(art):
     assert len({tuple(g) for g in got}) == len(got)
 
 
+def test_key_bucket_pads_keys_without_changing_a_token(art):
+    """Rounding each call's keys up to a multiple of 16 (masked padding keys, `BatchedCalls.key_bucket`)
+    gives the same greedy and seeded streams as the exact key count."""
+    prompts = _prompts(3)[:5]
+    lengths = [12, 30, 5, 20, 9]
+    runs, keys = [], []
+    for bucket in (1, 16):
+        with BatchEngine(art, max_batch=3, prefill_chunk=8) as engine:
+            engine.calls.key_bucket = bucket
+            seen, run = [], engine.backend.run
+            engine.backend.run = lambda graph, inputs, outputs: (
+                seen.append(inputs["key_index"].shape[1]) if graph == "target_batched" else None, run(graph, inputs, outputs))
+            runs.append(_drain([engine.stream(p, max_new_tokens=n, stop_token_ids=[], temperature=0.8 * (i % 2), seed=i)
+                                for i, (p, n) in enumerate(zip(prompts, lengths))]))
+            keys.append(seen)
+    assert runs[0] == runs[1]
+    assert keys[1] and any(k % 16 for k in keys[0]) and all(k % 16 == 0 for k in keys[1])
+
+
 def _oracle_drafts(engine, expected: dict[tuple, list[int]]) -> None:
     """Make each sequence's proposals its expected reply's next ids, with the one at position k % (rows + 1)
     changed (k: tokens so far), so steps accept all, some or none of their proposals. The real draft call

@@ -90,6 +90,10 @@ class BatchedCalls:
         # whether a one-row call runs as two rows: decided by `decide_row_padding` (Session's rule)
         self.pad_single_rows = True
         self.rows_per_sequence = 1  # T of the last call: sequence i's new rows are rows i * T .. (read by callers)
+        # keys per sequence rounded up to a multiple of this: a backend that prepares each input shape
+        # (onnxruntime's OpenVINO provider) then meets the same shapes for `key_bucket` steps; the extra
+        # keys are masked padding, which adds exact zeros (1: the longest past + T, no padding added)
+        self.key_bucket = 1
 
     def decide_row_padding(self) -> bool:
         """Pad one-row calls only where the backend rounds activations to int8 and a one-row call gives
@@ -146,6 +150,7 @@ class BatchedCalls:
         be.write(View(self.input_ids, 0, (b, t)), ids)
         pasts = np.array([s.past for s in batch], np.int64)
         n_keys = int(pasts.max()) + t
+        n_keys = min(-(-n_keys // self.key_bucket) * self.key_bucket, self.max_seq_len + self.max_rows)
         keys = np.arange(n_keys, dtype=np.int64)[None, :]
         slots = np.array([s.slot for s in batch], np.int64)[:, None]
         index = np.where(keys < pasts[:, None], keys * self.slots + slots, 0)  # (the new rows' keys: the graph's)
