@@ -104,15 +104,17 @@ def greedy_as_reductions(artifact: Path, workdir: Path) -> Path:
     i = next(k for k, n in enumerate(graph.node) if n.op_type == "ArgMax")
     node = graph.node[i]
     vocab = int(json.loads((artifact / "manifest.json").read_text())["target"]["vocab_size"])
-    graph.initializer.extend([numpy_helper.from_array(np.arange(vocab, dtype=np.int64), "greedy_ids"),
-                              numpy_helper.from_array(np.array([vocab - 1], np.int64), "greedy_last"),
+    # ids as fp32 (exact below 2**24): fp32 reductions are cheaper than int64 ones on a CPU
+    graph.initializer.extend([numpy_helper.from_array(np.arange(vocab, dtype=np.float32), "greedy_ids"),
+                              numpy_helper.from_array(np.array([vocab - 1], np.float32), "greedy_last"),
                               numpy_helper.from_array(np.array([-1], np.int64), "greedy_axis")])
     logits, ids = node.input[0], node.output[0]
     del graph.node[i]
     for k, n in enumerate([helper.make_node("ReduceMax", [logits, "greedy_axis"], ["greedy_max"], keepdims=1),
                            helper.make_node("Equal", [logits, "greedy_max"], ["greedy_is_max"]),
                            helper.make_node("Where", ["greedy_is_max", "greedy_ids", "greedy_last"], ["greedy_where"]),
-                           helper.make_node("ReduceMin", ["greedy_where", "greedy_axis"], [ids], keepdims=0)]):
+                           helper.make_node("ReduceMin", ["greedy_where", "greedy_axis"], ["greedy_min"], keepdims=0),
+                           helper.make_node("Cast", ["greedy_min"], [ids], to=TensorProto.INT64)]):
         graph.node.insert(i + k, n)
     onnx.save(model, str(out / "target_batched.onnx"))
     return out
