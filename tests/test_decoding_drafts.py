@@ -8,32 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import runtime_fixtures as rf
+from test_decoding import ctxfree, qwen, qwen_ref, qwen_rows  # noqa: F401 - fixtures
 
 import runtime
-import runtime_fixtures as rf
 from runtime import DFlashError
 
 PROMPTS = rf.DECODING_PROMPTS
-
-
-@pytest.fixture(scope="session")
-def qwen(tmp_path_factory) -> rf.Pair:
-    return rf.artifact("qwen3", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def ctxfree(tmp_path_factory) -> rf.Pair:
-    return rf.artifact("ctxfree", tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def qwen_rows(qwen) -> np.ndarray:
-    return rf.token_rows(qwen.target_dir)
-
-
-@pytest.fixture(scope="session")
-def qwen_ref(qwen):
-    return rf.greedy_reference(qwen)
 
 
 # ---- 2b. a real draft ONNX that is accepted, and mask ids in the output -------------------------
@@ -251,9 +232,9 @@ def test_an_artifact_whose_draft_returns_every_row_still_runs(qwen, qwen_ref, tm
     import torch
 
     from dflash_export.build import _io_spec, prepare_pair
+    from dflash_export.checkpoint.weights import WeightSource
     from dflash_export.drafts.dflash import draft_export_module
     from dflash_export.export.graphs import _export
-    from dflash_export.checkpoint.weights import WeightSource
 
     art = tmp_path / "old"
     shutil.copytree(qwen.artifact, art)
