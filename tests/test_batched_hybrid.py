@@ -182,6 +182,7 @@ def test_in_the_graph_a_sequence_gets_the_same_floats_in_any_batch(modules, grap
     assert np.isfinite(together[1]).all()
 
 
+@pytest.mark.slow  # (a 6-layer hybrid traced whole and as a copied template: about a minute; `make test` runs it)
 def test_the_replicated_batched_graph_is_the_full_trace(tmp_path):
     """A 6-layer hybrid ([GDN, GDN, attention] x 2): the batched graph made from a traced 4-layer template
     (`families.qwen3_5.batched_replication_layout`) is the one tracing every layer gives: the same
