@@ -142,9 +142,12 @@ def check_speculation_options(opts: GenerationOptions, default_block: int, limit
     return b
 
 
-def check_vocabulary_options(opts: GenerationOptions, vocab: int) -> None:
-    """Raise DFlashError where stop_token_ids or top_k do not fit a vocabulary of `vocab` ids (shared by
-    `Session` and `BatchEngine`)."""
+def check_vocabulary_options(opts: GenerationOptions, vocab: int, has_tokenizer: bool = True) -> None:
+    """Raise DFlashError where stop_token_ids or top_k do not fit a vocabulary of `vocab` ids, or stop
+    strings come without a tokenizer to make the text they match (shared by `Session` and `BatchEngine`)."""
+    if opts.stop and not has_tokenizer:
+        raise DFlashError("stop strings are matched on the reply's text and this artifact has no tokenizer: "
+                          "drop them (--stop), or end replies at token ids with stop_token_ids")
     outside = [t for t in (opts.stop_token_ids or ()) if not 0 <= t < vocab]
     if outside:
         raise DFlashError(f"stop_token_ids holds {outside[0]}, which is not a token id of this model: ids are 0 to "

@@ -323,7 +323,7 @@ class Session(PromptEncoding, GraphCalls):
                 f"prompt ({n} token{'s' if n != 1 else ''}) + max_new_tokens ({opts.max_new_tokens}) = "
                 f"{total} exceeds the KV buffers' max_seq_len {self.max_seq_len}; {fix}"
             )
-        check_vocabulary_options(opts, int(self.manifest["target"]["vocab_size"]))
+        check_vocabulary_options(opts, int(self.manifest["target"]["vocab_size"]), self.tokenizer is not None)
         return b
 
 

@@ -103,6 +103,9 @@ def greedy_as_reductions(artifact: Path, workdir: Path) -> Path:
     graph = model.graph
     i = next(k for k, n in enumerate(graph.node) if n.op_type == "ArgMax")
     node = graph.node[i]
+    attrs = {a.name: a.i for a in node.attribute}
+    if attrs.get("axis", 0) not in (-1, 1) or attrs.get("keepdims", 1) != 0 or attrs.get("select_last_index", 0) != 0:
+        raise SystemExit(f"{artifact}: its batched graph's ArgMax is not the first index over the last axis ({attrs})")
     vocab = int(json.loads((artifact / "manifest.json").read_text())["target"]["vocab_size"])
     # ids as fp32 (exact below 2**24): fp32 reductions are cheaper than int64 ones on a CPU
     graph.initializer.extend([numpy_helper.from_array(np.arange(vocab, dtype=np.float32), "greedy_ids"),
@@ -191,7 +194,11 @@ def main() -> int:
                    help="time a copy whose batched graph picks greedy ids without ArgMax (see greedy_as_reductions)")
     args = p.parse_args()
     providers = args.providers.split(",")
+    if args.key_bucket < 1:
+        raise SystemExit("--key-bucket must be at least 1")
     if args.artifact:
+        if not args.batch.startswith("1,"):
+            raise SystemExit("--batch must start with 1: the gains are against one stream")
         artifact_bound(args.artifact, [int(b) for b in args.batch.split(",")], args.rounds, args.threads, providers,
                        args.key_bucket, args.greedy_reductions)
         return 0

@@ -286,6 +286,20 @@ def test_errors_are_one_clear_message(art, tmp_path_factory):
         engine.stream([5, 6])
 
 
+def test_stop_strings_need_a_tokenizer(art, tmp_path):
+    """Stop strings match text: without the artifact's tokenizer the request is refused before it runs."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(art, bare)
+    shutil.rmtree(bare / "tokenizer")
+    with BatchEngine(bare, max_batch=1) as engine:
+        with pytest.raises(DFlashError, match=r"has no tokenizer: drop them \(--stop\)"):
+            engine.stream([5, 6], max_new_tokens=2, stop=["t7"])
+        assert engine.status()["steps"] == 0
+        assert len(engine.generate([[5, 6]], max_new_tokens=2, stop_token_ids=[])[0].output_ids) == 2
+
+
 def test_manifest_records_the_batched_graph_and_its_checks(art):
     m = json.loads((art / "manifest.json").read_text())
     assert m["target_batched"]["graph"] == "target_batched.onnx"

@@ -392,6 +392,13 @@ def test_bad_thread_count(qwen, threads):
         runtime.load(qwen.artifact, threads=threads)
 
 
+def test_numpy_thread_count_is_taken(qwen):
+    import numpy as np
+
+    with runtime.load(qwen.artifact, threads=np.int64(1)) as sess:
+        assert sess.backend.threads == 1
+
+
 def test_target_weights_that_do_not_match_the_config_are_refused_up_front(ckpt, tmp_path):
     """Names and shapes come from the safetensors headers, before any export starts (no weight is read)."""
     import numpy as np

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from pathlib import Path
 
 from runtime.backends.base import Backend
@@ -20,8 +21,14 @@ def make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | N
         DFlashError: an unknown name, `threads` neither None nor a positive integer, or the backend's
             own load errors.
     """
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise DFlashError(f"threads must be a positive integer, or None for all cores; got {threads!r}")
+    if threads is not None:
+        try:
+            count = None if isinstance(threads, bool) else operator.index(threads)  # (numpy integers too)
+        except TypeError:
+            count = None
+        if count is None or count < 1:
+            raise DFlashError(f"threads must be a positive integer, or None for all cores; got {threads!r}")
+        threads = count
     if name == "ort":
         return OrtBackend(artifact_dir, manifest, threads=threads, int4_accuracy_level=int4_accuracy_level, graphs=graphs)
     if name == "trt":  # TensorRT and CUDA are imported only here

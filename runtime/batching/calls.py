@@ -150,7 +150,8 @@ class BatchedCalls:
         be.write(View(self.input_ids, 0, (b, t)), ids)
         pasts = np.array([s.past for s in batch], np.int64)
         n_keys = int(pasts.max()) + t
-        n_keys = min(-(-n_keys // self.key_bucket) * self.key_bucket, self.max_seq_len + self.max_rows)
+        bucket = max(int(self.key_bucket), 1)
+        n_keys = min(-(-n_keys // bucket) * bucket, self.max_seq_len + t)  # (within every TensorRT profile's L)
         keys = np.arange(n_keys, dtype=np.int64)[None, :]
         slots = np.array([s.slot for s in batch], np.int64)[:, None]
         index = np.where(keys < pasts[:, None], keys * self.slots + slots, 0)  # (the new rows' keys: the graph's)

@@ -205,7 +205,8 @@ class BatchEngine(PromptEncoding):
     def check_request(self, ids: list[int], opts: GenerationOptions) -> None:
         """Raise DFlashError where a request does not fit: block_size or verify_len out of range (as
         :meth:`runtime.Session.check_request` says: a request is refused or run alike whatever
-        `--max-batch`), prompt + max_new_tokens beyond max_seq_len, stop ids or top_k outside the vocabulary."""
+        `--max-batch`), prompt + max_new_tokens beyond max_seq_len, stop ids or top_k outside the vocabulary, stop strings
+        without a tokenizer."""
         fixed = fixed_draft_block(self.manifest)
         check_speculation_options(opts, int(self.manifest["draft"]["block_size"]),
                                   fixed or max(MAX_BLOCK_SIZE, int(self.manifest["draft"]["block_size"])),
@@ -214,7 +215,7 @@ class BatchEngine(PromptEncoding):
             raise DFlashError(f"prompt ({len(ids)} tokens) + max_new_tokens ({opts.max_new_tokens}) exceeds the KV "
                               f"buffers' max_seq_len {self.max_seq_len}; ask for at most "
                               f"{max(self.max_seq_len - len(ids), 0)} new tokens or shorten the prompt")
-        check_vocabulary_options(opts, int(self.manifest["target"]["vocab_size"]))
+        check_vocabulary_options(opts, int(self.manifest["target"]["vocab_size"]), self.tokenizer is not None)
 
     def status(self) -> dict:
         """{"waiting", "running", "slots", "steps", "speculative_steps"} now (steps: decoding calls run so

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from runtime.errors import DFlashError
 from runtime.results import StreamChunk, cut_at_stop
 from runtime.text.incremental import IncrementalText, StopStrings
 
@@ -22,15 +21,9 @@ class ReplyText:
     Attributes:
         out: the committed ids; text: the text streamed so far; finish_reason: "stop" once a stop id or
         string was committed, else "length".
-
-    Raises:
-        DFlashError: stop strings without `decode` (an artifact without a tokenizer).
     """
 
     def __init__(self, decode: Callable[[list[int]], str] | None, stop: Sequence[str], stop_ids: set[int]):
-        if decode is None and stop:
-            raise DFlashError("stop strings are matched on the reply's text and this artifact has no tokenizer: "
-                              "drop them (--stop), or end replies at token ids with stop_token_ids")
         self.incremental = IncrementalText(decode) if decode is not None else None
         self.stops = StopStrings(stop)
         self.stop_ids = stop_ids
