@@ -89,8 +89,8 @@ def timed_calls(sess, feeds: dict, rounds: int) -> float:
 
 
 def greedy_as_reductions(artifact: Path, workdir: Path) -> Path:
-    """A copy of `artifact` whose batched graph picks greedy ids with ReduceMax, Equal, Where and ReduceMin
-    (the first index of the maximum, as ArgMax) instead of ArgMax, which OpenVINO runs as a TopK that
+    """A copy of `artifact` whose batched graph picks greedy ids with ReduceMax, Equal, Where, ReduceMin and
+    Cast (the first index of the maximum, as ArgMax) instead of ArgMax, which OpenVINO runs as a TopK that
     is slow on several rows. Returns the copy's path."""
     import shutil
 
