@@ -194,13 +194,18 @@ def main() -> int:
                    help="time a copy whose batched graph picks greedy ids without ArgMax (see greedy_as_reductions)")
     args = p.parse_args()
     providers = args.providers.split(",")
-    if args.key_bucket < 1:
-        raise SystemExit("--key-bucket must be at least 1")
+    if min(args.key_bucket, args.rounds, args.block) < 1:
+        raise SystemExit("--key-bucket, --rounds and --block must be at least 1")
     if args.artifact:
-        if not args.batch.startswith("1,"):
-            raise SystemExit("--batch must start with 1: the gains are against one stream")
-        artifact_bound(args.artifact, [int(b) for b in args.batch.split(",")], args.rounds, args.threads, providers,
-                       args.key_bucket, args.greedy_reductions)
+        batches = [int(b) for b in args.batch.split(",") if b.strip().isdigit()]
+        if len(batches) != len(args.batch.split(",")) or batches[0] != 1 or min(batches) < 1:
+            raise SystemExit(f"--batch must be positive integers starting with 1 (the gains are against one "
+                             f"stream), e.g. 1,4,8; got {args.batch!r}")
+        if not (args.artifact / "target.onnx").is_file():
+            raise SystemExit(f"{args.artifact}: not an artifact (no target.onnx); build one with "
+                             "`python -m dflash_export build --quant int4 --batched`")
+        artifact_bound(args.artifact, batches, args.rounds, args.threads, providers, args.key_bucket,
+                       args.greedy_reductions)
         return 0
     for shape in args.shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))

@@ -386,9 +386,9 @@ def test_text_without_tokenizer_or_template(qwen, tmp_path):
         sess.generate([5, 6], max_new_tokens=2, stop=["t7"])  # stop strings match text, which it cannot make
 
 
-@pytest.mark.parametrize("threads", [0, -3, 1.5, True, "2"])
+@pytest.mark.parametrize("threads", [0, -3, 1.5, True, "2", 2**31])
 def test_bad_thread_count(qwen, threads):
-    with pytest.raises(DFlashError, match=f"threads must be a positive integer, or None for all cores; got {threads!r}"):
+    with pytest.raises(DFlashError, match=f"threads must be a positive integer up to 4096, or None for all cores; got {threads!r}"):
         runtime.load(qwen.artifact, threads=threads)
 
 

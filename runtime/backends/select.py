@@ -11,6 +11,8 @@ from runtime.backends.ort_cuda import OrtCudaBackend
 from runtime.backends.trt import TrtBackend
 from runtime.errors import DFlashError
 
+MAX_THREADS = 4096  # (onnxruntime takes a C int; far above any core count this runs on)
+
 
 def make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | None,
                  int4_accuracy_level: int | None = None, graphs: tuple[str, ...] = ("target", "draft")) -> Backend:
@@ -26,8 +28,9 @@ def make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | N
             count = None if isinstance(threads, bool) else operator.index(threads)  # (numpy integers too)
         except TypeError:
             count = None
-        if count is None or count < 1:
-            raise DFlashError(f"threads must be a positive integer, or None for all cores; got {threads!r}")
+        if count is None or not 1 <= count <= MAX_THREADS:
+            raise DFlashError(f"threads must be a positive integer up to {MAX_THREADS}, or None for all cores; "
+                              f"got {threads!r}")
         threads = count
     if name == "ort":
         return OrtBackend(artifact_dir, manifest, threads=threads, int4_accuracy_level=int4_accuracy_level, graphs=graphs)
