@@ -377,7 +377,8 @@ def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, che
         "graph_checks": checks,
         **({"target_batched": {"graph": "target_batched.onnx", "num_layers": a.num_layers, "num_kv_heads": a.num_kv_heads,
                                "head_dim": a.head_dim, "hidden_size": a.hidden_size, "vocab_size": tspec.vocab_size,
-                               "weights": _shared_weights(tmp, "target"), "draft_features": True}}
+                               "weights": _shared_weights(tmp, "target"), "draft_features": True,
+                               "greedy": "topk"}}
            if "target_batched" in checks else {}),
         **({"draft_batched": {"graph": "draft_batched.onnx", "weights": _shared_weights(tmp, "draft")}}
            if "draft_batched" in checks else {}),

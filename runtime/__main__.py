@@ -20,7 +20,7 @@ from runtime.errors import DFlashError
 from runtime.manifest import BATCHED_GRAPH, load_manifest
 
 API_KEY_ENV = "DFLASH_EXPORT_API_KEY"  # the key without putting it on the command line (visible in ps)
-BACKENDS = ("ort", "ort-cuda", "trt")
+BACKENDS = ("ort", "ort-cuda", "ort-openvino", "trt")  # (runtime.backends.select.BACKEND_NAMES)
 # the serve extra and what it pulls in: a missing one is answered with the pip command
 SERVER_LIBRARIES = ("starlette", "uvicorn", "anyio", "h11", "click")
 
@@ -115,7 +115,7 @@ def _max_batch(args, manifest: dict) -> int:
 def _load_for_serving(args, max_batch: int):
     import runtime
 
-    if max_batch == 1:
+    if max_batch == 1 and args.backend != "ort-openvino":  # (OpenVINO runs the batched graph only)
         return runtime.load(args.dir, backend=args.backend)
     from runtime.batching import BatchEngine
 

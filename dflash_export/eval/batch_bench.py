@@ -122,18 +122,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=8, help="the batched server's slots")
     p.add_argument("--prompts", default=str(DEFAULT_EVAL))
     p.add_argument("--per-stream", type=int, default=2, help="requests each client sends at least (more: a shorter tail)")
+    p.add_argument("--backend", default="ort", choices=("ort", "ort-openvino"),
+                   help="the batched server's backend (ort-openvino: replies are compared with its own one-client replies)")
     args = p.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
     prompts = eval_prompts(Path(args.prompts), args.limit)
-    batched = f"--max-batch {args.max_batch}"
+    batched = f"--max-batch {args.max_batch}" + (f", {args.backend}" if args.backend != "ort" else "")
     servers = {"one": ServerProcess(args.artifact, "ort", ["--max-batch", "1"]),
-               "batched": ServerProcess(args.artifact, "ort", ["--max-batch", str(args.max_batch)])}
+               "batched": ServerProcess(args.artifact, args.backend, ["--max-batch", str(args.max_batch)])}
     modes = {"one at a time (--max-batch 1, speculative)": ("one", None),
              f"batched ({batched}), default (auto)": ("batched", None),
              f"batched ({batched}), plain (block_size 1)": ("batched", {"block_size": 1})}
     names = list(modes)
     try:
-        _, alone = load(servers["one"].url, prompts, 1, args.max_tokens)
+        # (another backend rounds otherwise: its replies are compared with its own one-client replies)
+        _, alone = load(servers["one" if args.backend == "ort" else "batched"].url, prompts, 1, args.max_tokens)
         reference = {r["prompt"]: r["text"] for r in alone}
         results: dict[tuple[str, int], list[dict]] = {}
         for rnd in range(args.rounds):

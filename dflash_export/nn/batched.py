@@ -141,8 +141,13 @@ def _attend(attn, q, past_k, past_v, k, v, tables, b: int, t: int) -> torch.Tens
 
 def _posterior(logits, temperature, uniform, vocab_size: int) -> torch.Tensor:
     """int64 `[K]`: each logits row's argmax, or, for the first U rows at a temperature > 0, the
-    inverse-CDF sample of softmax(row / T) at its uniform (`TargetForExport.head`'s rule, per row)."""
-    greedy = torch.argmax(logits, dim=-1)
+    inverse-CDF sample of softmax(row / T) at its uniform (`TargetForExport.head`'s rule, per row).
+
+    The argmax is a TopK of 1 (ONNX TopK: ties go to the lower index, as ArgMax's first index): the same
+    ids and cost on onnxruntime's CPU provider, while OpenVINO turns an ArgMax into a TopK that is slow on
+    several rows (21.9 ms for 8 rows of 49152; `docs/performance.md`). K >= 1 here, so TopK never sees
+    the empty input older onnxruntime versions fail on."""
+    greedy = torch.topk(logits, 1, dim=-1).indices[:, 0]
     u = uniform.shape[0]
     rows = logits.shape[0]
     torch._check(u <= rows)

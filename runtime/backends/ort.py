@@ -167,6 +167,7 @@ class OrtBackend(Backend):
         artifact_dir: the artifact directory.
         manifest: its validated manifest.
         providers: onnxruntime execution providers (default: CPU).
+        provider_options: one dict of options per provider (default: none).
         threads: intra-op threads (default: all cores).
         low_memory: hold the weights about once (for `check` of large graphs): no memory arena, nodes
             run in priority order, and fp16 graphs on the CPU stay at the basic optimisation level,
@@ -198,7 +199,8 @@ class OrtBackend(Backend):
 
     def __init__(self, artifact_dir: Path, manifest: dict, providers: list[str] | None = None, threads: int | None = None,
                  low_memory: bool = False, graphs: tuple[str, ...] = ("target", "draft"),
-                 int4_accuracy_level: int | None = None, spin_threads: bool = True):
+                 int4_accuracy_level: int | None = None, spin_threads: bool = True,
+                 provider_options: list[dict] | None = None):
         try:
             import onnxruntime as ort
         except ImportError:
@@ -261,6 +263,7 @@ class OrtBackend(Backend):
                     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
             try:
                 self.sessions[graph] = ort.InferenceSession(str(path), opts, providers=self.providers,
+                                                            provider_options=provider_options,
                                                             disabled_optimizers=disabled_optimizers(manifest, ort))
             except Exception as exc:  # onnxruntime raises its own untyped Fail errors
                 raise DFlashError(f"onnxruntime cannot load {path}: {exc}") from None

@@ -8,15 +8,17 @@ from pathlib import Path
 from runtime.backends.base import Backend
 from runtime.backends.ort import OrtBackend
 from runtime.backends.ort_cuda import OrtCudaBackend
+from runtime.backends.ort_openvino import OpenVinoBackend
 from runtime.backends.trt import TrtBackend
 from runtime.errors import DFlashError
 
+BACKEND_NAMES = ("ort", "ort-cuda", "ort-openvino", "trt")
 MAX_THREADS = 4096  # (onnxruntime takes a C int; far above any core count this runs on)
 
 
 def make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | None,
                  int4_accuracy_level: int | None = None, graphs: tuple[str, ...] = ("target", "draft")) -> Backend:
-    """The backend `name` ("ort", "ort-cuda" or "trt") for an artifact, loading `graphs`; its modules (and
+    """The backend `name` ("ort", "ort-cuda", "ort-openvino" or "trt") for an artifact, loading `graphs`; its modules (and
     TensorRT or CUDA) are imported only when chosen.
 
     Raises:
@@ -38,4 +40,6 @@ def make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | N
         return TrtBackend(artifact_dir, manifest, graphs=graphs)
     if name == "ort-cuda":
         return OrtCudaBackend(artifact_dir, manifest, threads=threads, graphs=graphs)
-    raise DFlashError(f"unknown backend {name!r}; available: ort, ort-cuda, trt")
+    if name == "ort-openvino":
+        return OpenVinoBackend(artifact_dir, manifest, threads=threads, graphs=graphs)
+    raise DFlashError(f"unknown backend {name!r}; available: {', '.join(BACKEND_NAMES)}")

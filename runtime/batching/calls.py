@@ -93,7 +93,8 @@ class BatchedCalls:
         # keys per sequence rounded up to a multiple of this: a backend that prepares each input shape
         # (onnxruntime's OpenVINO provider) then meets the same shapes for `key_bucket` steps; the extra
         # keys are masked padding, which adds exact zeros (1: the longest past + T, no padding added)
-        self.key_bucket = 1
+        self.key_bucket = int(getattr(be, "key_bucket", 1))
+        self.row_bucket = int(getattr(be, "row_bucket", 1))  # (the same for rows per sequence above it: prefill)
 
     def decide_row_padding(self) -> bool:
         """Pad one-row calls only where the backend rounds activations to int8 and a one-row call gives
@@ -140,6 +141,8 @@ class BatchedCalls:
         be, b = self.backend, len(batch)
         t = max(len(s.ids) for s in batch)
         t = 2 if b * t == 1 and self.pad_single_rows else t
+        if t > self.row_bucket > 1:  # (long prefill chunks; padding rows come after a sequence's rows, unread)
+            t = max(t, min(-(-t // self.row_bucket) * self.row_bucket, self.max_rows // b, self.sequence_rows or t))
         self.rows_per_sequence = t
         ids = np.zeros((b, t), np.int64)
         for i, s in enumerate(batch):
