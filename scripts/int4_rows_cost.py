@@ -6,8 +6,8 @@ M x t(1) / t(M) bounds what batching M sequences can gain on INT4 weights.
 
     python scripts/int4_rows_cost.py [--shapes 576x1536,2048x6144] [--threads 2] [--block 32] [--bits 4]
         [--levels 4,1,0]
-    python scripts/int4_rows_cost.py --artifact ART [--batch 1,4,8] [--rounds 5] [--providers P,...]
-        [--key-bucket N] [--greedy-reductions]
+    python scripts/int4_rows_cost.py --artifact ART [--batch 1,4,8] [--rounds 5] [--backend ort|ort-openvino]
+        [--key-bucket N]
 
 --artifact ART (an INT4 artifact built with --batched) times all of its target's INT4 matrices (every
 layer's and the LM head, its own weights) as one call at each batch size's rows, and the batched engine's
@@ -16,7 +16,6 @@ nothing but those matrices grew with the rows: N x step(1) / (step(1) + matrices
 """
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +23,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
+
+# the onnxruntime execution providers of each backend (ort-openvino: where onnxruntime-openvino is installed)
+PROVIDERS = {"ort": ["CPUExecutionProvider"], "ort-openvino": ["OpenVINOExecutionProvider", "CPUExecutionProvider"]}
 
 
 def int4_matmul(k: int, n: int, block: int = 32, bits: int = 4) -> bytes:
@@ -88,56 +90,19 @@ def timed_calls(sess, feeds: dict, rounds: int) -> float:
     return sorted(per)[len(per) // 2]
 
 
-def greedy_as_reductions(artifact: Path, workdir: Path) -> Path:
-    """A copy of `artifact` whose batched graph picks greedy ids with ReduceMax, Equal, Where, ReduceMin and
-    Cast (the first index of the maximum, as ArgMax) instead of ArgMax, which OpenVINO runs as a TopK that
-    is slow on several rows. Returns the copy's path."""
-    import shutil
-
-    import onnx
-    from onnx import numpy_helper
-
-    out = workdir / "artifact"
-    shutil.copytree(artifact, out)
-    model = onnx.load(str(out / "target_batched.onnx"), load_external_data=False)
-    graph = model.graph
-    i = next(k for k, n in enumerate(graph.node) if n.op_type == "ArgMax")
-    node = graph.node[i]
-    attrs = {a.name: a.i for a in node.attribute}
-    if attrs.get("axis", 0) not in (-1, 1) or attrs.get("keepdims", 1) != 0 or attrs.get("select_last_index", 0) != 0:
-        raise SystemExit(f"{artifact}: its batched graph's ArgMax is not the first index over the last axis ({attrs})")
-    vocab = int(json.loads((artifact / "manifest.json").read_text())["target"]["vocab_size"])
-    # ids as fp32 (exact below 2**24): fp32 reductions are cheaper than int64 ones on a CPU
-    graph.initializer.extend([numpy_helper.from_array(np.arange(vocab, dtype=np.float32), "greedy_ids"),
-                              numpy_helper.from_array(np.array([vocab - 1], np.float32), "greedy_last"),
-                              numpy_helper.from_array(np.array([-1], np.int64), "greedy_axis")])
-    logits, ids = node.input[0], node.output[0]
-    del graph.node[i]
-    for k, n in enumerate([helper.make_node("ReduceMax", [logits, "greedy_axis"], ["greedy_max"], keepdims=1),
-                           helper.make_node("Equal", [logits, "greedy_max"], ["greedy_is_max"]),
-                           helper.make_node("Where", ["greedy_is_max", "greedy_ids", "greedy_last"], ["greedy_where"]),
-                           helper.make_node("ReduceMin", ["greedy_where", "greedy_axis"], ["greedy_min"], keepdims=0),
-                           helper.make_node("Cast", ["greedy_min"], [ids], to=TensorProto.INT64)]):
-        graph.node.insert(i + k, n)
-    onnx.save(model, str(out / "target_batched.onnx"))
-    return out
-
-
-def engine_steps(artifact: Path, batches: list[int], rounds: int, threads: int, providers: list[str],
-                 key_bucket: int = 1) -> dict[int, float]:
+def engine_steps(artifact: Path, batches: list[int], rounds: int, threads: int, backend: str,
+                 key_bucket: int | None = None) -> dict[int, float]:
     """Median seconds per plain decoding step of the batched engine at each batch size (static batches
-    of 100-token random-id prompts, 48 new tokens each, no stop ids), on onnxruntime's `providers`, each
-    call's keys rounded up to a multiple of `key_bucket`."""
-    from runtime.backends.ort import OrtBackend
+    of 100-token random-id prompts, 48 new tokens each, no stop ids), on `backend` ("ort" or
+    "ort-openvino"), each call's keys rounded up to a multiple of `key_bucket` (None: the backend's)."""
     from runtime.batching import BatchEngine
-    from runtime.manifest import BATCHED_GRAPH, load_manifest
 
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(100, 20000, size=100)] for _ in range(max(batches))]
     steps: dict[int, list[float]] = {b: [] for b in batches}
-    backend = OrtBackend(artifact, load_manifest(artifact), providers=providers, threads=threads, graphs=(BATCHED_GRAPH,))
-    with BatchEngine(artifact, max_batch=max(batches), backend=backend, speculation=False) as engine:
-        engine.calls.key_bucket = key_bucket
+    with BatchEngine(artifact, max_batch=max(batches), backend=backend, threads=threads, speculation=False) as engine:
+        if key_bucket is not None:
+            engine.calls.key_bucket = key_bucket
         engine.generate(prompts[:1], max_new_tokens=4)
         for _ in range(rounds):
             for b in batches:
@@ -152,23 +117,21 @@ def engine_steps(artifact: Path, batches: list[int], rounds: int, threads: int, 
     return {b: sorted(v)[len(v) // 2] for b, v in steps.items()}
 
 
-def artifact_bound(artifact: Path, batches: list[int], rounds: int, threads: int, providers: list[str],
-                   key_bucket: int = 1, reductions: bool = False) -> None:
+def artifact_bound(artifact: Path, batches: list[int], rounds: int, threads: int, backend: str,
+                   key_bucket: int | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path, widths = artifact_matrices(artifact, Path(tmp))
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4")
-        sess = ort.InferenceSession(str(path), opts, providers=providers)
+        sess = ort.InferenceSession(str(path), opts, providers=PROVIDERS[backend])
         rng = np.random.default_rng(1)
         matrices = {b: timed_calls(sess, {f"x_{k}": rng.standard_normal((b, k)).astype(np.float32) for k in widths}, rounds)
                     for b in batches}
         del sess
     print(f"{sum(widths.values())} INT4 matrices (input widths {widths}), one call, ms at "
           + ", ".join(f"{b} rows: {matrices[b] * 1e3:.2f}" for b in batches), flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        stepped = greedy_as_reductions(artifact, Path(tmp)) if reductions else artifact
-        step = engine_steps(stepped, batches, rounds, threads, providers, key_bucket)
+    step = engine_steps(artifact, batches, rounds, threads, backend, key_bucket)
     one = step[batches[0]]
     for b in batches:
         bound = b * one / (one + matrices[b] - matrices[batches[0]])
@@ -186,15 +149,12 @@ def main() -> int:
     p.add_argument("--block", type=int, default=32, help="quantization block along K")
     p.add_argument("--bits", type=int, choices=(4, 8), default=4, help="8: the same INT4 values in uint8 weights")
     p.add_argument("--levels", default="4,1,0", help="accuracy levels to time")
-    p.add_argument("--providers", default="CPUExecutionProvider",
-                   help="onnxruntime execution providers, comma-separated (e.g. OpenVINOExecutionProvider,"
-                        "CPUExecutionProvider where onnxruntime-openvino is installed)")
-    p.add_argument("--key-bucket", type=int, default=1, help="round each call's keys up to a multiple of this")
-    p.add_argument("--greedy-reductions", action="store_true",
-                   help="time a copy whose batched graph picks greedy ids without ArgMax (see greedy_as_reductions)")
+    p.add_argument("--backend", default="ort", choices=sorted(PROVIDERS),
+                   help="ort-openvino: onnxruntime's OpenVINO provider (where onnxruntime-openvino is installed)")
+    p.add_argument("--key-bucket", type=int, help="round each call's keys up to a multiple of this (default: the backend's)")
     args = p.parse_args()
-    providers = args.providers.split(",")
-    if min(args.key_bucket, args.rounds, args.block) < 1:
+    providers = PROVIDERS[args.backend]
+    if min(args.key_bucket or 1, args.rounds, args.block) < 1:
         raise SystemExit("--key-bucket, --rounds and --block must be at least 1")
     if args.artifact:
         batches = [int(b) for b in args.batch.split(",") if b.strip().isdigit()]
@@ -204,8 +164,7 @@ def main() -> int:
         if not (args.artifact / "target.onnx").is_file():
             raise SystemExit(f"{args.artifact}: not an artifact (no target.onnx); build one with "
                              "`python -m dflash_export build --quant int4 --batched`")
-        artifact_bound(args.artifact, batches, args.rounds, args.threads, providers, args.key_bucket,
-                       args.greedy_reductions)
+        artifact_bound(args.artifact, batches, args.rounds, args.threads, args.backend, args.key_bucket)
         return 0
     for shape in args.shapes.split(","):
         k, n = (int(v) for v in shape.split("x"))

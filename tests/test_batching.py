@@ -89,6 +89,20 @@ def test_greedy_streams_equal_their_batch1_output_whatever_joins_or_leaves(art):
     assert got == expected
 
 
+def test_status_counts_decoded_tokens_and_prefilled_rows_apart(art):
+    """The decode counters count what decoding steps gave (every token but each reply's first, which its
+    prompt's last prefill call gives) and the prefill ones every prompt row, in chunks or not."""
+    prompts, lengths = _prompts(5)[:4], [6, 11, 3, 9]
+    with BatchEngine(art, max_batch=2, prefill_chunk=8) as engine:
+        got = _drain([engine.stream(p, max_new_tokens=n, stop_token_ids=[], reuse_prefix=False)
+                      for p, n in zip(prompts, lengths)])
+        status = engine.status()
+    assert [len(g) for g in got] == lengths
+    assert status["decoded_tokens"] == sum(lengths) - len(prompts)
+    assert status["prefill_rows"] == sum(len(p) for p in prompts)
+    assert status["decode_seconds"] > 0 and status["prefill_seconds"] > 0
+
+
 def test_seeded_sampling_equals_batch1_in_a_mixed_batch(art):
     """Greedy, graph-sampled (temperature) and host-sampled (top_k, top_p) streams share calls; each
     gives its seed's batch-1 reply."""
@@ -455,8 +469,9 @@ def test_generate_takes_a_list_and_a_burst_fills_slots_before_the_queue(art):
             engine.generate("t5 t6")
         with pytest.raises(DFlashError, match="empty"):
             engine.generate([[5, 6], []], max_new_tokens=4)
-        assert engine.status() == {"waiting": 0, "running": 0, "slots": 2, "steps": 0,
-                                   "speculative_steps": 0}  # the first was never queued
+        assert engine.status() == {"waiting": 0, "running": 0, "slots": 2, "steps": 0, "speculative_steps": 0,
+                                   "decoded_tokens": 0, "decode_seconds": 0.0, "prefill_rows": 0,
+                                   "prefill_seconds": 0.0}  # the first was never queued
         worker, loop = BatchWorker(engine, queue_size=1), asyncio.new_event_loop()
         jobs = [Job(loop, p, {"max_new_tokens": 30, "stop_token_ids": []}) for p in _prompts(12)[:3]]
         for job in jobs:  # 2 slots + 1 queue place: none refused, even before the scheduler's next step

@@ -67,6 +67,17 @@ def test_serve_bench_needs_a_chat_template_before_starting_the_server(qwen, caps
     assert exc.value.code == 2 and "--max-tokens >= 2" in capsys.readouterr().err
 
 
+def test_batch_bench_engine_rates_from_health_counters():
+    """Decode tokens/s over the decoding steps' seconds, the prefill share of busy time, the speculative
+    share of steps; None for a server without the counters (the one-at-a-time server)."""
+    from dflash_export.eval.batch_bench import _engine_rates
+
+    before = dict(steps=10, speculative_steps=2, decoded_tokens=50, decode_seconds=1.0, prefill_seconds=0.5)
+    after = dict(steps=30, speculative_steps=7, decoded_tokens=250, decode_seconds=2.0, prefill_seconds=1.0)
+    assert _engine_rates(before, after) == pytest.approx(dict(spec_share=0.25, decode_tok_s=200.0, prefill_share=1 / 3))
+    assert _engine_rates({"served": 1}, {"served": 3}) == dict(spec_share=None, decode_tok_s=None, prefill_share=None)
+
+
 def test_batch_bench_steady_rate_leaves_out_the_tail():
     """`batch_bench`'s all-clients-busy aggregate: the window ends when the first client runs out of work,
     and a request crossing it counts the share of its tokens inside (evenly over its time)."""

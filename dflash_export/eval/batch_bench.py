@@ -15,7 +15,9 @@ token included; for the batched modes also over plain batched decoding's at the 
 while all N clients are busy (`steady_tok_s`: the load's tail, where fewer requests remain than clients,
 left out), p50/p95 time to first token, p50/p95 gap between streamed chunks (inter-token latency;
 a speculative chunk can carry several tokens), the share of the batched server's decoding steps that
-verified proposals (its /health counters), and replies that differ from the one-at-a-time server's reply
+verified proposals, its decode tokens/s (tokens of its decoding steps / their seconds, host work included:
+prompt processing apart, which costs the same per request at any batch size) and the share of its busy
+time spent prefilling prompts (its /health counters), and replies that differ from the one-at-a-time server's reply
 to the same prompt with one client.
 """
 
@@ -144,12 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                 shift = (rnd + n) % len(names)
                 for name in names[shift:] + names[:shift]:
                     server, extra = modes[name]
-                    before = _steps(servers[server].url)
+                    before = _health(servers[server].url)
                     seconds, records = load(servers[server].url, prompts, n, args.max_tokens, extra, args.per_stream)
-                    after = _steps(servers[server].url)
-                    row = summarize(seconds, records, reference)
-                    steps = after[0] - before[0]
-                    row["spec_share"] = (after[1] - before[1]) / steps if server == "batched" and steps else None
+                    row = {**summarize(seconds, records, reference), **_engine_rates(before, _health(servers[server].url))}
                     results.setdefault((name, n), []).append(row)
                     print(f"round {rnd + 1}, {n} streams, {name}: {row['tok_s']:.1f} tok/s", flush=True)
     finally:
@@ -158,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     med = lambda key, runs: statistics.median(r[key] for r in runs)  # noqa: E731
     print(f"\n{len(prompts)} held-out prompts, {args.max_tokens} tokens each, greedy, {args.rounds} rounds (medians)\n")
     print("| server | streams | aggregate tok/s | vs 1 stream | vs plain batched | all clients busy: tok/s, vs 1 stream |"
-          " TTFT p50 / p95 ms | inter-token p50 / p95 ms | speculative steps | replies differing from one client |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          " decode tok/s (engine), vs 1 stream | prompt processing share | TTFT p50 / p95 ms | inter-token p50 / p95 ms |"
+          " speculative steps | replies differing from one client |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     plain = names[-1]
     for name in names:
         base, steady_base = med("tok_s", results[name, streams[0]]), med("steady_tok_s", results[name, streams[0]])
@@ -168,25 +168,45 @@ def main(argv: list[str] | None = None) -> int:
             tok_s, steady = med("tok_s", runs), med("steady_tok_s", runs)
             vs_plain = f"{tok_s / med('tok_s', results[plain, n]):.2f}x" if modes[name][0] == "batched" else "-"
             print(f"| {name} | {n} | {tok_s:.1f} | {tok_s / base:.2f}x | {vs_plain} | {steady:.1f}, {steady / steady_base:.2f}x | "
+                  f"{_decode_rate(runs, results[name, streams[0]])} | {_share(runs, 'prefill_share')} | "
                   f"{med('ttft50', runs) * 1e3:.0f} / {med('ttft95', runs) * 1e3:.0f} | "
                   f"{med('itl50', runs) * 1e3:.1f} / {med('itl95', runs) * 1e3:.1f} | {_share(runs)} | "
                   f"{sum(r['differ'] for r in runs)} of {sum(r['n'] for r in runs)} |")
     return 0
 
 
-def _steps(url: str) -> tuple[int, int]:
-    """(decoding steps, speculative steps) the server has run (its /health; 0s where it does not say)."""
+def _health(url: str) -> dict:
+    """The server's /health counters."""
     import json
     import urllib.request
 
     with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as r:
-        body = json.loads(r.read())
-    return int(body.get("steps", 0)), int(body.get("speculative_steps", 0))
+        return json.loads(r.read())
 
 
-def _share(runs: list[dict]) -> str:
-    shares = [r["spec_share"] for r in runs if r["spec_share"] is not None]
+def _engine_rates(before: dict, after: dict) -> dict:
+    """What a batched server's counters say about one load: the share of its decoding steps that verified
+    proposals, its decode tokens/s (tokens of decoding steps / their seconds: prompt processing apart) and
+    the share of its busy time spent prefilling prompts. None where the server has no such counters."""
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("steps", "speculative_steps", "decoded_tokens",
+                                                               "decode_seconds", "prefill_seconds")}
+    busy = delta["decode_seconds"] + delta["prefill_seconds"]
+    return {"spec_share": delta["speculative_steps"] / delta["steps"] if "decode_seconds" in after and delta["steps"] else None,
+            "decode_tok_s": delta["decoded_tokens"] / delta["decode_seconds"] if delta["decode_seconds"] else None,
+            "prefill_share": delta["prefill_seconds"] / busy if busy else None}
+
+
+def _share(runs: list[dict], key: str = "spec_share") -> str:
+    shares = [r[key] for r in runs if r[key] is not None]
     return f"{100 * statistics.median(shares):.0f}%" if shares else "-"
+
+
+def _decode_rate(runs: list[dict], first: list[dict]) -> str:
+    """Median decode tokens/s of `runs` and its ratio to `first`'s (the 1-stream runs): '-' without counters."""
+    rates, base = [r["decode_tok_s"] for r in runs if r["decode_tok_s"]], [r["decode_tok_s"] for r in first if r["decode_tok_s"]]
+    if not rates or not base:
+        return "-"
+    return f"{statistics.median(rates):.1f}, {statistics.median(rates) / statistics.median(base):.2f}x"
 
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ class OpenVinoBackend(OrtBackend):
             raise DFlashError("this onnxruntime has no OpenVINO execution provider: install onnxruntime-openvino in an "
                               "environment of its own (it replaces the onnxruntime package), or use --backend ort")
         if "target" in graphs:
-            raise DFlashError("the ort-openvino backend runs the batched graph only (serve --max-batch 2 or more, or "
-                              "runtime.batching.BatchEngine); one generation at a time runs on --backend ort")
+            raise DFlashError("the ort-openvino backend runs the batched graph only (`python -m runtime serve`, or "
+                              "runtime.batching.BatchEngine); runtime.load, generate and chat run on --backend ort")
         if (manifest.get(BATCHED_GRAPH) or {}).get("greedy") != "topk":
             raise DFlashError("this artifact's batched graph picks greedy ids with an ArgMax, which OpenVINO runs slowly "
                               "on several rows; rebuild it with this version (`python -m dflash_export build ... --batched`)")

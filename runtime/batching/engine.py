@@ -123,6 +123,10 @@ class BatchEngine(PromptEncoding):
         self.steps = 0  # decoding calls run (read by tests and /health)
         self.speculative_steps = 0  # decoding calls that verified proposals (read by tests and /health)
         self.last_call_s = 0.0  # seconds of the last batched call (the policy's observation)
+        # seconds of prefill calls and of decoding steps (proposals, call, commits), the prompt rows prefilled
+        # and the tokens decoding steps gave: decode throughput apart from prompt processing (/health)
+        self.prefill_seconds = self.decode_seconds = 0.0
+        self.prefill_rows = self.decoded_tokens = 0
         self.closed = False
         self._thread = threading.Thread(target=self._run, name="dflash-batch", daemon=True)
         self._thread.start()
@@ -218,12 +222,15 @@ class BatchEngine(PromptEncoding):
         check_vocabulary_options(opts, int(self.manifest["target"]["vocab_size"]), self.tokenizer is not None)
 
     def status(self) -> dict:
-        """{"waiting", "running", "slots", "steps", "speculative_steps"} now (steps: decoding calls run so
-        far; speculative_steps: those that verified proposals)."""
+        """{"waiting", "running", "slots", "steps", "speculative_steps", "decoded_tokens", "decode_seconds",
+        "prefill_rows", "prefill_seconds"} now (steps: decoding calls run so far; speculative_steps: those that
+        verified proposals; decoded_tokens / decode_seconds: the decode throughput, prompt processing apart)."""
         with self.cond:
             waiting = sum(not s.handle.cancelled.is_set() for s in self.waiting)  # (cancelled ones leave at the next step)
             return {"waiting": waiting, "running": len(self.active), "slots": self.max_batch, "steps": self.steps,
-                    "speculative_steps": self.speculative_steps}
+                    "speculative_steps": self.speculative_steps, "decoded_tokens": self.decoded_tokens,
+                    "decode_seconds": round(self.decode_seconds, 6), "prefill_rows": self.prefill_rows,
+                    "prefill_seconds": round(self.prefill_seconds, 6)}
 
     def close(self) -> None:
         """Stop the scheduler (requests in flight get a DFlashError) and release the graph."""
@@ -314,16 +321,22 @@ class BatchEngine(PromptEncoding):
                 break
             batch.append(seq)
         if batch:
+            t0, rows = time.perf_counter(), sum(min(len(s.prompt) - s.cached, self.sequence_chunk) for s in batch)
             self._call(batch, [((), None)] * len(batch), self.sequence_chunk)
+            self.prefill_seconds += time.perf_counter() - t0
+            self.prefill_rows += rows
         decoding = [s for s in self.active if not s.prefilling and s not in batch]
         if decoding:
             spec, t0 = self.speculation, time.perf_counter()
+            before = sum(len(s.reply.out) for s in decoding)
             proposals, drafts = spec.propose(decoding) if spec is not None else ([((), None)] * len(decoding), [])
             outcomes = self._call(decoding, proposals, 1)
             self.speculative_steps += bool(outcomes)
             if spec is not None:  # (the step's whole time: its host work differs between plain and speculative steps)
                 spec.observe(len(decoding), self.last_call_s, drafts, outcomes, time.perf_counter() - t0)
             self.steps += 1
+            self.decoded_tokens += sum(len(s.reply.out) for s in decoding) - before
+            self.decode_seconds += time.perf_counter() - t0
 
     def _call(self, seqs: list[BatchedSequence], proposals: list, chunk: int) -> list[tuple[int, int, float]]:
         """One graph call for `seqs` (prefill chunks, or each sequence's last token and its (proposals,

@@ -21,6 +21,9 @@ from runtime.serve.params import ApiError
 log = logging.getLogger("runtime.serve.app")
 
 
+COUNTERS = ("decoded_tokens", "decode_seconds", "prefill_rows", "prefill_seconds")  # (a batched engine's)
+
+
 class QueueFull(Exception):
     """The queue holds its maximum of waiting jobs."""
 
@@ -240,9 +243,11 @@ class BatchWorker:
         self.engine.close()
 
     def status(self) -> dict:
-        """{"waiting", "running", "queue_size", "served", "slots", "steps", "speculative_steps"} for /health."""
+        """{"waiting", "running", "queue_size", "served", "slots", "steps", "speculative_steps"} for /health, and
+        a batched engine's decode and prefill counters (`BatchEngine.status`)."""
         engine = self.engine.status()
         with self.cond:
             return {"waiting": engine["waiting"], "running": engine["running"] > 0, "streams": engine["running"],
                     "queue_size": self.queue_size, "served": self.served, "slots": engine["slots"],
-                    "steps": engine["steps"], "speculative_steps": engine["speculative_steps"]}
+                    "steps": engine["steps"], "speculative_steps": engine["speculative_steps"],
+                    **{k: engine[k] for k in COUNTERS if k in engine}}
