@@ -108,24 +108,24 @@ def test_a_rows_logits_are_the_same_floats_in_any_batch(art):
 
 @needs_openvino
 def test_calls_meet_bucketed_shapes(art):
-    """Keys per sequence are multiples of 64 (or the cap, max_seq_len + rows) and a prefill call's rows per
-    sequence above 16 multiples of 16 (or what the call buffers hold), so OpenVINO prepares few shapes."""
+    """Keys per sequence are multiples of 64 (or the cap, max_seq_len + rows) and rows per sequence powers of
+    two or multiples of 16 (or what the call buffers hold), so OpenVINO prepares few shapes."""
     seen = []
     with BatchEngine(art, max_batch=3, prefill_chunk=32, backend="ort-openvino", speculation=False) as engine:
         run = engine.backend.run
 
         def spy(graph, inputs, outputs):
             if graph == BATCHED_GRAPH:
-                seen.append((inputs["input_ids"].shape[1], inputs["key_index"].shape[1]))
+                seen.append((*inputs["input_ids"].shape, inputs["key_index"].shape[1]))
             return run(graph, inputs, outputs)
 
         engine.backend.run = spy
         _drain([engine.stream(p, max_new_tokens=20, stop_token_ids=[]) for p in _prompts(1)])
         max_rows = engine.calls.max_rows
-    assert any(t > 16 for t, _ in seen) and any(t == 1 for t, _ in seen)
-    for t, keys in seen:
-        assert keys % 64 == 0 or keys == MAX_SEQ_LEN + t, (t, keys)
-        assert t <= 16 or t % 16 == 0 or t * 2 > max_rows, (t, keys)
+    assert any(t > 16 for _, t, _ in seen) and any(t == 1 for _, t, _ in seen)
+    for b, t, keys in seen:
+        assert keys % 64 == 0 or keys == MAX_SEQ_LEN + t, (b, t, keys)
+        assert t & (t - 1) == 0 or t % 16 == 0 or t == max_rows // b, (b, t, keys)
 
 
 @needs_openvino

@@ -93,8 +93,9 @@ class Backend(ABC):
     # then a one-ulp difference between a row's calls becomes a whole int8 step, and Session pads
     # one-row calls where they round differently from multi-row ones (`runtime.graphs.row_exact`)
     int8_activations: bool = False
-    # batched calls round keys per sequence (`key_bucket`) and rows per sequence of multi-row calls
-    # above `row_bucket` (prefill chunks) up to multiples of these: for backends that prepare each new input shape
+    # batched calls round keys per sequence up to a multiple of `key_bucket`, and rows per sequence of
+    # multi-row calls up to a multiple of `row_bucket` (prefill chunks) or, below it, a power of two
+    # (verify steps): for backends that prepare each new input shape
     key_bucket: int = 1
     row_bucket: int = 1
 

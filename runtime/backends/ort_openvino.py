@@ -7,8 +7,8 @@ batched INT4 decoding gains more per added sequence (`docs/performance.md`).
 
 Needs the `onnxruntime-openvino` package, which replaces `onnxruntime` (install it in an environment
 of its own). OpenVINO prepares each new input shape, so the batched calls round their key count up to
-`key_bucket` (masked padding keys, exact zeros) and their rows per sequence up to `row_bucket`
-(padding rows nobody reads); the one-sequence Session's calls grow by a key every step, so this
+`key_bucket` (masked padding keys, exact zeros) and their rows per sequence up to a multiple of
+`row_bucket`, or a power of two below it (padding rows nobody reads); the one-sequence Session's calls grow by a key every step, so this
 backend serves the batched graph only. Its INT4 products round activations to int8 per block, as
 onnxruntime's level 4 does, with other rounding: replies equal this backend's own batch-1 replies,
 not necessarily the CPU backend's.
@@ -37,7 +37,7 @@ class OpenVinoBackend(OrtBackend):
 
     name = "ort-openvino"
     key_bucket = 64  # keys per sequence: a multiple of this (one prepared shape per 64 steps)
-    row_bucket = 16  # rows per sequence of a prefill call above 16: a multiple of this
+    row_bucket = 16  # rows per sequence: a multiple of this above it, a power of two below
 
     def __init__(self, artifact_dir: Path, manifest: dict, threads: int | None = None,
                  graphs: tuple[str, ...] = (BATCHED_GRAPH,)):

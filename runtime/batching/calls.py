@@ -94,7 +94,7 @@ class BatchedCalls:
         # (onnxruntime's OpenVINO provider) then meets the same shapes for `key_bucket` steps; the extra
         # keys are masked padding, which adds exact zeros (1: the longest past + T, no padding added)
         self.key_bucket = int(getattr(be, "key_bucket", 1))
-        self.row_bucket = int(getattr(be, "row_bucket", 1))  # (the same for rows per sequence above it: prefill)
+        self.row_bucket = int(getattr(be, "row_bucket", 1))  # (the same for rows per sequence: see run)
 
     def decide_row_padding(self) -> bool:
         """Pad one-row calls only where the backend rounds activations to int8 and a one-row call gives
@@ -141,8 +141,10 @@ class BatchedCalls:
         be, b = self.backend, len(batch)
         t = max(len(s.ids) for s in batch)
         t = 2 if b * t == 1 and self.pad_single_rows else t
-        if t > self.row_bucket > 1:  # (long prefill chunks; padding rows come after a sequence's rows, unread)
-            t = max(t, min(-(-t // self.row_bucket) * self.row_bucket, self.max_rows // b, self.sequence_rows or t))
+        if t > 1 and self.row_bucket > 1:  # (padding rows come after a sequence's rows: nobody reads them)
+            # up to a multiple of row_bucket (long prefill chunks) or the next power of two (verify steps)
+            step = self.row_bucket if t > self.row_bucket else 1 << (t - 1).bit_length()
+            t = max(t, min(-(-t // step) * step, self.max_rows // b, self.sequence_rows or self.max_rows))
         self.rows_per_sequence = t
         ids = np.zeros((b, t), np.int64)
         for i, s in enumerate(batch):
