@@ -24,8 +24,12 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-# the onnxruntime execution providers of each backend (ort-openvino: where onnxruntime-openvino is installed)
-PROVIDERS = {"ort": ["CPUExecutionProvider"], "ort-openvino": ["OpenVINOExecutionProvider", "CPUExecutionProvider"]}
+from runtime.backends import ort_openvino
+
+# the onnxruntime execution providers of each backend, and their options (ort-openvino: where
+# onnxruntime-openvino is installed)
+PROVIDERS = {"ort": ["CPUExecutionProvider"], "ort-openvino": [ort_openvino.PROVIDER, "CPUExecutionProvider"]}
+OPTIONS = {"ort": lambda threads: None, "ort-openvino": ort_openvino.provider_options}
 
 
 def int4_matmul(k: int, n: int, block: int = 32, bits: int = 4) -> bytes:
@@ -124,7 +128,7 @@ def artifact_bound(artifact: Path, batches: list[int], rounds: int, threads: int
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4")
-        sess = ort.InferenceSession(str(path), opts, providers=PROVIDERS[backend])
+        sess = ort.InferenceSession(str(path), opts, providers=PROVIDERS[backend], provider_options=OPTIONS[backend](threads))
         rng = np.random.default_rng(1)
         matrices = {b: timed_calls(sess, {f"x_{k}": rng.standard_normal((b, k)).astype(np.float32) for k in widths}, rounds)
                     for b in batches}
@@ -154,7 +158,10 @@ def main() -> int:
     p.add_argument("--key-bucket", type=int, help="round each call's keys up to a multiple of this (default: the backend's)")
     args = p.parse_args()
     providers = PROVIDERS[args.backend]
-    if min(args.key_bucket or 1, args.rounds, args.block) < 1:
+    if providers[0] not in ort.get_available_providers():
+        raise SystemExit(f"--backend {args.backend}: this onnxruntime ({ort.__file__}) has no {providers[0]}; install "
+                         "onnxruntime-openvino in an environment of its own (or put it first on PYTHONPATH)")
+    if min(1 if args.key_bucket is None else args.key_bucket, args.rounds, args.block) < 1:
         raise SystemExit("--key-bucket, --rounds and --block must be at least 1")
     if args.artifact:
         batches = [int(b) for b in args.batch.split(",") if b.strip().isdigit()]
@@ -173,7 +180,7 @@ def main() -> int:
             opts = ort.SessionOptions()
             opts.intra_op_num_threads = args.threads
             opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
-            sess = ort.InferenceSession(model, opts, providers=providers)
+            sess = ort.InferenceSession(model, opts, providers=providers, provider_options=OPTIONS[args.backend](args.threads))
             micros = []
             for m in (1, 4, 8):
                 x = np.random.default_rng(1).standard_normal((m, k)).astype(np.float32)

@@ -140,6 +140,16 @@ DECODING_PROMPTS = ([5, 6, 7], [1, 40, 33, 12, 90, 7, 61, 18], [3])
 REFERENCE_TOKENS = 48  # length of the plain-greedy reference continuations
 
 
+def drain(handles) -> list[list[int]]:
+    """Wait for each streamed generation of `handles` (BatchEngine.stream's) and return their output ids."""
+    out = []
+    for h in handles:
+        for _ in h:
+            pass
+        out.append(h.result.output_ids)
+    return out
+
+
 def greedy_reference(pair: Pair):
     """`ref(prompt, n=None)`: the plain-greedy continuation (block_size 1, no stop ids) of `prompt` on the
     pair's artifact itself, `n` tokens (default: 48, or what fits), computed once per prompt and n."""

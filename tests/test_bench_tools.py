@@ -67,6 +67,13 @@ def test_serve_bench_needs_a_chat_template_before_starting_the_server(qwen, caps
     assert exc.value.code == 2 and "--max-tokens >= 2" in capsys.readouterr().err
 
 
+def test_the_command_line_offers_every_backend():
+    from runtime.__main__ import BACKENDS
+    from runtime.backends.select import BACKEND_NAMES
+
+    assert BACKENDS == BACKEND_NAMES
+
+
 def test_batch_bench_engine_rates_from_health_counters():
     """Decode tokens/s over the decoding steps' seconds, the prefill share of busy time, the speculative
     share of steps; None for a server without the counters (the one-at-a-time server)."""

@@ -53,13 +53,7 @@ def _prompts(seed: int = 0) -> list[list[int]]:
     return [[int(t) for t in rng.integers(3, 90, size=n)] for n in (3, 19, 9, 40, 2)]
 
 
-def _drain(handles) -> list[list[int]]:
-    out = []
-    for h in handles:
-        for _ in h:
-            pass
-        out.append(h.result.output_ids)
-    return out
+_drain = rf.drain
 
 
 @pytest.mark.skipif(HAS_OPENVINO, reason="checks the error where onnxruntime-openvino is missing")
@@ -109,9 +103,10 @@ def test_a_rows_logits_are_the_same_floats_in_any_batch(art):
 @needs_openvino
 def test_calls_meet_bucketed_shapes(art):
     """Keys per sequence are multiples of 64 (or the cap, max_seq_len + rows) and rows per sequence powers of
-    two or multiples of 16 (or what the call buffers hold), so OpenVINO prepares few shapes."""
+    two (verify steps of 3 and 4 rows: 4) or multiples of 16 (or what the call buffers hold), so OpenVINO
+    prepares few shapes."""
     seen = []
-    with BatchEngine(art, max_batch=3, prefill_chunk=32, backend="ort-openvino", speculation=False) as engine:
+    with BatchEngine(art, max_batch=3, prefill_chunk=32, backend="ort-openvino") as engine:
         run = engine.backend.run
 
         def spy(graph, inputs, outputs):
@@ -120,9 +115,10 @@ def test_calls_meet_bucketed_shapes(art):
             return run(graph, inputs, outputs)
 
         engine.backend.run = spy
-        _drain([engine.stream(p, max_new_tokens=20, stop_token_ids=[]) for p in _prompts(1)])
+        _drain([engine.stream(p, max_new_tokens=20, stop_token_ids=[], verify_len=2 + i % 2)
+                for i, p in enumerate(_prompts(1))])
         max_rows = engine.calls.max_rows
-    assert any(t > 16 for _, t, _ in seen) and any(t == 1 for _, t, _ in seen)
+    assert any(t > 16 for _, t, _ in seen) and any(t == 1 for _, t, _ in seen) and any(t == 4 for _, t, _ in seen)
     for b, t, keys in seen:
         assert keys % 64 == 0 or keys == MAX_SEQ_LEN + t, (b, t, keys)
         assert t & (t - 1) == 0 or t % 16 == 0 or t == max_rows // b, (b, t, keys)

@@ -17,8 +17,9 @@ left out), p50/p95 time to first token, p50/p95 gap between streamed chunks (int
 a speculative chunk can carry several tokens), the share of the batched server's decoding steps that
 verified proposals, its decode tokens/s (tokens of its decoding steps / their seconds, host work included:
 prompt processing apart, which costs the same per request at any batch size) and the share of its busy
-time spent prefilling prompts (its /health counters), and replies that differ from the one-at-a-time server's reply
-to the same prompt with one client.
+time spent prefilling prompts (its /health counters), and replies that differ from the one-at-a-time
+server's reply to the same prompt with one client (with --backend ort-openvino, the batched server's
+replies from its own one-client replies: its INT4 kernel rounds otherwise).
 """
 
 from __future__ import annotations
@@ -137,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
              f"batched ({batched}), plain (block_size 1)": ("batched", {"block_size": 1})}
     names = list(modes)
     try:
-        # (another backend rounds otherwise: its replies are compared with its own one-client replies)
-        _, alone = load(servers["one" if args.backend == "ort" else "batched"].url, prompts, 1, args.max_tokens)
-        reference = {r["prompt"]: r["text"] for r in alone}
+        # each server's replies against the one-at-a-time server's one-client replies; another backend rounds
+        # otherwise, so its replies are compared with its own one-client replies
+        references = {"one": {r["prompt"]: r["text"] for r in load(servers["one"].url, prompts, 1, args.max_tokens)[1]}}
+        references["batched"] = references["one"] if args.backend == "ort" else \
+            {r["prompt"]: r["text"] for r in load(servers["batched"].url, prompts, 1, args.max_tokens)[1]}
         results: dict[tuple[str, int], list[dict]] = {}
         for rnd in range(args.rounds):
             for n in streams:
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                     server, extra = modes[name]
                     before = _health(servers[server].url)
                     seconds, records = load(servers[server].url, prompts, n, args.max_tokens, extra, args.per_stream)
-                    row = {**summarize(seconds, records, reference), **_engine_rates(before, _health(servers[server].url))}
+                    row = {**summarize(seconds, records, references[server]),
+                           **_engine_rates(before, _health(servers[server].url))}
                     results.setdefault((name, n), []).append(row)
                     print(f"round {rnd + 1}, {n} streams, {name}: {row['tok_s']:.1f} tok/s", flush=True)
     finally:

@@ -19,7 +19,7 @@ Inputs (B sequences of T rows each, flattened row r = b * T + t; L keys per sequ
         cache row key_index[b, l]; keys past_b .. past_b + T - 1 are its new rows (whatever the index
         says), later keys padding (masked whatever they index).
     logit_rows: int64 `[K]`: the flattened rows whose logits and next ids are wanted (every row of a
-        decoding step; the last row of a prefill chunk), K >= 1.
+        decoding step; the last row of a prefill chunk; a row nobody reads where none is wanted), K >= 1.
     temperature: fp32 `[K]`: per logits row; 0 is greedy.
     uniform: fp32 `[U]`, U = K (sample) or 0 (all greedy: the sampling branch is empty).
     past_key_i / past_value_i: `[Hkv, max_seq_len * S, D]`: layer i's whole cache.
@@ -144,9 +144,9 @@ def _posterior(logits, temperature, uniform, vocab_size: int) -> torch.Tensor:
     inverse-CDF sample of softmax(row / T) at its uniform (`TargetForExport.head`'s rule, per row).
 
     The argmax is a TopK of 1 (ONNX TopK: ties go to the lower index, as ArgMax's first index): the same
-    ids and cost on onnxruntime's CPU provider, while OpenVINO turns an ArgMax into a TopK that is slow on
-    several rows (21.9 ms for 8 rows of 49152; `docs/performance.md`). K >= 1 here, so TopK never sees
-    the empty input older onnxruntime versions fail on."""
+    ids and cost on onnxruntime's CPU provider, while OpenVINO runs an ArgMax over several rows slowly (30 ms
+    for 8 rows of 49152; `docs/performance.md`). The runtime always asks for K >= 1 rows
+    (`runtime.batching.calls`): onnxruntime 1.23's TopK fails on an empty input."""
     greedy = torch.topk(logits, 1, dim=-1).indices[:, 0]
     u = uniform.shape[0]
     rows = logits.shape[0]

@@ -41,5 +41,8 @@ def make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | N
     if name == "ort-cuda":
         return OrtCudaBackend(artifact_dir, manifest, threads=threads, graphs=graphs)
     if name == "ort-openvino":
+        if int4_accuracy_level is not None:
+            raise DFlashError("int4_accuracy_level applies to onnxruntime's own INT4 kernel; the ort-openvino backend "
+                              "runs OpenVINO's (int8 activations): leave it unset")
         return OpenVinoBackend(artifact_dir, manifest, threads=threads, graphs=graphs)
     raise DFlashError(f"unknown backend {name!r}; available: {', '.join(BACKEND_NAMES)}")

@@ -150,8 +150,11 @@ class BatchedCalls:
         for i, s in enumerate(batch):
             ids[i, : len(s.ids)] = s.ids
         rows = np.array([i * t + j for i, s in enumerate(batch) for j in range(len(s.ids) - s.wanted, len(s.ids))], np.int64)
-        k = len(rows)
         temps = np.array([s.temperature for s in batch for _ in range(s.wanted)], np.float32)
+        wanted = len(rows)
+        if not wanted:  # (prefill chunks before a prompt's last: one greedy row nobody reads; onnxruntime 1.23's
+            rows, temps = np.zeros(1, np.int64), np.zeros(1, np.float32)  # TopK fails on an empty input)
+        k = len(rows)
         be.write(View(self.input_ids, 0, (b, t)), ids)
         pasts = np.array([s.past for s in batch], np.int64)
         n_keys = int(pasts.max()) + t
@@ -167,6 +170,7 @@ class BatchedCalls:
         sampled = k if (temps > 0).any() or not self.skip_sampling else 0
         if sampled:
             uniforms = [float(s.uniforms[j]) if j < len(s.uniforms) else 0.0 for s in batch for j in range(s.wanted)]
+            uniforms += [0.0] * (k - len(uniforms))  # (the unread row of a call that wants none)
             be.write(self.uniform.rows(0, k), np.array(uniforms, np.float32))
         inputs = {"input_ids": View(self.input_ids, 0, (b, t)), "past_lengths": self.past_lengths.rows(0, b),
                   "key_index": View(self.key_index, 0, (b, n_keys)), "logit_rows": self.logit_rows.rows(0, k),
@@ -190,7 +194,7 @@ class BatchedCalls:
         for (key, value), (new_k, new_v) in zip(self.kv, self.new_kv):
             be.scatter_heads(key, dst, new_k.rows(0, b * t), src)
             be.scatter_heads(value, dst, new_v.rows(0, b * t), src)
-        return be.read(self.next_ids.rows(0, k))
+        return be.read(self.next_ids.rows(0, k))[:wanted]
 
     def logits_buffer(self):
         """The fp32 `[max_rows, V]` logits buffer (allocated on first use)."""

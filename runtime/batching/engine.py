@@ -224,7 +224,9 @@ class BatchEngine(PromptEncoding):
     def status(self) -> dict:
         """{"waiting", "running", "slots", "steps", "speculative_steps", "decoded_tokens", "decode_seconds",
         "prefill_rows", "prefill_seconds"} now (steps: decoding calls run so far; speculative_steps: those that
-        verified proposals; decoded_tokens / decode_seconds: the decode throughput, prompt processing apart)."""
+        verified proposals; decoded_tokens / decode_seconds: what decoding steps gave and their seconds, host
+        work included: the decode throughput, prompt processing apart; prefill_rows / prefill_seconds: the prompt
+        rows prefill calls took and their seconds)."""
         with self.cond:
             waiting = sum(not s.handle.cancelled.is_set() for s in self.waiting)  # (cancelled ones leave at the next step)
             return {"waiting": waiting, "running": len(self.active), "slots": self.max_batch, "steps": self.steps,
