@@ -9,9 +9,9 @@ Needs the `onnxruntime-openvino` package, which replaces `onnxruntime` (install 
 of its own). OpenVINO prepares each new input shape, so the batched calls round their key count up to
 `key_bucket` (masked padding keys, exact zeros) and their rows per sequence up to a multiple of
 `row_bucket`, or a power of two below it (padding rows nobody reads); the one-sequence Session's
-calls grow by a key every step, so this backend serves the batched graph only. Its INT4 products round activations to int8 per block, as
-onnxruntime's level 4 does, with other rounding: replies equal this backend's own batch-1 replies,
-not necessarily the CPU backend's.
+calls grow by a key every step, so this backend serves the batched graph only. Its INT4 products
+round activations to int8 per block, as onnxruntime's level 4 does, with other rounding: replies
+equal this backend's own batch-1 replies, not necessarily the CPU backend's.
 """
 
 from __future__ import annotations
