@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ART ?= artifacts/smollm2
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
 
-.PHONY: venv demo test test-fast test-openvino clean
+.PHONY: venv demo test test-fast clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -32,19 +32,6 @@ demo: venv
 test: venv
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
-	# (onnxruntime-openvino has wheels for x86-64 only)
-	if [ "$$(uname -m)" = x86_64 ]; then $(MAKE) test-openvino; else echo "test-openvino skipped: not x86-64"; fi
-
-# the ort-openvino backend's tests: onnxruntime-openvino replaces the onnxruntime package, so it goes
-# into a directory of its own, first on PYTHONPATH for these tests only (its other dependencies are in .venv)
-OPENVINO := $(VENV)/openvino
-$(OPENVINO)/.installed: Makefile $(BIN)/.installed
-	rm -rf $(OPENVINO)
-	$(BIN)/pip install -q --no-deps --target $(OPENVINO) onnxruntime-openvino==1.24.1
-	touch $@
-
-test-openvino: venv $(OPENVINO)/.installed
-	PYTHONPATH=$(OPENVINO) DFLASH_REQUIRE_OPENVINO=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_openvino.py
 
 test-fast: venv
 	$(BIN)/lint-imports

@@ -20,7 +20,7 @@ from runtime.errors import DFlashError
 from runtime.manifest import BATCHED_GRAPH, load_manifest
 
 API_KEY_ENV = "DFLASH_EXPORT_API_KEY"  # the key without putting it on the command line (visible in ps)
-BACKENDS = ("ort", "ort-cuda", "ort-openvino", "trt")  # (runtime.backends.select.BACKEND_NAMES)
+BACKENDS = ("ort", "ort-cuda", "trt")  # (runtime.backends.select.BACKEND_NAMES)
 # the serve extra and what it pulls in: a missing one is answered with the pip command
 SERVER_LIBRARIES = ("starlette", "uvicorn", "anyio", "h11", "click")
 
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
     c = sub.add_parser("chat", help="interactive multi-turn chat in the terminal, streamed")
     c.add_argument("dir", help="artifact directory")
-    c.add_argument("--backend", choices=[b for b in BACKENDS if b != "ort-openvino"], default="ort")  # (batched only)
+    c.add_argument("--backend", choices=BACKENDS, default="ort")
     c.add_argument("--system", help="system prompt")
     c.add_argument("--max-tokens", type=int, help="reply length limit (default: what fits, at most 512)")
     c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -106,9 +106,6 @@ def _max_batch(args, manifest: dict) -> int:
     n = args.max_batch if args.max_batch is not None else default
     if n < 1:
         raise DFlashError(f"--max-batch must be at least 1 (got {n})")
-    if args.backend == "ort-openvino" and not batched:
-        raise DFlashError(f"--backend ort-openvino serves the batched graph, and {args.dir} has none: rebuild it with "
-                          "`python -m dflash_export build ... --batched`, or serve it with --backend ort")
     if n > 1 and not batched:
         raise DFlashError(f"--max-batch {n} needs an artifact built with `python -m dflash_export build --batched`; "
                           f"{args.dir} has no batched graph (serve it with --max-batch 1, or rebuild it)")
@@ -118,7 +115,7 @@ def _max_batch(args, manifest: dict) -> int:
 def _load_for_serving(args, max_batch: int):
     import runtime
 
-    if max_batch == 1 and args.backend != "ort-openvino":  # (OpenVINO runs the batched graph only)
+    if max_batch == 1:
         return runtime.load(args.dir, backend=args.backend)
     from runtime.batching import BatchEngine
 

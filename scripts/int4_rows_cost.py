@@ -24,12 +24,29 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from runtime.backends import ort_openvino
+# the onnxruntime execution providers of each backend (ort-openvino: where onnxruntime-openvino is
+# installed; the runtime does not ship it: its attention products round by the call's key count)
+PROVIDERS = {"ort": ["CPUExecutionProvider"], "ort-openvino": ["OpenVINOExecutionProvider", "CPUExecutionProvider"]}
 
-# the onnxruntime execution providers of each backend, and their options (ort-openvino: where
-# onnxruntime-openvino is installed)
-PROVIDERS = {"ort": ["CPUExecutionProvider"], "ort-openvino": [ort_openvino.PROVIDER, "CPUExecutionProvider"]}
-OPTIONS = {"ort": lambda threads: None, "ort-openvino": ort_openvino.provider_options}
+
+def provider_options(backend: str, threads: int) -> list[dict] | None:
+    """OpenVINO's CPU device at fp32 inference precision (a lower one changes the numbers), `threads` threads."""
+    return None if backend == "ort" else [{"device_type": "CPU", "precision": "FP32", "num_of_threads": str(threads)}, {}]
+
+
+def engine_backend(artifact: Path, backend: str, threads: int):
+    """"ort", or an onnxruntime backend on OpenVINO's provider whose calls round keys per sequence up to a
+    multiple of 64 and rows per sequence to a power of two or a multiple of 16 (OpenVINO prepares each new
+    input shape)."""
+    if backend == "ort":
+        return "ort"
+    from runtime.backends.ort import OrtBackend
+    from runtime.manifest import BATCHED_GRAPH, load_manifest
+
+    be = OrtBackend(artifact, load_manifest(artifact), providers=PROVIDERS[backend], threads=threads,
+                    graphs=(BATCHED_GRAPH,), provider_options=provider_options(backend, threads))
+    be.key_bucket, be.row_bucket = 64, 16
+    return be
 
 
 def int4_matmul(k: int, n: int, block: int = 32, bits: int = 4) -> bytes:
@@ -104,7 +121,8 @@ def engine_steps(artifact: Path, batches: list[int], rounds: int, threads: int, 
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(100, 20000, size=100)] for _ in range(max(batches))]
     steps: dict[int, list[float]] = {b: [] for b in batches}
-    with BatchEngine(artifact, max_batch=max(batches), backend=backend, threads=threads, speculation=False) as engine:
+    with BatchEngine(artifact, max_batch=max(batches), backend=engine_backend(artifact, backend, threads), threads=threads,
+                     speculation=False) as engine:
         if key_bucket is not None:
             engine.calls.key_bucket = key_bucket
         engine.generate(prompts[:1], max_new_tokens=4)
@@ -128,7 +146,7 @@ def artifact_bound(artifact: Path, batches: list[int], rounds: int, threads: int
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4")
-        sess = ort.InferenceSession(str(path), opts, providers=PROVIDERS[backend], provider_options=OPTIONS[backend](threads))
+        sess = ort.InferenceSession(str(path), opts, providers=PROVIDERS[backend], provider_options=provider_options(backend, threads))
         rng = np.random.default_rng(1)
         matrices = {b: timed_calls(sess, {f"x_{k}": rng.standard_normal((b, k)).astype(np.float32) for k in widths}, rounds)
                     for b in batches}
@@ -180,7 +198,7 @@ def main() -> int:
             opts = ort.SessionOptions()
             opts.intra_op_num_threads = args.threads
             opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
-            sess = ort.InferenceSession(model, opts, providers=providers, provider_options=OPTIONS[args.backend](args.threads))
+            sess = ort.InferenceSession(model, opts, providers=providers, provider_options=provider_options(args.backend, args.threads))
             micros = []
             for m in (1, 4, 8):
                 x = np.random.default_rng(1).standard_normal((m, k)).astype(np.float32)

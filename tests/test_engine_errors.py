@@ -205,7 +205,7 @@ def test_ort_cuda_without_cuda_provider(tmp_path):
 def test_unknown_backend_lists_the_choices(tmp_path):
     import runtime
 
-    with pytest.raises(DFlashError, match="available: ort, ort-cuda, ort-openvino, trt"):
+    with pytest.raises(DFlashError, match="available: ort, ort-cuda, trt"):
         runtime.load(_minimal_artifact(tmp_path / "a"), backend="tensorrt")
 
 

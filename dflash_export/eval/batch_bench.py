@@ -18,8 +18,7 @@ a speculative chunk can carry several tokens), the share of the batched server's
 verified proposals, its decode tokens/s (tokens of its decoding steps / their seconds, host work included:
 prompt processing apart, which costs the same per request at any batch size) and the share of its busy
 time spent prefilling prompts (its /health counters), and replies that differ from the one-at-a-time
-server's reply to the same prompt with one client (with --backend ort-openvino, the batched server's
-replies from its own one-client replies: its INT4 kernel rounds otherwise).
+server's reply to the same prompt with one client.
 """
 
 from __future__ import annotations
@@ -125,24 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=8, help="the batched server's slots")
     p.add_argument("--prompts", default=str(DEFAULT_EVAL))
     p.add_argument("--per-stream", type=int, default=2, help="requests each client sends at least (more: a shorter tail)")
-    p.add_argument("--backend", default="ort", choices=("ort", "ort-openvino"),
-                   help="the batched server's backend (ort-openvino: replies are compared with its own one-client replies)")
     args = p.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
     prompts = eval_prompts(Path(args.prompts), args.limit)
-    batched = f"--max-batch {args.max_batch}" + (f", {args.backend}" if args.backend != "ort" else "")
+    batched = f"--max-batch {args.max_batch}"
     servers = {"one": ServerProcess(args.artifact, "ort", ["--max-batch", "1"]),
-               "batched": ServerProcess(args.artifact, args.backend, ["--max-batch", str(args.max_batch)])}
+               "batched": ServerProcess(args.artifact, "ort", ["--max-batch", str(args.max_batch)])}
     modes = {"one at a time (--max-batch 1, speculative)": ("one", None),
              f"batched ({batched}), default (auto)": ("batched", None),
              f"batched ({batched}), plain (block_size 1)": ("batched", {"block_size": 1})}
     names = list(modes)
     try:
-        # each server's replies against the one-at-a-time server's one-client replies; another backend rounds
-        # otherwise, so its replies are compared with its own one-client replies
-        references = {"one": {r["prompt"]: r["text"] for r in load(servers["one"].url, prompts, 1, args.max_tokens)[1]}}
-        references["batched"] = references["one"] if args.backend == "ort" else \
-            {r["prompt"]: r["text"] for r in load(servers["batched"].url, prompts, 1, args.max_tokens)[1]}
+        _, alone = load(servers["one"].url, prompts, 1, args.max_tokens)
+        reference = {r["prompt"]: r["text"] for r in alone}
         results: dict[tuple[str, int], list[dict]] = {}
         for rnd in range(args.rounds):
             for n in streams:
@@ -151,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                     server, extra = modes[name]
                     before = _health(servers[server].url)
                     seconds, records = load(servers[server].url, prompts, n, args.max_tokens, extra, args.per_stream)
-                    row = {**summarize(seconds, records, references[server]),
+                    row = {**summarize(seconds, records, reference),
                            **_engine_rates(before, _health(servers[server].url))}
                     results.setdefault((name, n), []).append(row)
                     print(f"round {rnd + 1}, {n} streams, {name}: {row['tok_s']:.1f} tok/s", flush=True)

@@ -95,7 +95,8 @@ class Backend(ABC):
     int8_activations: bool = False
     # batched calls round keys per sequence up to a multiple of `key_bucket`, and rows per sequence of
     # multi-row calls up to a multiple of `row_bucket` (prefill chunks) or, below it, a power of two
-    # (verify steps): for backends that prepare each new input shape
+    # (verify steps): for backends that prepare each new input shape (OpenVINO's, in
+    # scripts/int4_rows_cost.py; the padding keys and rows change no result on onnxruntime's CPU provider)
     key_bucket: int = 1
     row_bucket: int = 1
 

@@ -8,17 +8,16 @@ from pathlib import Path
 from runtime.backends.base import Backend
 from runtime.backends.ort import OrtBackend
 from runtime.backends.ort_cuda import OrtCudaBackend
-from runtime.backends.ort_openvino import OpenVinoBackend
 from runtime.backends.trt import TrtBackend
 from runtime.errors import DFlashError
 
-BACKEND_NAMES = ("ort", "ort-cuda", "ort-openvino", "trt")
+BACKEND_NAMES = ("ort", "ort-cuda", "trt")
 MAX_THREADS = 4096  # (onnxruntime takes a C int; far above any core count this runs on)
 
 
 def make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | None,
                  int4_accuracy_level: int | None = None, graphs: tuple[str, ...] = ("target", "draft")) -> Backend:
-    """The backend `name` ("ort", "ort-cuda", "ort-openvino" or "trt") for an artifact, loading `graphs`; its modules (and
+    """The backend `name` ("ort", "ort-cuda" or "trt") for an artifact, loading `graphs`; its modules (and
     TensorRT or CUDA) are imported only when chosen.
 
     Raises:
@@ -40,9 +39,4 @@ def make_backend(name: str, artifact_dir: Path, manifest: dict, threads: int | N
         return TrtBackend(artifact_dir, manifest, graphs=graphs)
     if name == "ort-cuda":
         return OrtCudaBackend(artifact_dir, manifest, threads=threads, graphs=graphs)
-    if name == "ort-openvino":
-        if int4_accuracy_level is not None:
-            raise DFlashError("int4_accuracy_level applies to onnxruntime's own INT4 kernel; the ort-openvino backend "
-                              "runs OpenVINO's (int8 activations): leave it unset")
-        return OpenVinoBackend(artifact_dir, manifest, threads=threads, graphs=graphs)
     raise DFlashError(f"unknown backend {name!r}; available: {', '.join(BACKEND_NAMES)}")

@@ -59,7 +59,7 @@ def add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop string (repeatable): the reply ends before it")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampling random numbers (default 0)")
-    g.add_argument("--backend", default="ort", help="ort (onnxruntime CPU), ort-cuda or trt (TensorRT engines); ort-openvino serves batched only")
+    g.add_argument("--backend", default="ort", help="ort (onnxruntime CPU), ort-cuda or trt (TensorRT engines)")
     g.add_argument("--int4-accuracy-level", type=int, choices=(1, 4), default=None,
                    help="INT4 artifacts on onnxruntime CPU: 4 = int8 activations (default where the target is "
                         "row-exact: lossless and faster), 1 = fp32 compute")
