@@ -189,7 +189,7 @@ def _engine_rates(before: dict, after: dict) -> dict:
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("steps", "speculative_steps", "decoded_tokens",
                                                                "decode_seconds", "prefill_seconds")}
     busy = delta["decode_seconds"] + delta["prefill_seconds"]
-    return {"spec_share": delta["speculative_steps"] / delta["steps"] if "decode_seconds" in after and delta["steps"] else None,
+    return {"spec_share": delta["speculative_steps"] / delta["steps"] if delta["steps"] else None,
             "decode_tok_s": delta["decoded_tokens"] / delta["decode_seconds"] if delta["decode_seconds"] else None,
             "prefill_share": delta["prefill_seconds"] / busy if busy else None}
 
