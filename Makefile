@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ART ?= artifacts/smollm2
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number.
 
-.PHONY: venv demo test test-fast clean
+.PHONY: venv demo test test-fast test-nightly clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -31,11 +31,16 @@ demo: venv
 # tests/conftest.py). test-fast leaves out the `slow` tests (pyproject.toml's markers): under 4 minutes (3 min 43 s on the 2-core machine, 2026-12-06).
 test: venv
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not nightly"
 
 test-fast: venv
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow and not nightly"
+
+# everything, the `nightly` builds included (their behaviour `make test` covers too: docs/development.md)
+test-nightly: venv
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache

@@ -31,12 +31,13 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.e
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under `--dist worksteal` (the Makefile's), the `slow` tests (the longest: up to minutes each) run
+    """Under `--dist worksteal` (the Makefile's), the `slow` and `nightly` tests (the longest: up to minutes each) run
     first, in their usual order: one worker starts on them while the other runs the rest and then takes
     over half of the first one's queue, so no long test is left to run alone at the end. (Under the default
     `--dist load` this order would hand every slow test to the first worker: files keep their order.)"""
     if config.getoption("dist", "no") == "worksteal":
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: otherwise file order
+        long = ("slow", "nightly")
+        items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in long))  # stable: else file order
 
 
 # Tiny targets used by the suite. Taps include layer 0, a middle layer and the LAST layer (whose

@@ -187,7 +187,7 @@ def test_graph_is_standard_and_fixed_to_the_block(dense):
     assert small.output_ids == sess.generate([3, 9], max_new_tokens=20, stop_token_ids=[], block_size=1).output_ids
 
 
-@pytest.mark.slow  # a hybrid build; fast: the dense target against the same reference
+@pytest.mark.nightly  # a hybrid build; `make test`: the dense target against the same reference
 def test_hybrid_target(hybrid_pair, tmp_path):
     """A Qwen3.5 hybrid target with a DFlash 2 draft: proposals and acceptance as the reference's, greedy
     output the HF model's."""

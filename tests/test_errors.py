@@ -197,7 +197,7 @@ def test_unsupported_draft_architecture(ckpt, tmp_path):
                 r"DFlashDraftModel, DFlash2DraftModel$")
 
 
-@pytest.mark.slow  # two builds through the CLI; fast: test_failed_rebuild_keeps_the_old_artifact (no partial output)
+@pytest.mark.nightly  # two builds through the CLI; `make test`: test_failed_rebuild_keeps_the_old_artifact (no partial output)
 def test_ctrl_c_before_the_swap_leaves_nothing_and_after_it_says_too_late(ckpt, tmp_path, monkeypatch, capsys):
     """Ctrl-C during build (here: while the graphs are checked) removes everything and exits 130;
     one right after the artifact was swapped into place exits 130 saying it came too late, with the

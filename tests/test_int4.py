@@ -62,13 +62,13 @@ def int4_art(pairs, tmp_path_factory):
     return get
 
 
-# `make test-fast` checks the untied fp32 form and a tied table with an INT4 head; the other four (a build
-# each, or a check of a build a fast test reuses) run in the full suite
+# `make test` checks the untied fp32 form and a tied table with an INT4 head; the other four (a build
+# each, or a check of a build a fast test reuses) run in `make test-nightly`
 @pytest.mark.parametrize("kind, dtype, lm_head", [("qwen3", "fp32", False),
-                                                  pytest.param("qwen3_tied", "fp32", False, marks=pytest.mark.slow),
-                                                  pytest.param("llama", "fp32", False, marks=pytest.mark.slow),
-                                                  pytest.param("qwen3", "fp16", False, marks=pytest.mark.slow),
-                                                  pytest.param("qwen3", "fp32", True, marks=pytest.mark.slow),
+                                                  pytest.param("qwen3_tied", "fp32", False, marks=pytest.mark.nightly),
+                                                  pytest.param("llama", "fp32", False, marks=pytest.mark.nightly),
+                                                  pytest.param("qwen3", "fp16", False, marks=pytest.mark.nightly),
+                                                  pytest.param("qwen3", "fp32", True, marks=pytest.mark.nightly),
                                                   ("qwen3_tied", "fp32", True)])
 def test_int4_graph_form_and_parity_with_dequantized_modules(int4_art, tmp_path, kind, dtype, lm_head):
     art = int4_art(kind, dtype, lm_head)  # the build `build(... quant="int4", quant_block=16, quant_lm_head=lm_head)`
@@ -197,7 +197,7 @@ def test_int4_speculative_equals_plain_with_accepted_blocks(tmp_path_factory, tm
         assert max(res.acceptance_lengths) == (8 if correct is None else 4)
 
 
-@pytest.mark.slow  # a build; runs in the full suite (fast: INT4 heads above)
+@pytest.mark.nightly  # a build; `make test`: the INT4 heads above
 def test_int4_proposal_head_ranks_proposals_only(tmp_path_factory, tmp_path):
     """--proposal-head int4 on an fp32 artifact with a proposal vocabulary: only the proposal head rows
     (at the end of the draft graph, which proposes) become INT4 (one DequantizeLinear; block: the

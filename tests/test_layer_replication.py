@@ -125,7 +125,8 @@ def llama_pair(tmp_path_factory):
     return target, draft
 
 
-@pytest.mark.slow  # two fp16 INT4 builds (the full suite runs it)
+@pytest.mark.nightly  # two fp16 INT4 builds; `make test`: test_replicated_target_is_the_full_trace (fp32) and the
+# fp16 INT4 hybrid replication (test_hybrid_replication.py)
 def test_build_int4_fp16_streamed_replicated_is_the_full_trace(llama_pair, tmp_path, monkeypatch):
     """`build --dtype fp16 --quant int4 --proposal-head int4` with every matrix streamed: the graph is the
     full trace's, and weights are read only while the file is written."""

@@ -104,7 +104,7 @@ def test_int4_speculative_equals_plain_on_the_real_pair(tmp_path_factory):
 
 
 def test_acceptance_equals_the_pytorch_loop_and_tau_holds(smollm2_artifact):
-    """The shipped draft on held-out prompts (2 per category, block 16, all proposals verified, greedy):
+    """The shipped draft on held-out prompts (1 per category, block 16, all proposals verified, greedy):
     the runtime's acceptance lengths equal the PyTorch loop's (Hugging Face target + PyTorch draft, the
     same proposal vocabulary) at every step up to the first one an fp32 rounding could flip (a logit
     margin below 1e-3), and tau >= 1.5, the shipped draft's level (held-out bench: 1.67). A broken tap,
@@ -128,7 +128,7 @@ def test_acceptance_equals_the_pytorch_loop_and_tau_holds(smollm2_artifact):
     per_cat: dict[str, list] = {}
     for row in rows:
         per_cat.setdefault(row["category"], [])
-        if len(per_cat[row["category"]]) < 2:
+        if len(per_cat[row["category"]]) < 1:
             per_cat[row["category"]].append(row["prompt"])
     lengths, compared = [], 0
     for prompt in [p for ps in per_cat.values() for p in ps]:
@@ -139,7 +139,7 @@ def test_acceptance_equals_the_pytorch_loop_and_tau_holds(smollm2_artifact):
         assert res.acceptance_lengths[:clear] == ref["acceptance_lengths"][:clear], prompt[:40]
         compared += clear
         lengths += res.acceptance_lengths
-    assert compared >= 100  # most steps were clear enough to compare
+    assert compared >= 50  # most steps were clear enough to compare
     tau = sum(lengths) / len(lengths)
     assert tau >= 1.5, f"tau {tau:.2f} at block 16: the shipped draft reaches 1.67 on held-out prompts"
 

@@ -17,10 +17,13 @@ import pytest
 import torch
 
 import tiny_models
+from tolerances import assert_fp32_close
 from test_draft_parity import reference_draft as plain_reading
 from runtime.errors import DFlashError
 
-ATOL = 1e-5
+# Module, graph and float64 reference differ by fp32 rounding (tests/tolerances.py): fc's reduction
+# (3 taps x hidden 64), then 2 layers and the final norm.
+ROUNDING = dict(reduction=192, depth=4)
 WINDOW = 5
 SLIDING_TYPES = ["sliding_attention", "full_attention"]  # as Qwen3.6 drafts: sliding layers, then full
 YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -50,9 +53,13 @@ def _err(got, want) -> float:
     return float(np.max(np.abs(got - want))) if got.size else 0.0
 
 
-def _close(got, want, what, atol=ATOL):
-    err = _err(got, want)
-    assert err <= atol, f"{what}: max abs error {err:.3g} > {atol}"
+def _close(got, want, what, atol=None):
+    """Within fp32 rounding (`ROUNDING`), or exactly `atol` (0.0: tables copied from transformers' own)."""
+    if atol is None:
+        assert_fp32_close(np.asarray(got, np.float64), np.asarray(want, np.float64), what=what, **ROUNDING)
+    else:
+        err = _err(got, want)
+        assert err <= atol, f"{what}: max abs error {err:.3g} > {atol}"
 
 
 class Draft:
@@ -397,7 +404,7 @@ def test_yarn_sliding_module_matches_reference(yarn, cuts):
     assert float((hid.double() - wrong).abs().max()) > 1e-3  # sensitivity: unscaled RoPE is clearly different
 
 
-@pytest.mark.slow  # a build; fast: the sliding/YaRN graph and module tests above
+@pytest.mark.nightly  # a build; `make test`: the sliding/YaRN graph and module tests above
 def test_build_and_generate_with_a_sliding_yarn_draft(yarn, tmp_path):
     """End to end: the manifest records the window, the runtime loads the sliding draft (its graph
     inputs are still past K/V per layer), speculative output equals plain and `check` passes."""
