@@ -32,7 +32,7 @@ from runtime.graphs.tree import VerifyTree
 from runtime.options import GenerationOptions
 from runtime.results import GenerationResult, StreamChunk
 from runtime.speculation.policy import Policy
-from runtime.speculation.proposals import Choice, Shape, StepRecord
+from runtime.speculation.proposals import Choice, Proposal, Shape, StepRecord
 from runtime.speculation.proposers import DraftProposer, LookupProposer
 from runtime.speculation.sampling import HostSampler, verify_chain
 from runtime.text.reply import ReplyText
@@ -48,20 +48,25 @@ class DecodeLoop:
         block_size: tokens per draft block (1 = plain decoding).
         policy: chooses the proposals verified per step.
         stop_ids: ids that end the reply once committed.
+        constraint: None, or the request's output constraint (`runtime.text.constraints.Constraint`):
+            every row is then chosen on the host from the masked logits, proposals the grammar forbids
+            are cut before the target call, tokens it forces are offered as proposals ("grammar"), and
+            the reply ends where the grammar is complete.
     """
 
     def __init__(self, session, prompt: list[int], opts: GenerationOptions, block_size: int, policy: Policy,
-                 stop_ids: set[int]):
+                 stop_ids: set[int], constraint=None):
         self.s, self.prompt, self.opts, self.b, self.policy, self.stop_ids = session, prompt, opts, block_size, policy, stop_ids
+        self.constraint = constraint
         # one uniform per output position, drawn up front: the sample at position k uses uniforms[k]
         # whatever the verify lengths, block size or policy, so a seed gives the same reply with and
         # without speculation (and exactness is unchanged: each position's sample is an inverse-CDF
         # draw from its own conditional, the proposal is accepted iff it equals it)
         self.uniforms = np.random.default_rng(opts.seed).random(opts.max_new_tokens, dtype=np.float32)
         self.sampler = None
-        if opts.samples_on_host:
+        if opts.samples_on_host or constraint is not None:
             session.logits_buffer()  # the target calls write their logits rows for the host from now on
-            self.sampler = HostSampler(opts.temperature, opts.top_k, opts.top_p, session.read_logits_row)
+            self.sampler = HostSampler(opts.temperature, opts.top_k, opts.top_p, session.read_logits_row, constraint)
         tok = session.tokenizer
         self.reply = ReplyText(tok.decode if tok is not None else None, opts.stop, stop_ids)
         self.out = self.reply.out  # the committed ids (the same list)
@@ -100,6 +105,10 @@ class DecodeLoop:
         """This step's choice: the policy's, from the lookup's offer (where it keeps one) and its own
         estimates; a tree it cannot verify here runs as its chain (`_verifiable`)."""
         offers = []
+        if self.constraint is not None and limit > 0:
+            forced = self.constraint.forced(limit)
+            if forced:
+                offers.append(Proposal("grammar", ids=np.asarray(forced, np.int64)))
         if self.lookup is not None and limit > 0:
             offer = self.lookup.propose(limit)
             if offer is not None:
@@ -116,6 +125,8 @@ class DecodeLoop:
                                       self.out[-1])
         if proposal.probs is not None:
             shape = self._verifiable(self.policy.refine(shape, proposal))
+            if shape and self.constraint is not None:  # (a chain: trees do not run with host sampling)
+                shape = self.constraint.valid_prefix(proposal.ids_for(shape))
             if shape:
                 self.s.write_proposals(proposal.ids_for(shape))
         self.step_draft_s = time.perf_counter() - t0
@@ -129,7 +140,10 @@ class DecodeLoop:
         after the draft call)."""
         s, shape = self.s, choice.shape
         if choice.offer is not None:
-            s.write_proposals(choice.offer.ids_for(shape))
+            if self.constraint is not None:  # a lookup continuation the grammar forbids is cut
+                shape = self.constraint.valid_prefix(choice.offer.ids_for(shape))
+            if shape:
+                s.write_proposals(choice.offer.ids_for(shape))
         elif shape:  # the draft reads all context since its last call, then fills the block
             shape = self._draft(shape)
         tree = shape if isinstance(shape, VerifyTree) else None
@@ -174,6 +188,13 @@ class DecodeLoop:
             return shape.length
         return shape
 
+    def _grammar_done(self) -> bool:
+        """The constraint is complete (it admits nothing but a stop token): the reply ends here."""
+        if self.constraint is None or not self.constraint.finished:
+            return False
+        self.reply.finish_reason = "stop"
+        return True
+
     # ---- text -------------------------------------------------------------------------------
     def _commit(self, ids: list[int]) -> StreamChunk:
         """Add committed ids to the reply, cutting at a stop token or stop string."""
@@ -195,7 +216,7 @@ class DecodeLoop:
             self.lookup.extend(chunk.token_ids)
         yield chunk
         max_new = self.opts.max_new_tokens
-        while self.reply.finish_reason != "stop" and len(self.out) < max_new:
+        while self.reply.finish_reason != "stop" and len(self.out) < max_new and not self._grammar_done():
             limit = min(self.b - 1, max_new - len(self.out) - 1)  # never verify more than can be committed
             choice = self._choose(limit)
             source = choice.offer.source if choice.offer is not None else ("draft" if choice.shape else "plain")

@@ -46,6 +46,11 @@ class GenerationOptions:
         record_steps: keep each step's proposals and acceptance in `result.steps`.
         reuse_prefix: reuse the KV cache rows of the longest common token prefix with the session's
             previous request (prefill only the new tokens); output is the same either way.
+        response_format: OpenAI's `{"type": "json_object"}` or `{"type": "json_schema", "json_schema":
+            {"name": ..., "schema": {...}}}` (`{"type": "text"}`: none): the reply follows it
+            (`runtime.text.constraints`; needs llguidance).
+        grammar: a Lark grammar the reply follows (llguidance's syntax); regex: a regular expression the
+            whole reply matches. At most one of response_format, grammar and regex.
     """
 
     max_new_tokens: int = 128
@@ -59,6 +64,9 @@ class GenerationOptions:
     verify_len: int | str | None = None
     record_steps: bool = False
     reuse_prefix: bool = True
+    response_format: dict | None = None
+    grammar: str | None = None
+    regex: str | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
@@ -101,6 +109,11 @@ class GenerationOptions:
             if isinstance(v, (str, bool)):
                 raise DFlashError(f'verify_len must be "auto", "all", an integer or a verify tree "L+A" (got {v!r})')
             set_("verify_len", as_int(v, "verify_len"))
+        if self.response_format is not None and not isinstance(self.response_format, dict):
+            raise DFlashError('response_format must be an object such as {"type": "json_object"}')
+        for name in ("grammar", "regex"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise DFlashError(f"{name} must be a string")
         for flag in ("record_steps", "reuse_prefix"):
             if not isinstance(getattr(self, flag), bool):
                 raise DFlashError(f"{flag} must be true or false (got {getattr(self, flag)!r})")
@@ -110,6 +123,12 @@ class GenerationOptions:
         """Sampling with top_p / top_k runs on the host from the target's logits (the graph samples
         temperature alone; greedy decoding ignores both, as they never remove the argmax)."""
         return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0)
+
+    @property
+    def constrained(self) -> bool:
+        """The reply must follow a grammar (response_format other than text, grammar or regex)."""
+        text = isinstance(self.response_format, dict) and self.response_format.get("type") == "text"
+        return (self.response_format is not None and not text) or self.grammar is not None or self.regex is not None
 
 
 # the keyword arguments Session.generate / stream / chat accept as options

@@ -101,6 +101,7 @@ class Session(PromptEncoding, GraphCalls):
         self._lock = threading.Lock()
         self._owner: int | None = None  # the thread that holds _lock
         self.tokenizer = load_tokenizer(self.artifact_dir, m)
+        self._grammar_tokenizer = None  # built at the first constrained request
         self._allocate()
 
     def policy(self, block_size: int, verify_len: int | str | None = None) -> Policy:
@@ -151,6 +152,25 @@ class Session(PromptEncoding, GraphCalls):
             raise DFlashError(f'verify_len "{verify_len}" asks for {tree.alternatives} alternatives, but this draft ranks '
                               f"only {k} candidates (a proposal vocabulary of {k} ids); use at most {k - 1}")
         return tree
+
+    def constraint(self, opts: GenerationOptions):
+        """The request's output constraint (`runtime.text.constraints.Constraint`), or None without one.
+
+        Raises:
+            DFlashError: an artifact without a tokenizer, llguidance missing, a malformed or unsupported
+                response_format, or a grammar, regex or schema that does not compile.
+        """
+        if not opts.constrained:
+            return None
+        from runtime.text.constraints import Constraint, GrammarTokenizer, constraint_grammar
+
+        grammar = constraint_grammar(opts.response_format, opts.grammar, opts.regex)  # (its shape errors first)
+        if self.tokenizer is None:
+            raise DFlashError("response_format, grammar and regex need the artifact's tokenizer; rebuild it with one")
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(self.artifact_dir / "tokenizer" / "tokenizer.json",
+                                                       int(self.manifest["target"]["vocab_size"]), self.stop_token_ids)
+        return Constraint(self._grammar_tokenizer, grammar)
 
     def close(self) -> None:
         """Release the backend's graphs and device memory; the session cannot generate afterwards."""
@@ -205,6 +225,7 @@ class Session(PromptEncoding, GraphCalls):
         ids = self.encode(prompt, chat=chat, enable_thinking=enable_thinking) if messages is None \
             else self.encode_messages(messages, enable_thinking)
         b = self.check_request(ids, opts)
+        constraint = self.constraint(opts)  # (compiled before the lock: a bad grammar changes nothing)
         if not self._lock.acquire(blocking=False):
             if self._owner == threading.get_ident():
                 raise DFlashError("a stream of this Session is still open in this thread; read it to the end or "
@@ -224,7 +245,7 @@ class Session(PromptEncoding, GraphCalls):
                 policy = self.policy(b, opts.verify_len)
             policy.start()
             stops = set(self.stop_token_ids if opts.stop_token_ids is None else opts.stop_token_ids)
-            loop = DecodeLoop(self, ids, opts, b, policy, stops)
+            loop = DecodeLoop(self, ids, opts, b, policy, stops, constraint)
         except BaseException:
             self._lock.release()
             raise

@@ -20,16 +20,19 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
 
 # six layers whose first attention layer is not the replication template's (layer 1)
 SIX_LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention"] * 2
+# two Gated DeltaNet layers and an attention layer: the batched tests' hybrid (every kind of cache, two
+# recurrent states per slot, at two thirds of the tracing cost of the 4-layer one)
+THREE_LAYER_TYPES = SIX_LAYER_TYPES[:3]
 
 
-def six_layer_model():
-    """A seeded random 6-layer Qwen3_5ForCausalLM (`SIX_LAYER_TYPES`) with distinct norms, conv kernels
-    and decays per layer (zero-centred norms start at zero: each layer gets its own)."""
+def six_layer_model(layer_types=SIX_LAYER_TYPES):
+    """A seeded random Qwen3_5ForCausalLM of `layer_types` (default 6 layers, `SIX_LAYER_TYPES`) with distinct
+    norms, conv kernels and decays per layer (zero-centred norms start at zero: each layer gets its own)."""
     import torch
     import transformers
 
     torch.manual_seed(1)
-    cfg = transformers.Qwen3_5TextConfig(**{**CONFIG, "num_hidden_layers": 6, "layer_types": SIX_LAYER_TYPES})
+    cfg = transformers.Qwen3_5TextConfig(**{**CONFIG, "num_hidden_layers": len(layer_types), "layer_types": list(layer_types)})
     model = transformers.Qwen3_5ForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -24,14 +24,17 @@ PROMPT_LENGTHS = (5, 70, 12, 3, 30, 9)
 
 
 @pytest.fixture(scope="module")
-def art(hybrid_pair, tmp_path_factory):
-    """The tiny hybrid with a random draft whose proposal vocabulary is every id (so its graph proposes
-    ids and batched steps can speculate), built with `--batched`."""
+def art(tmp_path_factory):
+    """A 3-layer hybrid ([GDN, GDN, attention]: every cache kind, two recurrent states per slot) with a
+    random draft whose proposal vocabulary is every id (so its graph proposes ids and batched steps can
+    speculate), built with `--batched`."""
+    from hybrid_fixtures import THREE_LAYER_TYPES, six_layer_model
 
     def make(d):
-        draft = tiny_models.make_draft(d / "draft", hybrid_pair.target_dir, mask_token_id=VOCAB - 1, scale=0.15)
+        six_layer_model(THREE_LAYER_TYPES).save_pretrained(d / "target", safe_serialization=True)
+        draft = tiny_models.make_draft(d / "draft", d / "target", mask_token_id=VOCAB - 1, scale=0.15, taps=[0, 2])
         (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": list(range(VOCAB))}))
-        build(BuildOptions(str(hybrid_pair.target_dir), str(draft), d / "artifact", max_seq_len=160, batched=True,
+        build(BuildOptions(str(d / "target"), str(draft), d / "artifact", max_seq_len=160, batched=True,
                            quiet=True))
 
     return shared_dir(tmp_path_factory, "batched_hybrid", make) / "artifact"
@@ -47,9 +50,11 @@ def test_the_manifest_lists_the_batched_hybrid(art):
     assert m["target_batched"]["graph"] == "target_batched.onnx"
     assert "draft_batched" in m and m["draft"]["proposes"] is True if "proposes" in m["draft"] else True
     names = {i["name"] for i in m["io"]["target_batched"]["inputs"]}
-    assert {"state_slots", "pending_index", "pending_lengths", "recurrent_state_0", "pending_qkv_2",
-            "past_key_3"} <= names
+    assert {"state_slots", "pending_index", "pending_lengths", "recurrent_state_0", "pending_qkv_1",
+            "past_key_2"} <= names
     assert "past_key_0" not in names
+    # a tiny model's one-sequence graph keeps its weights inline: the batched graph holds its own copy
+    assert not (art / "target.onnx.data").exists() and m["target_batched"]["weights"] == "inline, a copy of the one-sequence graph's"
 
 
 def test_greedy_streams_equal_batch1_whatever_joins_or_leaves(art):

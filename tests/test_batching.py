@@ -27,24 +27,30 @@ from runtime.errors import DFlashError
 PROMPT_LENGTHS = (3, 5, 9, 17, 40, 2, 7)
 
 
-def _build(tmp_path_factory, name: str, **options):
+def _build(tmp_path_factory, name: str, external: bool = False, **options):
     """The tiny qwen3 pair built with `--batched`; its draft gets a proposal vocabulary of every id, so its
-    graph proposes ids (`runtime.manifest.draft_proposes`) and batched steps can speculate."""
+    graph proposes ids (`runtime.manifest.draft_proposes`) and batched steps can speculate. `external`:
+    every weight in `.onnx.data` files, as a real target's are (test_weights_are_shared_with_the_target_graph)."""
+    from unittest import mock
+
+    from dflash_export.export import graphs
+
     root = rf.checkpoints("qwen3", tmp_path_factory)
 
     def make(d):
         draft = d / "draft"
         shutil.copytree(root / "draft", draft)
         (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": list(range(rf.VOCAB))}))
-        build(BuildOptions(str(root / "target"), str(draft), d / "artifact", max_seq_len=96, batched=True, quiet=True,
-                           **options))
+        with mock.patch.object(graphs, "EXTERNAL_DATA_THRESHOLD", 0 if external else graphs.EXTERNAL_DATA_THRESHOLD):
+            build(BuildOptions(str(root / "target"), str(draft), d / "artifact", max_seq_len=96, batched=True,
+                               quiet=True, **options))
 
     return shared_dir(tmp_path_factory, name, make) / "artifact"
 
 
 @pytest.fixture(scope="module")
 def art(tmp_path_factory):
-    return _build(tmp_path_factory, "batched_fp32")
+    return _build(tmp_path_factory, "batched_fp32", external=True)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +128,7 @@ def _oracle_drafts(engine, expected: dict[tuple, list[int]]) -> None:
     engine.speculation.drafts.propose = propose
 
 
-@pytest.mark.slow  # (its own INT4 build; the fast set checks fp32 exactness, test_int4 the INT4 row exactness)
+@pytest.mark.nightly  # (its own INT4 build; `make test` checks fp32 exactness here, test_int4 the INT4 row exactness)
 def test_int4_level4_streams_equal_batch1(art_int4):
     """INT4 at accuracy level 4 (int8 activations): a one-row call is padded to two rows, so every row
     computes the floats it gets in any batch."""
@@ -216,19 +222,13 @@ def test_a_later_turn_reuses_its_slot_rows(art):
     assert again.output_ids == fresh.output_ids
 
 
-@pytest.mark.slow  # (its own build)
-def test_weights_are_shared_with_the_target_graph(tmp_path_factory, monkeypatch):
-    """Where target.onnx keeps its weights in target.onnx.data, target_batched.onnx refers to that file
-    instead of storing them again, and runs."""
+def test_weights_are_shared_with_the_target_graph(art):
+    """Where target.onnx keeps its weights in target.onnx.data (`art` is built so), target_batched.onnx
+    refers to that file instead of storing them again, and runs."""
     import onnx
 
-    from dflash_export.export import graphs
-
-    monkeypatch.setattr(graphs, "EXTERNAL_DATA_THRESHOLD", 0)
-    root = rf.checkpoints("qwen3", tmp_path_factory)
-    out = tmp_path_factory.mktemp("shared") / "artifact"
-    build(BuildOptions(str(root / "target"), str(root / "draft"), out, max_seq_len=64, batched=True, quiet=True))
-    assert not (out / "target_batched.onnx.data").exists()
+    out = art
+    assert (out / "target.onnx.data").is_file() and not (out / "target_batched.onnx.data").exists()
     model = onnx.load(str(out / "target_batched.onnx"), load_external_data=False)
     external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
     # per layer: the packed q/k/v, o, the packed gate/up and down projections; the embedding and LM head
@@ -281,9 +281,10 @@ def test_manifest_records_the_batched_graph_and_its_checks(art):
     assert m["draft_batched"]["graph"] == "draft_batched.onnx"
     for graph in ("target_batched", "draft_batched"):
         assert graph in m["graph_checks"] and "Loop" not in m["graph_checks"][graph]["ops"]
-        # the tiny model's one-sequence graphs keep their weights inline: no data file to share
-        assert not (art / f"{graph.split('_')[0]}.onnx.data").exists()
-        assert m[graph]["weights"] == "inline, a copy of the one-sequence graph's"
+        # `art` keeps every weight in data files (as a real model's are): the batched graphs refer to them
+        one = graph.split("_")[0]
+        assert (art / f"{one}.onnx.data").exists() and not (art / f"{graph}.onnx.data").exists()
+        assert m[graph]["weights"] == f"{one}.onnx's data file"
 
 
 @pytest.mark.parametrize("graph", ["target_batched", "draft_batched"])

@@ -55,7 +55,7 @@ def test_generate_json_with_steps(qwen):
     assert out["acceptance_lengths"] == ref.acceptance_lengths
     assert out["text"] == ref.text == " ".join(f"t{i}" for i in ref.output_ids if i > 2)
     assert out["steps"] == ref.steps
-    assert all(set(s) == {"proposed", "accepted", "committed", "lookup"} for s in out["steps"])
+    assert all(set(s) == {"proposed", "accepted", "committed", "lookup", "source"} for s in out["steps"])
     assert out["tokens_per_s"] > 0
     assert out["tau"] == pytest.approx(ref.tau) and out["policy"] == "fixed"
     # the default policy: the same tokens, whatever lengths it chose

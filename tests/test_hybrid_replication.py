@@ -34,9 +34,11 @@ def six_layer_hybrid(tmp_path_factory):
     return root / "target"
 
 
-@pytest.mark.slow  # two fp16 INT4 builds of a 6-layer hybrid (the full suite runs it)
+@pytest.mark.slow  # two fp16 INT4 builds of a 6-layer hybrid: the only check of hybrid layer replication in `make test`
 def test_replicated_hybrid_build_is_the_full_trace(six_layer_hybrid, tmp_path, monkeypatch):
-    """fp16 graph, INT4 layers, every matrix streamed: replicated == traced layer by layer."""
+    """fp16 graph, INT4 layers, every matrix streamed: replicated == traced layer by layer; the artifact
+    passes `check` and speculative decoding on it equals plain (the fp16 INT4 hybrid's promises, also
+    test_qwen3_5_runtime.py's nightly test_fp16_int4_hybrid_passes_check_and_speculates_losslessly)."""
     monkeypatch.setattr(weights_mod, "STREAM_MIN_ELEMENTS", 1000)
     monkeypatch.setattr(export_mod, "EXTERNAL_DATA_THRESHOLD", 0)
     opts = dict(max_seq_len=64, dtype="fp16", quiet=True, quant="int4", quant_block=32)
@@ -68,3 +70,12 @@ def test_replicated_hybrid_build_is_the_full_trace(six_layer_hybrid, tmp_path, m
     assert folded, "the copies compute their own folded constants"
     run_both(full, replicated, VOCAB)
     assert_int4_fused(tmp_path / "replicated", tmp_path)  # fp16 INT4 hybrid: all in MatMulNBits
+    from dflash_export.check.parity import run_check
+
+    import runtime
+
+    assert run_check(tmp_path / "replicated").passed
+    with runtime.load(tmp_path / "replicated") as sess:
+        for prompt in ([5, 17, 33, 8], [61, 2, 9]):
+            plain = sess.generate(prompt, max_new_tokens=16, block_size=1, stop_token_ids=[])
+            assert sess.generate(prompt, max_new_tokens=16, verify_len="all", stop_token_ids=[]).output_ids == plain.output_ids

@@ -216,7 +216,8 @@ def test_multimodal_checkpoint_exports_its_text_model(hybrid, tmp_path):
                           depth=CONFIG["num_hidden_layers"] + 1)
 
 
-@pytest.mark.slow  # an fp16 INT4 hybrid build; the fast set speculates on the fp32 hybrid
+@pytest.mark.nightly  # an fp16 INT4 hybrid build; `make test`: the fp16 INT4 6-layer hybrid of test_hybrid_replication.py
+# passes check and speculates losslessly
 def test_fp16_int4_hybrid_passes_check_and_speculates_losslessly(hybrid, tmp_path):
     """fp16 graphs with INT4 weights (norms, the decay parameters A_log / dt_bias and the recurrent
     state stay fp32; every attention, MLP and Gated DeltaNet projection is INT4 in the DequantizeLinear

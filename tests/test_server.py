@@ -157,12 +157,18 @@ BAD_REQUESTS = [  # (path, body, param, a phrase of the message)
     ("comp", comp_body(prompt="t5 " * 70), "prompt", "max_seq_len"),
     ("comp", comp_body(max_tokens=100), "max_tokens", "max_seq_len 64"),
     ("chat", chat_body(max_tokens=60), "max_tokens", "max_seq_len 64"),
+    # output constraints: types and shapes, and a tokenizer llguidance cannot map to bytes (this word-level one)
+    ("chat", chat_body(response_format={"type": "xml"}), "response_format", "must be one of text, json_object, json_schema"),
+    ("chat", chat_body(response_format="json"), "response_format", "must be an object"),
+    ("chat", chat_body(response_format={"type": "json_object"}), "response_format", "cannot drive output constraints"),
+    ("comp", comp_body(grammar=5), "grammar", "must be a string"),
+    ("comp", comp_body(regex="[0-9]+", grammar="start: \"a\""), "grammar", "at most one of"),
 ]
 UNSUPPORTED = [  # (path, body, param): refused with 400, never ignored
     ("chat", chat_body(n=2), "n"), ("chat", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     ("chat", chat_body(tool_choice="auto"), "tool_choice"), ("chat", chat_body(functions=[{"name": "f"}]), "functions"),
     ("chat", chat_body(function_call="auto"), "function_call"), ("chat", chat_body(logprobs=True), "logprobs"),
-    ("chat", chat_body(top_logprobs=2), "top_logprobs"), ("chat", chat_body(response_format={"type": "json_object"}), "response_format"),
+    ("chat", chat_body(top_logprobs=2), "top_logprobs"),
     ("chat", chat_body(frequency_penalty=0.5), "frequency_penalty"), ("chat", chat_body(presence_penalty=-1), "presence_penalty"),
     ("chat", chat_body(logit_bias={"5": 10}), "logit_bias"), ("comp", comp_body(best_of=2), "best_of"),
     ("comp", comp_body(echo=True), "echo"), ("comp", comp_body(suffix="t9"), "suffix"), ("comp", comp_body(logprobs=1), "logprobs"),

@@ -243,7 +243,7 @@ def test_merge_datasets_shifts_offsets():
 
 
 @pytest.mark.slow
-def test_train_draft_end_to_end_and_resume(tmp_path):
+def test_train_draft_end_to_end_and_resume(tmp_path, capsys):
     """A 3-step run on SmolLM2 with 2 prompts: released-format output, valid for build, resumable."""
     from dflash_export.families.registry import load_target_spec
     from dflash_export.checkpoint.draft import load_draft_spec
@@ -255,9 +255,10 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
         + json.dumps({"id": "b", "category": "code", "prompt": "Write a Python function that adds two numbers."}) + "\n"
     )
     out = tmp_path / "draft"
+    DISTILL = ["--distill", "kl", "--distill-weight", "0.5"]
     cmd = [sys.executable, "-m", "dflash_export", "train-draft", "--device", "cpu", "--prompts", str(prompts),
            "--out", str(out), "--max-new-tokens", "24", "--steps", "4", "--batch", "1", "--anchors", "4",
-           "--save-every", "2", "--data-cache", str(tmp_path / "data")]
+           *DISTILL, "--save-every", "2", "--data-cache", str(tmp_path / "data")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = json.loads((out / "config.json").read_text())
@@ -276,6 +277,10 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     # the reduced softmax ran over the ids of the generated data; the draft proposes from them
     assert record["loss_vocab"] == "seen" and spec.draft_vocab is not None
     assert record["loss_vocab_size"] == len(spec.draft_vocab) < 1000
+    # distillation: the softmax also covers the ids of the target's recorded distributions
+    assert (record["distill"], record["distill_weight"]) == ("kl", 0.5)
+    seen = {t for s in json.loads((tmp_path / "data" / "sequences.json").read_text()) for t in s["ids"]}
+    assert seen < set(spec.draft_vocab)
     assert (out / "train_state" / "state.safetensors").is_file()
     # resume: data come from the cache, training continues from step 4 to step 6
     r2 = subprocess.run(cmd[:-4] + ["--steps", "6", "--resume", str(out), "--data-cache", str(tmp_path / "data")],
@@ -285,10 +290,17 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     assert record2["resumed_from_step"] == 4 and record2["steps"] == 6
     assert record2["gen_dtype"] == record["gen_dtype"]  # read back from the cached data
     assert len(json.loads((out / "train_state" / "state.json").read_text())["losses"]) == 6
-    # resuming with another loss vocabulary would silently change the objective: refused
-    r4 = subprocess.run(cmd[:-4] + ["--steps", "7", "--resume", str(out), "--loss-vocab", "full", "--data-cache", str(tmp_path / "data")],
-                        capture_output=True, text=True, timeout=900)
-    assert r4.returncode == 2 and "that run used --loss-vocab seen" in r4.stderr
+    from dflash_export.cli import main
+
+    def refused(args: list[str], match: str) -> None:  # (in this process: a refusal needs no new interpreter)
+        capsys.readouterr()
+        assert main(args[3:] + ["--resume", str(out), "--data-cache", str(tmp_path / "data")]) == 2
+        err = capsys.readouterr().err
+        assert match in err, err[-2000:]
+
+    # resuming with another loss vocabulary or distillation would silently change the objective: refused
+    refused(cmd[:-4] + ["--steps", "7", "--loss-vocab", "full"], "that run used --loss-vocab seen")
+    refused([a for a in cmd[:-4] if a not in DISTILL] + ["--steps", "7"], "that run used --distill kl 0.5 (this one none)")
     # the state is one file: its metadata hold step, losses and RNG (state.json is a readable copy)
     from safetensors import safe_open
     with safe_open(str(out / "train_state" / "state.safetensors"), "pt") as f:
@@ -296,9 +308,7 @@ def test_train_draft_end_to_end_and_resume(tmp_path):
     # a resumed run keeps the draft's shape and meaning, and must go past the saved step
     for extra, match in ((["--steps", "7", "--block-size", "8"], "that run used --block-size 16 (this one 8)"),
                          (["--steps", "6"], "that run is already at step 6; pass --steps above it")):
-        r9 = subprocess.run(cmd[:-4] + extra + ["--resume", str(out), "--data-cache", str(tmp_path / "data")],
-                            capture_output=True, text=True, timeout=900)
-        assert r9.returncode == 2 and match in r9.stderr, r9.stderr[-2000:]
+        refused(cmd[:-4] + extra, match)
     # a diverging run stops with the fix, and writes no NaN draft
     out_nan = tmp_path / "nan"
     r10 = subprocess.run([c if c != str(out) else str(out_nan) for c in cmd[:-4]] + ["--steps", "3", "--lr", "1e30", "--data-cache",
@@ -391,6 +401,7 @@ def test_interrupted_generation_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert [s["id"] for s in resumed["sequences"]] == ["p0", "p1", "p2", "p0#s1", "p1#s1", "p2#s1"]
     assert resumed["sequences"] == fresh["sequences"] and resumed["offsets"] == fresh["offsets"]
     assert torch.equal(resumed["taps"], fresh["taps"])
+    assert torch.equal(resumed["topk_ids"], fresh["topk_ids"]) and torch.equal(resumed["topk_logprobs"], fresh["topk_logprobs"])
 
 
 def test_tiny_train_inherits_shape_saves_on_interrupt_and_resumes(tmp_path, tmp_path_factory, capsys, monkeypatch):
@@ -447,3 +458,73 @@ def test_tiny_train_inherits_shape_saves_on_interrupt_and_resumes(tmp_path, tmp_
     (out / "notes.txt").write_text("mine")
     assert main(base + ["--resume", str(out), "--steps", "7"]) == 2
     assert "is not a train-draft output, whose files train-draft would overwrite (it holds ['notes.txt'])" in capsys.readouterr().err
+
+
+def test_recorded_distributions_are_the_targets_own(tmp_path):
+    """The top-16 generation records at every response position is the target's plain next-token
+    distribution: a teacher-forced fp32 forward gives the same ids and log-probabilities (fp16 rounding),
+    for greedy responses (whose token is its top-1) and sampled ones (the temperature undone)."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_export.checkpoint.sources import embedded_target_dir
+    from dflash_export.train.data import DISTILL_TOPK, generate_dataset
+
+    prompts = [{"id": "a", "category": "chat", "prompt": "Name a color."}, {"id": "b", "category": "math", "prompt": "What is 3 + 4?"}]
+    data = generate_dataset(embedded_target_dir(), prompts, (1, 27), tmp_path / "data", 8, 2, torch.device("cpu"),
+                            show_progress=False, responses_per_prompt=2, sample_temperature=1.5)
+    model = AutoModelForCausalLM.from_pretrained(embedded_target_dir(), dtype=torch.float32).eval()
+    assert data["topk_ids"].shape == data["topk_logprobs"].shape == (data["offsets"][-1], DISTILL_TOPK)
+    for i, s in enumerate(data["sequences"]):
+        ids, p, rows = s["ids"], s["prompt_len"], slice(data["offsets"][i], data["offsets"][i + 1])
+        top_ids, top_logp = data["topk_ids"][rows], data["topk_logprobs"][rows].float()
+        assert (top_ids[:p] == -1).all() and (top_logp[:p] == 0).all()
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)  # row t predicts t + 1
+        want_logp, want_ids = torch.topk(logp[p - 1 : len(ids) - 1], DISTILL_TOPK, dim=-1)
+        assert torch.equal(top_ids[p:, :3].long(), want_ids[:, :3]), s["id"]  # (lower ranks may swap at near-ties)
+        assert (top_logp[p:] - want_logp).abs().max() <= 2e-3 * want_logp.abs().max() + 1e-3, s["id"]
+        if "#s" not in s["id"]:
+            assert top_ids[p:, 0].tolist() == ids[p:], s["id"]  # greedy: each token is the target's top-1
+
+
+def test_distillation_term_is_kl_and_tv_of_the_targets_distribution(tiny_draft):
+    """kl: with a teacher all on the label, the term is the hard cross-entropy, so weight 1 gives the
+    recipe's loss; tv: 1/2 sum |p - q| over the whole vocabulary; a weight of 0 ignores the teacher."""
+    from dflash_export.train.loss import Distill, block_loss, distill_term
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 12, generator=gen)
+    labels = torch.randint(0, 12, (5,), generator=gen)
+    sure = torch.stack([labels, (labels + 1) % 12], dim=1)
+    one_hot_logp = torch.tensor([[0.0, -1e4]] * 5)
+    ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    torch.testing.assert_close(distill_term(logits, sure, one_hot_logp, "kl"), ce)
+    teacher_ids = torch.stack([torch.randperm(12, generator=gen)[:4] for _ in range(5)])
+    teacher_logp = torch.log_softmax(torch.randn(5, 4, generator=gen), dim=-1)
+    full_p = torch.zeros(5, 12).scatter(1, teacher_ids, teacher_logp.exp())
+    want_tv = 0.5 * (full_p - torch.softmax(logits, dim=-1)).abs().sum(-1)
+    torch.testing.assert_close(distill_term(logits, teacher_ids, teacher_logp, "tv"), want_tv)
+    want_kl = -(full_p * torch.log_softmax(logits, dim=-1)).sum(-1)
+    torch.testing.assert_close(distill_term(logits, teacher_ids, teacher_logp, "kl"), want_kl)
+
+    draft, tspec = tiny_draft
+    a, b = draft.spec.arch, draft.spec.block_size
+    head = torch.randn(tspec.vocab_size, a.hidden_size, generator=gen)
+    embed = torch.nn.Embedding(tspec.vocab_size, a.hidden_size)
+    ids = torch.randint(0, tspec.vocab_size, (30,), generator=gen).tolist()
+    feats = torch.randn(len(ids), len(draft.spec.target_layer_ids) * a.hidden_size, generator=gen)
+    label_teacher = (torch.stack([torch.tensor(ids), (torch.tensor(ids) + 1) % tspec.vocab_size], dim=1),
+                     torch.tensor([[0.0, -1e4]] * len(ids)))
+    random_teacher = (torch.randint(0, tspec.vocab_size, (len(ids), 4), generator=gen), torch.randn(len(ids), 4, generator=gen))
+
+    def loss(**kw):
+        import random
+
+        args = (draft, head, embed, ids, feats, 5, 4, b, tspec.vocab_size - 1, 7.0, random.Random(3), torch.device("cpu"))
+        with torch.no_grad():
+            return float(block_loss(*args, **kw)[0])
+
+    hard = loss()
+    assert loss(teacher=label_teacher, distill=Distill("kl", 1.0)) == pytest.approx(hard, rel=1e-6)
+    assert loss(teacher=random_teacher, distill=Distill("kl", 0.0)) == hard
+    assert loss(teacher=random_teacher, distill=Distill("kl", 0.5)) != pytest.approx(hard, rel=1e-3)

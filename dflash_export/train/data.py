@@ -24,6 +24,9 @@ from runtime.errors import DFlashError
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "models" / "prompts"
 # the shipped training prompts: every train*.jsonl (the held-out evaluation set, eval.jsonl, is not one)
 DEFAULT_PROMPTS = tuple(sorted(PROMPTS_DIR.glob("train*.jsonl")))
+# the target's distribution kept per response position for distillation (`--distill`): its 16 most likely
+# ids and their log-probabilities, from the logits generation computes anyway
+DISTILL_TOPK = 16
 
 
 def first_per_category(prompts: list[dict], limit: int | None) -> list[dict]:
@@ -147,7 +150,7 @@ def generate_dataset(
     if (cache / "sequences.json").is_file() and (cache / "taps.safetensors").is_file():
         return _read_finished_cache(cache, fingerprint)
     tok, model = _load_target(target_dir, device, dtype)
-    seqs, chunks = [], []
+    seqs, chunks, dists = [], [], []
     # round 0 is greedy, rounds 1.. are sampled; each generate call stays within one round
     calls = [(rnd, start) for rnd in range(responses_per_prompt) for start in range(0, len(prompts), batch)]
     bar = tqdm(total=len(prompts) * responses_per_prompt, desc="generating target responses",
@@ -169,6 +172,7 @@ def generate_dataset(
                 _save_piece(piece, rows, *done, fingerprint)
             seqs.extend(done[0])
             chunks.extend(done[1])
+            dists.extend(done[2])
             bar.update(len(rows))
     except KeyboardInterrupt:
         bar.close()
@@ -177,8 +181,8 @@ def generate_dataset(
               "same command (same --gen-batch and --gen-dtype) to continue from there", file=sys.stderr)
         raise
     bar.close()
-    taps_t, offsets = _write_finished_cache(cache, seqs, chunks, dtype_name(dtype), fingerprint)
-    return {"sequences": seqs, "taps": taps_t, "offsets": offsets, "gen_dtype": dtype_name(dtype)}
+    written = _write_finished_cache(cache, seqs, chunks, dists, dtype_name(dtype), fingerprint)
+    return {"sequences": seqs, **written, "gen_dtype": dtype_name(dtype)}
 
 
 def _generate_call(tok, model, rows: list[dict], rnd: int, taps, max_new_tokens: int, device,
@@ -197,15 +201,21 @@ def _generate_call(tok, model, rows: list[dict], rnd: int, taps, max_new_tokens:
     ]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template).to(device)
     _check_context(model, rows, enc, max_new_tokens)
-    with torch.no_grad():
-        out = model.generate(
-            **enc,
-            max_new_tokens=max_new_tokens,
-            **(sampling or {"do_sample": False}),
-            pad_token_id=tok.pad_token_id,
-            output_hidden_states=True,
-            return_dict_in_generate=True,
-        )
+    recorder = TopKRecorder(DISTILL_TOPK)
+    hook = model.get_output_embeddings().register_forward_hook(recorder.hook)
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                **(sampling or {"do_sample": False}),
+                pad_token_id=tok.pad_token_id,
+                output_hidden_states=True,
+                return_dict_in_generate=True,
+            )
+    finally:
+        hook.remove()
+    top_ids, top_logp = recorder.stacked()  # [b, steps, K]
     width = enc["input_ids"].shape[1]
     # hidden_states[step][layer]: step 0 = prefill [b, width, d], later steps [b, 1, d]
     per_layer = []
@@ -213,7 +223,7 @@ def _generate_call(tok, model, rows: list[dict], rnd: int, taps, max_new_tokens:
         idx = layer + 1  # HF hidden_states[L + 1] is the output of decoder layer L
         per_layer.append(torch.cat([step[idx] for step in out.hidden_states], dim=1))
     feats = torch.cat(per_layer, dim=-1)  # [b, width + steps, k*d]
-    seqs, chunks = [], []
+    seqs, chunks, dists = [], [], []
     for j, r in enumerate(rows):
         mask = enc["attention_mask"][j].bool()
         prompt_ids = enc["input_ids"][j][mask].tolist()
@@ -225,7 +235,49 @@ def _generate_call(tok, model, rows: list[dict], rnd: int, taps, max_new_tokens:
         sid = r["id"] if rnd == 0 else f"{r['id']}#s{rnd}"
         seqs.append({"id": sid, "category": r["category"], "prompt_len": len(prompt_ids), "ids": ids})
         chunks.append(f.to(torch.float16).cpu())
-    return seqs, chunks
+        dists.append(_rows_of_distribution(top_ids[j], top_logp[j], len(prompt_ids), len(ids)))
+    return seqs, chunks, dists
+
+
+class TopKRecorder:
+    """A forward hook on the target's LM head that records, at every generation step, the target's `k`
+    most likely next ids and their log-probabilities, from the raw logits of each sequence's last
+    position (the plain distribution, before any sampling warper, whatever order a transformers
+    version applies those in).
+
+    Generation computes the target's whole next-token distribution at every response position; training
+    on hard labels keeps one token of it. `stacked()` returns int32 ids and fp16 log-probabilities
+    `[batch, steps, k]`.
+    """
+
+    def __init__(self, k: int):
+        self.k, self.steps = k, []
+
+    def hook(self, module, inputs, logits):
+        import torch
+
+        logp = torch.log_softmax(logits[:, -1].float(), dim=-1)
+        values, ids = torch.topk(logp, self.k, dim=-1)
+        self.steps.append((ids.to(torch.int32).cpu(), values.to(torch.float16).cpu()))
+
+    def stacked(self):
+        import torch
+
+        return torch.stack([i for i, _ in self.steps], dim=1), torch.stack([v for _, v in self.steps], dim=1)
+
+
+def _rows_of_distribution(ids, logp, prompt_len: int, n: int):
+    """One sequence's distribution rows aligned with its tokens: row t holds the target's top-k for the token
+    at position t (from generation step t - prompt_len); prompt rows have ids -1 and log-probability 0.
+    Returns (int32 `[n, K]`, fp16 `[n, K]`)."""
+    import torch
+
+    k = ids.shape[-1]
+    out_ids = torch.full((n, k), -1, dtype=torch.int32)
+    out_logp = torch.zeros((n, k), dtype=torch.float16)
+    resp = n - prompt_len
+    out_ids[prompt_len:], out_logp[prompt_len:] = ids[:resp], logp[:resp]
+    return out_ids, out_logp
 
 
 def _check_context(model, rows: list[dict], enc, max_new_tokens: int) -> None:
@@ -250,21 +302,25 @@ def _response_ids(generated: list[int], pad_id, eos_id) -> list[int]:
     return resp
 
 
-def _save_piece(piece: Path, rows: list[dict], seqs: list[dict], chunks: list, fingerprint: str) -> None:
+def _save_piece(piece: Path, rows: list[dict], seqs: list[dict], chunks: list, dists: list, fingerprint: str) -> None:
     """Keep one generate call's output (replaced whole, so a kill leaves no torn piece)."""
     from safetensors.torch import save_file
 
     piece.parent.mkdir(parents=True, exist_ok=True)
     tmp = piece.parent / ".piece.tmp"
-    save_file({f"row{j}": c for j, c in enumerate(chunks)}, str(tmp),
+    tensors = {f"row{j}": c for j, c in enumerate(chunks)}
+    for j, (ids, logp) in enumerate(dists):
+        tensors[f"topk_ids{j}"], tensors[f"topk_logprobs{j}"] = ids, logp
+    save_file(tensors, str(tmp),
               metadata={"prompt_ids": json.dumps([r["id"] for r in rows]), "sequences": json.dumps(seqs),
                         "fingerprint": fingerprint})
     tmp.replace(piece)
 
 
-def _write_finished_cache(cache: Path, seqs: list[dict], chunks: list, gen_dtype: str, fingerprint: str):
+def _write_finished_cache(cache: Path, seqs: list[dict], chunks: list, dists: list, gen_dtype: str, fingerprint: str):
     """Write the whole data set into `cache` (both files moved in from a temporary directory) and drop
-    the saved calls. Returns (fp16 taps [total, k*d], row offsets per sequence)."""
+    the saved calls. Returns {"taps": fp16 [total, k*d], "offsets": row offsets per sequence,
+    "topk_ids": int32 [total, K], "topk_logprobs": fp16 [total, K]}."""
     import torch
     from safetensors.torch import save_file
 
@@ -272,12 +328,15 @@ def _write_finished_cache(cache: Path, seqs: list[dict], chunks: list, gen_dtype
     for c in chunks:
         offsets.append(offsets[-1] + c.shape[0])
     taps_t = torch.cat(chunks, dim=0).contiguous()
+    top_ids = torch.cat([i for i, _ in dists], dim=0).contiguous()
+    top_logp = torch.cat([v for _, v in dists], dim=0).contiguous()
     cache.mkdir(parents=True, exist_ok=True)
     for left in cache.glob(".data-*"):  # a write killed before its cleanup could run (GBs each)
         shutil.rmtree(left, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=".data-", dir=cache))
     try:
-        save_file({"taps": taps_t, "offsets": torch.tensor(offsets, dtype=torch.int64)}, str(tmp / "taps.safetensors"),
+        save_file({"taps": taps_t, "offsets": torch.tensor(offsets, dtype=torch.int64), "topk_ids": top_ids,
+                   "topk_logprobs": top_logp}, str(tmp / "taps.safetensors"),
                   metadata={"gen_dtype": gen_dtype, "fingerprint": fingerprint})
         (tmp / "sequences.json").write_text(json.dumps(seqs))
         share_permissions(tmp)
@@ -287,7 +346,7 @@ def _write_finished_cache(cache: Path, seqs: list[dict], chunks: list, gen_dtype
         shutil.rmtree(tmp, ignore_errors=True)
     for left in cache.glob(".partial-*"):  # also those of interrupted runs with another --gen-batch/dtype
         shutil.rmtree(left, ignore_errors=True)
-    return taps_t, offsets
+    return {"taps": taps_t, "offsets": offsets, "topk_ids": top_ids, "topk_logprobs": top_logp}
 
 
 def _read_finished_cache(cache: Path, fingerprint: str) -> dict:
@@ -310,21 +369,25 @@ def _read_finished_cache(cache: Path, fingerprint: str) -> dict:
                                   "--max-prompts, --max-new-tokens, --taps, sampling or --gen-dtype); pass another "
                                   "--data-cache directory or delete this one")
             taps, offsets = f.get_tensor("taps"), f.get_tensor("offsets").tolist()
+            # (caches written before distributions were recorded have none: hard labels only)
+            dist = ({"topk_ids": f.get_tensor("topk_ids"), "topk_logprobs": f.get_tensor("topk_logprobs")}
+                    if "topk_ids" in f.keys() else {"topk_ids": None, "topk_logprobs": None})
     except (OSError, ValueError, KeyError, SafetensorError) as exc:  # (JSONDecodeError is a ValueError)
         raise DFlashError(f"data cache {cache} is damaged ({type(exc).__name__}: {exc}){damaged}") from None
     ok = (isinstance(seqs, list) and len(offsets) == len(seqs) + 1 and offsets[-1] == taps.shape[0]
+          and (dist["topk_ids"] is None or dist["topk_ids"].shape[0] == dist["topk_logprobs"].shape[0] == taps.shape[0])
           and all(isinstance(s, dict) and isinstance(s.get("ids"), list) and offsets[i + 1] - offsets[i] == len(s["ids"])
                   and isinstance(s.get("prompt_len"), int) and 0 <= s["prompt_len"] <= len(s["ids"])
                   and all(type(t) is int and t >= 0 for t in s["ids"]) for i, s in enumerate(seqs)))
     if not ok:
         raise DFlashError(f"data cache {cache}: sequences.json and taps.safetensors disagree (another run's files?){damaged}")
     # caches written before the dtype was recorded: unknown
-    return {"sequences": seqs, "taps": taps, "offsets": offsets, "gen_dtype": meta.get("gen_dtype", "unknown")}
+    return {"sequences": seqs, "taps": taps, "offsets": offsets, **dist, "gen_dtype": meta.get("gen_dtype", "unknown")}
 
 
-def _read_piece(path: Path, prompt_ids: list, fingerprint: str) -> tuple[list[dict], list] | None:
-    """One generate call's saved output (sequences, fp16 feature rows), or None if absent, unreadable
-    or made for other prompts or settings (then the call runs again)."""
+def _read_piece(path: Path, prompt_ids: list, fingerprint: str) -> tuple[list[dict], list, list] | None:
+    """One generate call's saved output (sequences, fp16 feature rows, distribution rows), or None if
+    absent, unreadable or made for other prompts or settings (then the call runs again)."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -335,7 +398,8 @@ def _read_piece(path: Path, prompt_ids: list, fingerprint: str) -> tuple[list[di
             if json.loads(meta.get("prompt_ids", "null")) != prompt_ids or meta.get("fingerprint", "") != fingerprint:
                 return None
             seqs = json.loads(meta["sequences"])
-            return seqs, [f.get_tensor(f"row{j}") for j in range(len(seqs))]
+            dists = [(f.get_tensor(f"topk_ids{j}"), f.get_tensor(f"topk_logprobs{j}")) for j in range(len(seqs))]
+            return seqs, [f.get_tensor(f"row{j}") for j in range(len(seqs))], dists
     except Exception:  # a torn or foreign file: regenerate (pieces are written whole, so this is rare)
         return None
 
@@ -353,14 +417,17 @@ def merge_datasets(parts: list[dict]) -> dict:
         return parts[0]
     seqs, offsets, base = [], [0], 0
     taps = torch.empty(sum(part["offsets"][-1] for part in parts), parts[0]["taps"].shape[1], dtype=parts[0]["taps"].dtype)
+    with_dist = all(part.get("topk_ids") is not None for part in parts)  # (else hard labels only)
+    dist = {"topk_ids": torch.cat([p["topk_ids"] for p in parts]) if with_dist else None,
+            "topk_logprobs": torch.cat([p["topk_logprobs"] for p in parts]) if with_dist else None}
     for part in parts:
         seqs.extend(part["sequences"])
         offsets.extend(base + o for o in part["offsets"][1:])
         taps[base : base + part["offsets"][-1]] = part["taps"]
-        part["taps"] = None  # free each part once copied: peak memory is the data plus one part, not twice the data
+        part["taps"] = part["topk_ids"] = part["topk_logprobs"] = None  # free each part once copied: peak memory is the data plus one part
         base += part["offsets"][-1]
     dtypes = sorted({part["gen_dtype"] for part in parts})
-    return {"sequences": seqs, "taps": taps, "offsets": offsets,
+    return {"sequences": seqs, "taps": taps, "offsets": offsets, **dist,
             "gen_dtype": dtypes[0] if len(dtypes) == 1 else f"mixed ({', '.join(dtypes)})"}
 
 
@@ -374,6 +441,9 @@ class TrainingData:
         rows: per usable sequence, its index in the data set (its features are rows
             offsets[i]:offsets[i + 1] of taps).
         taps / offsets: fp16 tap features of every position `[total, k*d]` and each sequence's first row.
+        topk_ids / topk_logprobs: the target's top-K next-token ids (int32) and log-probabilities (fp16)
+            `[total, K]` per position (row t: the distribution of the token at t), or None for data cached
+            before they were recorded (hard labels only).
         gen_dtype: the dtype the data were generated in (read from the data: a reused cache may differ).
         gen_seconds: time spent generating (or reading) the data.
         prompt_files / prompts_sha256 / target_sha256: the inputs, as the record names them.
@@ -388,11 +458,18 @@ class TrainingData:
     prompt_files: list[Path]
     prompts_sha256: list[str]
     target_sha256: dict[str, str]
+    topk_ids: object = None
+    topk_logprobs: object = None
 
     def features(self, n: int):
         """The fp16 tap features `[len(ids), k*d]` of usable sequence `n`."""
         i = self.rows[n]
         return self.taps[self.offsets[i] : self.offsets[i + 1]]
+
+    def distribution(self, n: int):
+        """The target's top-K (int32 ids, fp16 log-probabilities), each `[len(ids), K]`, of usable sequence `n`."""
+        i = self.rows[n]
+        return self.topk_ids[self.offsets[i] : self.offsets[i + 1]], self.topk_logprobs[self.offsets[i] : self.offsets[i + 1]]
 
 
 def prepare_training_data(args, tspec, target_dir: Path, taps: tuple[int, ...], device) -> TrainingData:
@@ -433,9 +510,13 @@ def prepare_training_data(args, tspec, target_dir: Path, taps: tuple[int, ...], 
     if not seqs:
         raise DFlashError(f"no training data: every response is shorter than 2 tokens (--max-new-tokens "
                           f"{args.max_new_tokens}); raise --max-new-tokens or use other prompts")
+    if getattr(args, "distill", "none") != "none" and data.get("topk_ids") is None:
+        raise DFlashError("--distill needs the target's distributions, which a data cache written before they were "
+                          "recorded lacks; pass a new --data-cache directory (or delete the old one) to regenerate")
     return TrainingData(sequences=seqs, rows=usable, taps=data["taps"], offsets=data["offsets"],
                         gen_dtype=data["gen_dtype"], gen_seconds=gen_seconds, prompt_files=prompt_files,
-                        prompts_sha256=prompts_sha, target_sha256=target_sha)
+                        prompts_sha256=prompts_sha, target_sha256=target_sha, topk_ids=data.get("topk_ids"),
+                        topk_logprobs=data.get("topk_logprobs"))
 
 
 def _read_prompt_sets(prompt_files: list[Path], max_prompts: int | None) -> list[list[dict]]:

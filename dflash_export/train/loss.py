@@ -59,15 +59,19 @@ def blocks_forward(draft, ctx_feats, block_emb, anchors):
 
 def block_loss(
     draft, head_weight, embed, seq_ids, feats, prompt_len, n_anchors, block_size, mask_id, gamma, rng, device,
-    label_map=None, amp_dtype=None,
+    label_map=None, amp_dtype=None, teacher=None, distill=None,
 ):
-    """Weighted block cross-entropy for one sequence (dflash-facts section 7).
+    """Weighted block loss for one sequence: the recipe's cross-entropy on the target's tokens (dflash-facts
+    section 7), or mixed with a distillation term against the target's own distribution.
 
     Args:
         head_weight: fp32 `[V', d]` LM-head rows the softmax runs over: the full head (V' = V), or the
             rows of the loss vocabulary (see `loss_vocabulary`), in which case `label_map` (int64 `[V]`,
             full id -> row of `head_weight`, -1 outside) maps the labels.
         amp_dtype: autocast dtype for the forward (torch.bfloat16) or None for plain fp32.
+        teacher: with `distill`, the target's top-K per position of the sequence: (int `[n, K]` full ids,
+            float `[n, K]` log-probabilities); row t is the distribution of the token at t.
+        distill: None (hard labels), or a :class:`Distill` (term and weight).
 
     Returns:
         (loss tensor or None when the response is too short, number of supervised positions).
@@ -98,11 +102,55 @@ def block_loss(
         hidden = blocks_forward(draft, feats, embed(block_ids), anchors_t)
         logits = hidden[:, 1:].reshape(-1, hidden.shape[-1]) @ head_weight.t()
     ce = torch.nn.functional.cross_entropy(logits.float(), labels.reshape(-1), reduction="none").view(labels.shape)
+    if distill is not None and distill.weight > 0:
+        rows = target_pos.clamp(max=n - 1).reshape(-1)
+        t_ids, t_logp = (x.to(device)[rows] for x in teacher)
+        if label_map is not None:
+            t_ids = label_map[t_ids.long()]
+            if bool((t_ids < 0).any()):
+                raise DFlashError("a distribution id lies outside the loss vocabulary (build it from the same data)")
+        soft = distill_term(logits.float(), t_ids.long(), t_logp.float(), distill.term).view(labels.shape)
+        ce = (1 - distill.weight) * ce + distill.weight * soft
     weights = torch.exp(-(offs[1:].float() - 1) / gamma)[None, :] * valid
     return (ce * weights).sum() / weights.sum(), int(valid.sum())
 
 
-def loss_vocabulary(sequences: list[dict], vocab_size: int):
+class Distill:
+    """The distillation part of the loss: `term` "kl" or "tv", mixed with the hard-label cross-entropy as
+    (1 - weight) * CE + weight * term (weight 1: distillation alone)."""
+
+    def __init__(self, term: str, weight: float):
+        self.term, self.weight = term, float(weight)
+
+
+def distill_term(logits, teacher_ids, teacher_logp, term: str):
+    """Per position, the draft's distance from the target's distribution, known by its top K.
+
+    The teacher is its top K renormalised (p over K ids; the mass outside, a few percent at K = 16 on
+    the data here, is dropped). "kl": the cross-entropy -sum_k p_k log q_k, which is KL(p || q) plus
+    p's entropy (a constant), so its gradients are KL's. "tv": total variation 1/2 sum |p - q| over the
+    vocabulary (p is 0 outside its K ids), which bounds the acceptance a draft loses (DistillSpec,
+    Zhou et al., ICLR 2024).
+
+    Args:
+        logits: fp32 `[N, V']` draft logits over the softmax rows.
+        teacher_ids: int64 `[N, K]` rows of those logits; teacher_logp: fp32 `[N, K]` log-probabilities.
+
+    Returns:
+        fp32 `[N]`.
+    """
+    import torch
+
+    p = torch.softmax(teacher_logp, dim=-1)
+    logq = torch.log_softmax(logits, dim=-1)
+    logq_k = torch.gather(logq, 1, teacher_ids)
+    if term == "kl":
+        return -(p * logq_k).sum(-1)
+    q_k = logq_k.exp()
+    return 0.5 * ((p - q_k).abs().sum(-1) + (1 - q_k.sum(-1)).clamp(min=0))
+
+
+def loss_vocabulary(sequences: list[dict], vocab_size: int, extra_ids=None):
     """The token ids the training softmax runs over: every id that occurs in the training sequences.
 
     The draft only ever has to predict the target's own responses, so a softmax over the ids that occur
@@ -111,12 +159,17 @@ def loss_vocabulary(sequences: list[dict], vocab_size: int):
     same idea as the reduced draft vocabularies of EAGLE-3 (Li et al., 2025) and FR-Spec (Zhao et al.,
     2025). Decoding still uses the full LM head (proposals are verified anyway).
 
+    `extra_ids` (a tensor of ids, -1 ignored): the target distributions' ids, which distillation also needs.
+
     Returns:
         (int64 `[V']` sorted ids, int64 `[vocab_size]` map full id -> index in the first, -1 outside).
     """
     import torch
 
-    ids = sorted({t for s in sequences for t in s["ids"]})
+    seen = {t for s in sequences for t in s["ids"]}
+    if extra_ids is not None:
+        seen |= set(torch.unique(extra_ids).tolist()) - {-1}
+    ids = sorted(seen)
     vocab = torch.tensor(ids, dtype=torch.int64)
     label_map = torch.full((vocab_size,), -1, dtype=torch.int64)
     label_map[vocab] = torch.arange(len(ids), dtype=torch.int64)

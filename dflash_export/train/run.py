@@ -32,9 +32,9 @@ from dflash_export.train.data import (
     TrainingData,
     prepare_training_data,
 )
-from dflash_export.train.loss import block_loss, dtype_name
+from dflash_export.train.loss import Distill, block_loss, dtype_name
 from dflash_export.train.setup import DraftPlan, LossHead, build_draft, plan_draft
-from dflash_export.train.state import restore_train_state, save_train_state, write_draft
+from dflash_export.train.state import distill_setting, restore_train_state, save_train_state, write_draft
 from runtime.errors import DFlashError
 
 # what train-draft writes into --out: an existing --out holding anything else is refused
@@ -68,6 +68,8 @@ def _check_train_args(args) -> None:
                           "the first response per prompt is already the greedy one")
     if not (args.lr > 0 and math.isfinite(args.lr)) or not args.gamma > 0 or not 0 <= args.warmup < 1:
         raise DFlashError("--lr and --gamma must be positive and --warmup in [0, 1)")
+    if not 0 <= args.distill_weight <= 1:  # (NaN fails too)
+        raise DFlashError(f"--distill-weight must be between 0 and 1 (got {args.distill_weight})")
     if args.save_every < 0:
         raise DFlashError(f"--save-every must be 0 (only at the end) or more (got {args.save_every})")
     if args.threads is not None and args.threads < 1:
@@ -169,10 +171,12 @@ class TrainingRun:
             pick = self.rng.randrange(len(self.data.sequences))
             s = self.data.sequences[pick]
             feats = self.data.features(pick).float().to(self.device)
+            distill = None if args.distill == "none" else Distill(args.distill, args.distill_weight)
             loss, n = block_loss(
                 self.draft, self.head.weight, self.head.embed, s["ids"], feats, s["prompt_len"], args.anchors,
                 args.block_size, args.mask_token_id, args.gamma, self.rng, self.device,
                 label_map=self.head.label_map, amp_dtype=self.plan.amp_dtype,
+                teacher=self.data.distribution(pick) if distill else None, distill=distill,
             )
             if loss is None:
                 continue
@@ -196,7 +200,7 @@ class TrainingRun:
     def save(self, step: int) -> None:
         """Write the resume state at `step` (see `train.state.save_train_state`)."""
         save_train_state(self.plan.out, step, self.draft, self.opt, self.rng, self.losses, {
-            "loss_vocab": self.args.loss_vocab, "amp": self.args.amp, "amp_dtype": dtype_name(self.plan.amp_dtype),
+            "loss_vocab": self.args.loss_vocab, "distill": distill_setting(self.args), "amp": self.args.amp, "amp_dtype": dtype_name(self.plan.amp_dtype),
             "settings": self.plan.settings, "config": self.plan.cfg})
 
     def recent_loss(self) -> float:
@@ -285,7 +289,7 @@ def train_draft(args) -> int:
         torch.set_num_threads(args.threads)
     plan = plan_draft(args, device)
     data = prepare_training_data(args, plan.tspec, plan.target_dir, plan.taps, device)
-    draft, head = build_draft(args, plan, data.sequences, device)
+    draft, head = build_draft(args, plan, data.sequences, device, data.topk_ids if args.distill != "none" else None)
     run = _start_run(args, plan, data, draft, head, rng, device)
     train_seconds = _train(run)
     run.save(args.steps)  # lets `--resume OUT --steps MORE` continue training later
@@ -324,6 +328,8 @@ def _training_record(run: TrainingRun, train_seconds: float, total_seconds: floa
         # (the source draft may later be replaced, so its weights are identified by their hash)
         "init_from_sha256": plan.init_state["sha256"] if plan.init_state else None,
         "loss_vocab": args.loss_vocab,
+        "distill": args.distill,
+        "distill_weight": args.distill_weight if args.distill != "none" else None,
         "loss_vocab_size": int(run.head.weight.shape[0]),
         "amp": dtype_name(plan.amp_dtype),
         "layers": args.layers,
@@ -373,6 +379,11 @@ def register(sub) -> None:
     p.add_argument("--init", choices=["target", "random"], default="target", help="initialise draft layers from the target's last layers, or randomly (default %(default)s)")
     p.add_argument("--loss-vocab", choices=["seen", "full"], default="seen",
                    help="softmax over the token ids seen in the training data (default, much faster) or the full vocabulary")
+    p.add_argument("--distill", choices=["none", "kl", "tv"], default="none",
+                   help="also train against the target's own next-token distribution (its top 16, recorded while "
+                        "generating): kl (cross-entropy to it) or tv (total variation); default %(default)s")
+    p.add_argument("--distill-weight", type=float, default=1.0,
+                   help="with --distill: loss = (1 - W) x hard-label CE + W x the distillation term (default %(default)s)")
     p.add_argument("--amp", choices=["auto", "bf16", "fp32"], default="auto",
                    help="autocast the forward to bf16 (auto: where the CPU/GPU has native bf16 matmuls)")
     p.add_argument("--seed", type=int, default=0, help="seed of anchors, sampling and init (default %(default)s)")

@@ -190,7 +190,7 @@ class LossHead:
     label_map: Any = None
 
 
-def build_draft(args, plan: DraftPlan, sequences: list[dict], device):
+def build_draft(args, plan: DraftPlan, sequences: list[dict], device, teacher_ids=None):
     """The draft to train (random init, then the --init-from draft's or the target's last layers) and
     the loss head, from the target's weights (loaded once, released before training).
 
@@ -202,7 +202,7 @@ def build_draft(args, plan: DraftPlan, sequences: list[dict], device):
 
     family = target_family(plan.tspec.family)
     tstate = family.causal_lm_state_dict(load_state_dict(plan.target_dir))  # (the names training reads)
-    head = _loss_head(tstate, args.loss_vocab, sequences, device)
+    head = _loss_head(tstate, args.loss_vocab, sequences, device, teacher_ids)
     draft = DFlashDraft(plan.dspec).to(device)
     gen = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
@@ -218,16 +218,16 @@ def build_draft(args, plan: DraftPlan, sequences: list[dict], device):
     return draft, head
 
 
-def _loss_head(tstate: dict, loss_vocab: str, sequences: list[dict], device) -> LossHead:
+def _loss_head(tstate: dict, loss_vocab: str, sequences: list[dict], device, teacher_ids=None) -> LossHead:
     """The target's embeddings and LM head (the tied embeddings where it has none), restricted to the ids
-    of `sequences` with `--loss-vocab seen`."""
+    of `sequences` (and of the target's distributions `teacher_ids`, with --distill) with `--loss-vocab seen`."""
     import torch
 
     embed_w = tstate["model.embed_tokens.weight"].float().to(device)
     head_w = (tstate.get("lm_head.weight", tstate["model.embed_tokens.weight"])).float()
     vocab, label_map = None, None
     if loss_vocab == "seen":
-        vocab, label_map = loss_vocabulary(sequences, head_w.shape[0])
+        vocab, label_map = loss_vocabulary(sequences, head_w.shape[0], teacher_ids)
         head_w, label_map = head_w[vocab].contiguous(), label_map.to(device)
     head_w = head_w.to(device)
     return LossHead(embed=torch.nn.Embedding.from_pretrained(embed_w, freeze=True), weight=head_w, vocab=vocab,

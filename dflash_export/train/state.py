@@ -105,6 +105,9 @@ def check_resume(rdir: Path, meta: dict, settings: dict, args, amp_dtype) -> Non
                               f"{' '.join(map(str, now)) if isinstance(now, list) else now}); drop the option or pass the same")
     if meta.get("loss_vocab", "full") != args.loss_vocab:  # (states before this option: full)
         raise DFlashError(f"--resume {rdir}: that run used --loss-vocab {meta.get('loss_vocab', 'full')}; pass the same to resume it")
+    if meta.get("distill", "none") != distill_setting(args):  # (states before this option: none)
+        raise DFlashError(f"--resume {rdir}: that run used --distill {meta.get('distill', 'none')} (this one "
+                          f"{distill_setting(args)}); pass the same --distill and --distill-weight to resume it")
     # the resolved autocast dtype, not the option: "auto" may mean bf16 on one machine and fp32 on another
     before = meta.get("amp_dtype")
     if before is None and meta.get("amp", args.amp) != args.amp:  # (states before the dtype was stored: the option)
@@ -185,3 +188,8 @@ def write_draft(draft, cfg: dict, out: Path, args, draft_vocab: list[int] | None
             (tmp / name).replace(out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def distill_setting(args) -> str:
+    """The run's distillation objective as its resume state records it: "none", or "<term> <weight>"."""
+    return "none" if args.distill == "none" else f"{args.distill} {args.distill_weight:g}"

@@ -242,7 +242,25 @@ class OpenAIApi:
             # the artifact's limits on options: their messages start with the option's name
             named = message.split(" ", 1)[0] if message.split(" ", 1)[0] in ("top_k", "verify_len", "block_size") else None
             raise ApiError(400, message, param=named) from None
+        constrained = next((name for name in ("response_format", "grammar", "regex") if name in opts), None)
+        if constrained is not None:
+            self._check_constraint(opts, constrained)
         return opts
+
+    def _check_constraint(self, opts: dict, name: str) -> None:
+        """Compile the request's output constraint once before it queues, so a bad schema or grammar is
+        a 400 naming the field (the Session compiles it again for the run: milliseconds)."""
+        options = GenerationOptions(**opts)
+        if not options.constrained:
+            return
+        if isinstance(self.session, BatchEngine):
+            raise ApiError(400, f"{name} is not supported by the batched server yet (--max-batch > 1); serve "
+                                "this artifact with --max-batch 1 for structured output", param=name,
+                           code="unsupported_parameter")
+        try:
+            self.session.constraint(options)
+        except DFlashError as exc:
+            raise ApiError(400, str(exc), param=name) from None
 
     def _stop_ids(self, extra: list[int]) -> list[int]:
         """The model's stop ids and a request's `stop_token_ids` (vLLM's: ids that stop the reply as well

@@ -38,11 +38,13 @@ _OPTION_FIELDS = {
     "reuse_prefix": "reuse_prefix",
 }
 _IGNORED = {"user", "metadata"}  # no effect on the output
+# output constraints (`runtime.text.constraints`): OpenAI's response_format, and the extensions grammar
+# (Lark) and regex, on both endpoints (as vLLM takes its guided_* parameters on both)
+_CONSTRAINTS = ("response_format", "grammar", "regex")
 _COMMON = {"model", "stream", "stream_options", "n", "logprobs", "frequency_penalty", "presence_penalty",
-           "logit_bias", "stop_token_ids", *_OPTION_FIELDS, *_IGNORED} - {"max_completion_tokens"}
+           "logit_bias", "stop_token_ids", *_OPTION_FIELDS, *_IGNORED, *_CONSTRAINTS} - {"max_completion_tokens"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-                   "function_call", "parallel_tool_calls", "response_format", "enable_thinking",
-                   "chat_template_kwargs"}
+                   "function_call", "parallel_tool_calls", "enable_thinking", "chat_template_kwargs"}
 _COMPLETION = _COMMON | {"prompt", "best_of", "echo", "suffix"}
 
 
@@ -165,7 +167,6 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
             ("functions", ([],), "functions (function calling) are not supported"),
             ("tool_choice", ("none",), "tool_choice is not supported (no tools)"),
             ("function_call", ("none",), "function_call is not supported (no functions)"),
-            ("response_format", ({"type": "text"},), "response_format other than {\"type\": \"text\"} is not supported"),
         ]
     else:
         checks += [
@@ -238,6 +239,13 @@ def _options(body: dict) -> dict[str, Any]:
             raise ApiError(400, f"stop_token_ids must be a list of token ids (integers; got {shown(ids)})",
                            param="stop_token_ids")
         opts["stop_token_ids"] = ids
+    for name in _CONSTRAINTS:  # (types here; the grammar is compiled, and its errors named, before queueing)
+        if name in body:
+            try:
+                GenerationOptions(**{name: body[name]})
+            except DFlashError as exc:
+                raise ApiError(400, str(exc), param=name) from None
+            opts[name] = body[name]
     if "seed" not in opts:  # as OpenAI: without a seed, sampled replies differ from request to request
         opts["seed"] = secrets.randbits(31)
     return opts

@@ -364,6 +364,8 @@ class AdaptiveLength(Policy):
         return 1 if self.confidence is None else min(limit, self.confidence.rows)
 
     def take_offer(self, limit: int, offer: Proposal, shape: Shape) -> int:
+        if offer.source == "grammar":  # the only continuation the output constraint admits: the target
+            return min(len(offer.ids), limit)  # rejects it only where it tokenizes the text otherwise
         if self.lookups is None or self.probing or offer.source != "lookup":
             return 0
         if shape:  # the draft would run: the lookup must beat what drafted steps commit per second

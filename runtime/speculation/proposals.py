@@ -24,7 +24,8 @@ class Proposal:
     """One proposer's offer for one step.
 
     Attributes:
-        source: "draft" (the DFlash draft call) or "lookup" (the request's own text, no graph call).
+        source: "draft" (the DFlash draft call), "lookup" (the request's own text, no graph call) or
+            "grammar" (tokens an output constraint forces, `runtime.text.constraints`).
         ids: int64 `[n]` proposed tokens in block order; None where the target graph ranks the draft's
             hidden rows itself (a draft without a proposal vocabulary: the target call makes the ids).
         candidates: int64 `[R, K]` the draft's K most probable tokens for block positions 1..R, in rank
@@ -64,7 +65,7 @@ class StepRecord:
         verified: proposals the target call verified (0: a plain step; a tree's node count).
         accepted: proposals accepted (the committed tokens are accepted + 1).
         seconds: the step's wall time: proposer, target call and the loop's host work.
-        source: "plain", "draft" or "lookup": where the verified proposals came from.
+        source: "plain", "draft", "lookup" or "grammar": where the verified proposals came from.
         drafted: a draft call ran (also where the policy then chose to verify nothing).
         draft_seconds: the draft call's part of `seconds`.
         catch_up: the draft call first read many context rows (the prompt, a run of plain steps), so
@@ -96,4 +97,4 @@ class StepRecord:
     def summary(self) -> dict:
         """The record as `GenerationResult.steps` keeps it (`record_steps=True`)."""
         return {"proposed": list(self.proposed), "accepted": self.accepted, "committed": list(self.committed),
-                "lookup": self.lookup}
+                "lookup": self.lookup, "source": self.source}

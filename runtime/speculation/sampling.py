@@ -1,7 +1,8 @@
-"""Host-side sampling with top_k / top_p, kept exact under speculation.
+"""Host-side sampling with top_k / top_p or an output constraint, kept exact under speculation.
 
-The target graph samples temperature alone (inverse CDF over its softmax). With top_k or top_p the
-loop reads the target's fp32 logits rows and samples here instead: row j's processed distribution is
+The target graph samples temperature alone (inverse CDF over its softmax). With top_k or top_p, or a
+grammar the reply must follow (`runtime.text.constraints`: its mask is applied to each row first, and
+greedy decoding takes the masked argmax), the loop reads the target's fp32 logits rows and samples here instead: row j's processed distribution is
 softmax(logits_j / T) restricted to the top_k most likely tokens and then to the top_p nucleus,
 renormalised (the order of Hugging Face's TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper).
 Speculation stays exact as in the graph: the draft proposes its argmax, proposal j is accepted iff it
@@ -69,24 +70,40 @@ def sample_index(probs: np.ndarray, u: float) -> int:
 
 
 class HostSampler:
-    """Samples the target's posterior rows on the host (top_k / top_p) and verifies proposals.
+    """Samples the target's posterior rows on the host (top_k / top_p, a constraint) and verifies proposals.
 
     Args:
-        temperature, top_k, top_p: see :func:`processed_distribution`.
+        temperature, top_k, top_p: see :func:`processed_distribution` (temperature 0: the argmax).
         read_row: `j -> fp32 [V]` logits of row j of the last target call.
+        constraint: None, or the request's output constraint (`runtime.text.constraints.Constraint`:
+            `allowed()` the bool mask of the next token, `commit(token)`, `finished`): each row is masked
+            by the grammar state after the tokens committed before it, and every committed token advances it.
     """
 
-    def __init__(self, temperature: float, top_k: int, top_p: float, read_row: Callable[[int], np.ndarray]):
+    def __init__(self, temperature: float, top_k: int, top_p: float, read_row: Callable[[int], np.ndarray],
+                 constraint=None):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.read_row = read_row
+        self.constraint = constraint
 
     def sample(self, row: int, u: float) -> int:
-        """A token id sampled from row `row`'s processed distribution with uniform `u`."""
-        ids, probs = processed_distribution(self.read_row(row), self.temperature, self.top_k, self.top_p)
-        return int(ids[sample_index(probs, u)])
+        """A token id sampled from row `row`'s processed (and, with a constraint, masked) distribution with
+        uniform `u`; with a constraint, the grammar is advanced by it."""
+        logits = self.read_row(row)
+        if self.constraint is not None:
+            logits = np.where(self.constraint.allowed(), logits, np.float32(-np.inf))
+        if self.temperature == 0:
+            token = int(np.argmax(logits))
+        else:
+            ids, probs = processed_distribution(logits, self.temperature, self.top_k, self.top_p)
+            token = int(ids[sample_index(probs, u)])
+        if self.constraint is not None:
+            self.constraint.commit(token)
+        return token
 
     def verify(self, proposals: np.ndarray, uniforms: np.ndarray) -> tuple[int, int]:
-        """Exact speculative sampling over rows 0..len(proposals).
+        """Exact speculative sampling over rows 0..len(proposals); a constraint that completes on an
+        accepted proposal ends the verify there (that proposal is the committed token).
 
         Returns:
             (accepted proposals `acc`, the token committed after them: row acc's sample).
@@ -94,6 +111,8 @@ class HostSampler:
         for j, proposal in enumerate(proposals.tolist()):
             token = self.sample(j, float(uniforms[j]))
             if token != proposal:
+                return j, token
+            if self.constraint is not None and self.constraint.finished:
                 return j, token
         n = len(proposals)
         return n, self.sample(n, float(uniforms[n]))
