@@ -34,7 +34,7 @@ from runtime.results import GenerationResult, StreamChunk
 from runtime.speculation.policy import Policy
 from runtime.speculation.proposals import Choice, Proposal, Shape, StepRecord
 from runtime.speculation.proposers import DraftProposer, LookupProposer
-from runtime.speculation.sampling import HostSampler, verify_chain
+from runtime.speculation.sampling import HostSampler, TokenLogprobs, verify_chain
 from runtime.text.reply import ReplyText
 
 
@@ -64,9 +64,11 @@ class DecodeLoop:
         # draw from its own conditional, the proposal is accepted iff it equals it)
         self.uniforms = np.random.default_rng(opts.seed).random(opts.max_new_tokens, dtype=np.float32)
         self.sampler = None
-        if opts.samples_on_host or constraint is not None:
+        self.logprobs = TokenLogprobs(opts.top_logprobs) if opts.logprobs else None
+        if opts.on_host or constraint is not None:
             session.logits_buffer()  # the target calls write their logits rows for the host from now on
-            self.sampler = HostSampler(opts.temperature, opts.top_k, opts.top_p, session.read_logits_row, constraint)
+            self.sampler = HostSampler(opts.temperature, opts.top_k, opts.top_p, session.read_logits_row, constraint,
+                                       self.logprobs)
         tok = session.tokenizer
         self.reply = ReplyText(tok.decode if tok is not None else None, opts.stop, stop_ids)
         self.out = self.reply.out  # the committed ids (the same list)
@@ -197,8 +199,13 @@ class DecodeLoop:
 
     # ---- text -------------------------------------------------------------------------------
     def _commit(self, ids: list[int]) -> StreamChunk:
-        """Add committed ids to the reply, cutting at a stop token or stop string."""
-        return self.reply.commit(ids)
+        """Add committed ids to the reply, cutting at a stop token or stop string (with their
+        log-probabilities where the request asks for them)."""
+        start = len(self.out)
+        chunk = self.reply.commit(ids)
+        if self.logprobs is not None:
+            chunk.logprobs = self.logprobs.entries[start:start + len(chunk.token_ids)]
+        return chunk
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> Iterator[StreamChunk]:
@@ -266,4 +273,5 @@ class DecodeLoop:
             policy=self.policy.name,
             prompt_tokens=len(self.prompt),
             reused_tokens=reused,
+            logprobs=self.logprobs.entries[: len(out)] if self.logprobs is not None else None,
         )

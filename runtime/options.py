@@ -23,6 +23,7 @@ MAX_STOP_STRINGS = 16
 # Temperatures below this decode greedily (the T -> 0 limit of sampling): logits / T would overflow
 # float32 below about 1e-36, and anything this small already puts all the mass on the argmax.
 MIN_TEMPERATURE = 1e-5
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class GenerationOptions:
             (`runtime.text.constraints`; needs llguidance).
         grammar: a Lark grammar the reply follows (llguidance's syntax); regex: a regular expression the
             whole reply matches. At most one of response_format, grammar and regex.
+        logprobs: return each committed token's log-probability under the target (its raw distribution:
+            before temperature, top_k/top_p and any output constraint), in `result.logprobs`.
+        top_logprobs: with logprobs, also the MAX_TOP_LOGPROBS or fewer most likely tokens of each row.
     """
 
     max_new_tokens: int = 128
@@ -67,6 +71,8 @@ class GenerationOptions:
     response_format: dict | None = None
     grammar: str | None = None
     regex: str | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
@@ -114,7 +120,12 @@ class GenerationOptions:
         for name in ("grammar", "regex"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise DFlashError(f"{name} must be a string")
-        for flag in ("record_steps", "reuse_prefix"):
+        set_("top_logprobs", as_int(self.top_logprobs, "top_logprobs"))
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise DFlashError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS} (got {self.top_logprobs})")
+        if self.top_logprobs and not self.logprobs:
+            raise DFlashError("top_logprobs needs logprobs=True")
+        for flag in ("record_steps", "reuse_prefix", "logprobs"):
             if not isinstance(getattr(self, flag), bool):
                 raise DFlashError(f"{flag} must be true or false (got {getattr(self, flag)!r})")
 
@@ -123,6 +134,12 @@ class GenerationOptions:
         """Sampling with top_p / top_k runs on the host from the target's logits (the graph samples
         temperature alone; greedy decoding ignores both, as they never remove the argmax)."""
         return self.temperature > 0 and (self.top_p < 1 or self.top_k > 0)
+
+    @property
+    def on_host(self) -> bool:
+        """Each row's token is chosen on the host from the target's logits (top_k/top_p sampling, an
+        output constraint, or log-probabilities to return)."""
+        return self.samples_on_host or self.constrained or self.logprobs
 
     @property
     def constrained(self) -> bool:

@@ -16,10 +16,12 @@ class StreamChunk:
         text: the new text (may be "": an unfinished character, or text held back because it could
             begin a stop string); the chunks' texts concatenate to the result's `text`.
         token_ids: the ids committed this step (after a stop token or stop string: none that follow it).
+        logprobs: with `logprobs=True`, one entry per id of `token_ids` (see GenerationResult.logprobs).
     """
 
     text: str
     token_ids: list[int]
+    logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -47,6 +49,9 @@ class GenerationResult:
         prompt_tokens: the prompt's length in tokens.
         reused_tokens: prompt tokens whose KV cache rows were reused from the session's previous
             request (not prefilled again).
+        logprobs: with `logprobs=True`, one entry per output id: {"token_id", "logprob" (natural log,
+            under the target's raw distribution), "top": [(id, logprob), ...] (`top_logprobs` of them)};
+            else None.
     """
 
     output_ids: list[int]
@@ -64,6 +69,7 @@ class GenerationResult:
     prompt_tokens: int = 0
     reused_tokens: int = 0
     lookup_steps: int = 0
+    logprobs: list[dict] | None = None
 
     @property
     def tau(self) -> float:

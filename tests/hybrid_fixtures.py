@@ -152,3 +152,24 @@ def embedding_table(sess) -> np.ndarray:
         if arr.shape == (VOCAB, CONFIG["hidden_size"]):
             return arr
     raise AssertionError("no embedding table in the target graph")
+
+
+def batched_hybrid_artifact(tmp_path_factory) -> Path:
+    """The 3-layer hybrid (`THREE_LAYER_TYPES`, `six_layer_model`'s weights) with a random draft tapping
+    every layer whose proposal vocabulary is every id (so its graph proposes ids and batched steps can
+    speculate), built with `--batched` once per test run: test_batched_hybrid_engine.py runs it, and
+    test_batched_hybrid.py compares its batched target graph with the module."""
+    import json
+
+    import tiny_models
+    from shared_cache import shared_dir
+
+    from dflash_export.build import BuildOptions, build
+
+    def make(d: Path) -> None:
+        six_layer_model(THREE_LAYER_TYPES).save_pretrained(d / "target", safe_serialization=True)
+        draft = tiny_models.make_draft(d / "draft", d / "target", mask_token_id=VOCAB - 1, scale=0.15, taps=[0, 1, 2])
+        (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": list(range(VOCAB))}))
+        build(BuildOptions(str(d / "target"), str(draft), d / "artifact", max_seq_len=160, batched=True, quiet=True))
+
+    return shared_dir(tmp_path_factory, "batched_hybrid", make) / "artifact"

@@ -137,14 +137,12 @@ def test_each_sequence_gets_what_it_gets_alone(modules):
 
 @pytest.fixture(scope="module")
 def graph(modules, tmp_path_factory):
-    """The batched hybrid module exported to ONNX (weights inline), in an onnxruntime session."""
+    """The batched target graph `build --batched` exported from the same checkpoint (taps (0, 1, 2): its
+    draft taps every layer; the artifact is shared with test_batched_hybrid_engine.py), in onnxruntime."""
     import onnxruntime as ort
+    from hybrid_fixtures import batched_hybrid_artifact
 
-    from dflash_export.export.batched import export_batched_hybrid
-
-    _, batched = modules
-    path = tmp_path_factory.mktemp("batched_hybrid") / "target_batched.onnx"
-    export_batched_hybrid(batched, path, {})
+    path = batched_hybrid_artifact(tmp_path_factory) / "target_batched.onnx"
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])

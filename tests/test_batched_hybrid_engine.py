@@ -9,14 +9,11 @@ import json
 
 import numpy as np
 import pytest
-import tiny_models
-from hybrid_fixtures import VOCAB
-from shared_cache import shared_dir
+from hybrid_fixtures import VOCAB, batched_hybrid_artifact
 from test_batching import _drain, _oracle_drafts
 from trt_doubles import doubles  # noqa: F401 (a fixture)
 
 import runtime
-from dflash_export.build import BuildOptions, build
 from runtime.batching import BatchEngine
 
 # prompts longer than the hybrid's 64 rows per call are prefilled in several calls
@@ -26,18 +23,8 @@ PROMPT_LENGTHS = (5, 70, 12, 3, 30, 9)
 @pytest.fixture(scope="module")
 def art(tmp_path_factory):
     """A 3-layer hybrid ([GDN, GDN, attention]: every cache kind, two recurrent states per slot) with a
-    random draft whose proposal vocabulary is every id (so its graph proposes ids and batched steps can
-    speculate), built with `--batched`."""
-    from hybrid_fixtures import THREE_LAYER_TYPES, six_layer_model
-
-    def make(d):
-        six_layer_model(THREE_LAYER_TYPES).save_pretrained(d / "target", safe_serialization=True)
-        draft = tiny_models.make_draft(d / "draft", d / "target", mask_token_id=VOCAB - 1, scale=0.15, taps=[0, 2])
-        (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": list(range(VOCAB))}))
-        build(BuildOptions(str(d / "target"), str(draft), d / "artifact", max_seq_len=160, batched=True,
-                           quiet=True))
-
-    return shared_dir(tmp_path_factory, "batched_hybrid", make) / "artifact"
+    proposing draft, built with `--batched` (`hybrid_fixtures.batched_hybrid_artifact`)."""
+    return batched_hybrid_artifact(tmp_path_factory)
 
 
 def _prompts(seed: int = 0) -> list[list[int]]:

@@ -137,3 +137,26 @@ def test_the_openai_client_gets_schema_replies_equal_to_plain(smollm2_artifact):
             c.chat.completions.create(response_format=bad, **kw)
         assert err.value.body["param"] == "response_format" and "does not compile" in err.value.body["message"]
         assert c.chat.completions.create(**kw).choices[0].message.content  # still serving
+
+
+def test_logprobs_match_a_pytorch_fp32_forward_and_do_not_depend_on_speculation(sess):
+    """Each committed token's log-probability (and its row's top 5) equals a teacher-forced fp32 PyTorch
+    forward of the target on the same ids within 2e-3; speculative and plain decoding report the same
+    values (the same rows, bit for bit); under a constraint they stay the target's raw distribution."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(sess.manifest["sources"]["target"]["path"], dtype=torch.float32).eval()
+    prompt = sess.encode("Write a haiku about the sea.", chat=True)
+    for kw in (dict(), dict(response_format={"type": "json_object"})):
+        plain = sess.generate(prompt, max_new_tokens=24, block_size=1, logprobs=True, top_logprobs=5, **kw)
+        spec = sess.generate(prompt, max_new_tokens=24, verify_len="all", logprobs=True, top_logprobs=5, **kw)
+        assert spec.output_ids == plain.output_ids and spec.logprobs == plain.logprobs
+        ids = prompt + plain.output_ids
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([ids])).logits[0, len(prompt) - 1: -1].double(), dim=-1)
+        assert len(plain.logprobs) == len(plain.output_ids)
+        for row, (e, t) in enumerate(zip(plain.logprobs, plain.output_ids)):
+            assert e["token_id"] == t and abs(e["logprob"] - float(want[row, t])) <= 2e-3
+            for i, lp in e["top"]:
+                assert abs(lp - float(want[row, i])) <= 2e-3

@@ -163,15 +163,19 @@ BAD_REQUESTS = [  # (path, body, param, a phrase of the message)
     ("chat", chat_body(response_format={"type": "json_object"}), "response_format", "cannot drive output constraints"),
     ("comp", comp_body(grammar=5), "grammar", "must be a string"),
     ("comp", comp_body(regex="[0-9]+", grammar="start: \"a\""), "grammar", "at most one of"),
+    # log-probabilities: OpenAI's ranges (chat top_logprobs 0..20, completions logprobs 0..5)
+    ("chat", chat_body(logprobs=True, top_logprobs=21), "top_logprobs", "from 0 to 20"),
+    ("chat", chat_body(top_logprobs=2), "top_logprobs", "needs logprobs: true"),
+    ("chat", chat_body(logprobs=1), "logprobs", "true or false"),
+    ("comp", comp_body(logprobs=6), "logprobs", "from 0 to 5"),
 ]
 UNSUPPORTED = [  # (path, body, param): refused with 400, never ignored
     ("chat", chat_body(n=2), "n"), ("chat", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     ("chat", chat_body(tool_choice="auto"), "tool_choice"), ("chat", chat_body(functions=[{"name": "f"}]), "functions"),
-    ("chat", chat_body(function_call="auto"), "function_call"), ("chat", chat_body(logprobs=True), "logprobs"),
-    ("chat", chat_body(top_logprobs=2), "top_logprobs"),
+    ("chat", chat_body(function_call="auto"), "function_call"),
     ("chat", chat_body(frequency_penalty=0.5), "frequency_penalty"), ("chat", chat_body(presence_penalty=-1), "presence_penalty"),
     ("chat", chat_body(logit_bias={"5": 10}), "logit_bias"), ("comp", comp_body(best_of=2), "best_of"),
-    ("comp", comp_body(echo=True), "echo"), ("comp", comp_body(suffix="t9"), "suffix"), ("comp", comp_body(logprobs=1), "logprobs"),
+    ("comp", comp_body(echo=True), "echo"), ("comp", comp_body(suffix="t9"), "suffix"),
     ("comp", comp_body(n=3), "n"),
 ]
 
@@ -396,3 +400,26 @@ def test_block_size_1_asks_for_plain_decoding_with_the_same_reply(served):
     plain = post(served[0], PATHS["comp"], comp_body(max_tokens=12, temperature=0, block_size=1))
     assert default[0] == plain[0] == 200
     assert plain[2]["choices"][0]["text"] == default[2]["choices"][0]["text"]
+
+
+def test_logprobs_come_with_each_token_streamed_or_not(served, client):
+    """Chat `logprobs` + `top_logprobs` and completions `logprobs`: one entry per generated token, the
+    token's own log-probability the largest of its row's top list under greedy decoding, and the streamed
+    entries the same as the whole reply's."""
+    body = chat_body(max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    status, _, out = post(served[0], PATHS["chat"], body)
+    assert status == 200
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"]
+    for e in content:
+        assert len(e["top_logprobs"]) == 2 and e["logprob"] == e["top_logprobs"][0]["logprob"] <= 0
+        assert e["bytes"] == list(e["token"].encode())
+    chunks = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8, temperature=0, logprobs=True,
+                                            top_logprobs=2, stream=True, extra_body=FIXED)
+    streamed = [e.model_dump() for ch in chunks for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    assert [(e["token"], e["logprob"]) for e in streamed] == [(e["token"], e["logprob"]) for e in content]
+    status, _, out = post(served[0], PATHS["comp"], comp_body(max_tokens=6, temperature=0, logprobs=3))
+    lp = out["choices"][0]["logprobs"]
+    assert status == 200 and len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == out["usage"]["completion_tokens"]
+    assert all(len(t) == 3 and max(t.values()) == v for t, v in zip(lp["top_logprobs"], lp["token_logprobs"]))
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])

@@ -211,6 +211,10 @@ class BatchEngine(PromptEncoding):
         :meth:`runtime.Session.check_request` says: a request is refused or run alike whatever
         `--max-batch`), prompt + max_new_tokens beyond max_seq_len, stop ids or top_k outside the vocabulary, stop strings
         without a tokenizer."""
+        for name, given in (("response_format, grammar and regex", opts.constrained), ("logprobs", opts.logprobs)):
+            if given:  # (refused, never ignored: the one-sequence Session runs them)
+                raise DFlashError(f"{name} are not supported by the BatchEngine yet; use a Session "
+                                  "(`runtime.load`, or serve with --max-batch 1)")
         fixed = fixed_draft_block(self.manifest)
         check_speculation_options(opts, int(self.manifest["draft"]["block_size"]),
                                   fixed or max(MAX_BLOCK_SIZE, int(self.manifest["draft"]["block_size"])),

@@ -173,7 +173,7 @@ class OpenAIApi:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         loop = asyncio.get_running_loop()
         job = await loop.run_in_executor(self._prepare, self._prepare_job, req, loop)
-        reply = Reply(req, self.model_name)
+        reply = Reply(req, self.model_name, self.session.tokenizer.decode)
         handed_over = False
         try:
             async with _DisconnectWatch(request) as watch:
@@ -289,8 +289,8 @@ class OpenAIApi:
         while True:
             kind, payload = event
             if kind == "chunk":
-                if payload.text:
-                    yield sse(reply.chunk(text=payload.text))
+                if payload.text or payload.logprobs:
+                    yield sse(reply.chunk(text=payload.text, logprobs=payload.logprobs))
             elif kind == "done":
                 yield sse(reply.chunk(finish=payload.finish_reason))
                 if reply.include_usage:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.errors import DFlashError
-from runtime.options import GenerationOptions
+from runtime.options import MAX_TOP_LOGPROBS, GenerationOptions
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 
@@ -133,7 +133,7 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
     req = ParsedRequest(kind=kind, model=_model(body))
     req.stream = _bool(body, "stream", False)
     req.include_usage = _stream_options(body, req.stream)
-    req.options = _options(body)
+    req.options = _options(body, kind)
     if kind == "chat":
         if "messages" not in body:
             raise ApiError(400, "messages is required", param="messages")
@@ -161,8 +161,6 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
     ]
     if kind == "chat":
         checks += [
-            ("logprobs", (False,), "logprobs are not supported"),
-            ("top_logprobs", (0,), "top_logprobs are not supported"),
             ("tools", ([],), "tools (function calling) are not supported"),
             ("functions", ([],), "functions (function calling) are not supported"),
             ("tool_choice", ("none",), "tool_choice is not supported (no tools)"),
@@ -170,7 +168,6 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
         ]
     else:
         checks += [
-            ("logprobs", (), "logprobs are not supported"),
             ("best_of", (1,), "best_of > 1 is not supported"),
             ("echo", (False,), "echo is not supported"),
             ("suffix", ("",), "suffix (insertion) is not supported"),
@@ -214,7 +211,7 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return _bool(opts, "include_usage", False)
 
 
-def _options(body: dict) -> dict[str, Any]:
+def _options(body: dict, kind: str = "chat") -> dict[str, Any]:
     """GenerationOptions keyword arguments, each checked by GenerationOptions (errors name the field)."""
     if "max_tokens" in body and "max_completion_tokens" in body and body["max_tokens"] != body["max_completion_tokens"]:
         raise ApiError(400, "max_tokens and max_completion_tokens differ; pass one of them", param="max_tokens")
@@ -239,6 +236,7 @@ def _options(body: dict) -> dict[str, Any]:
             raise ApiError(400, f"stop_token_ids must be a list of token ids (integers; got {shown(ids)})",
                            param="stop_token_ids")
         opts["stop_token_ids"] = ids
+    opts.update(_logprobs(body, kind))
     for name in _CONSTRAINTS:  # (types here; the grammar is compiled, and its errors named, before queueing)
         if name in body:
             try:
@@ -249,6 +247,30 @@ def _options(body: dict) -> dict[str, Any]:
     if "seed" not in opts:  # as OpenAI: without a seed, sampled replies differ from request to request
         opts["seed"] = secrets.randbits(31)
     return opts
+
+
+def _logprobs(body: dict, kind: str) -> dict[str, Any]:
+    """Chat's `logprobs` (true/false) and `top_logprobs` (0..20), or completions' `logprobs` (0..5: how many
+    of each position's most likely tokens to return), as GenerationOptions' logprobs / top_logprobs."""
+    chat = kind == "chat"
+    value = body.get("logprobs")
+    if value is None:
+        if body.get("top_logprobs"):
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return {}
+    if chat:
+        if not isinstance(value, bool):
+            raise ApiError(400, f"logprobs must be true or false (got {shown(value)})", param="logprobs")
+        top = body.get("top_logprobs", 0)
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (got {shown(top)})",
+                           param="top_logprobs")
+        if top and not value:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return {"logprobs": value, "top_logprobs": top}
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 5:
+        raise ApiError(400, f"logprobs must be an integer from 0 to 5 (got {shown(value)})", param="logprobs")
+    return {"logprobs": True, "top_logprobs": value}
 
 
 def _rename(message: str, option: str, name: str) -> str:

@@ -13,8 +13,10 @@ from runtime.serve.params import ApiError, ParsedRequest
 class Reply:
     """The OpenAI response objects of one request (its id and creation time shared by every chunk)."""
 
-    def __init__(self, req: ParsedRequest, model: str):
+    def __init__(self, req: ParsedRequest, model: str, decode=None):
         self.kind, self.model, self.include_usage = req.kind, model, req.include_usage
+        self.decode = decode  # ids -> text: a log-probability entry's token string
+        self.text_offset = 0  # completions' logprobs.text_offset: characters before the next token
         chat = req.kind == "chat"
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.object = "chat.completion" if chat else "text_completion"
@@ -29,10 +31,28 @@ class Reply:
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text}}
         else:
             choice = {"index": 0, "text": result.text}
-        choice.update(logprobs=None, finish_reason=result.finish_reason)
+        choice.update(logprobs=self.logprobs(result.logprobs), finish_reason=result.finish_reason)
         return {**self._head(self.object), "choices": [choice], "usage": usage(result)}
 
-    def chunk(self, text: str | None = None, role: bool = False, finish: str | None = None) -> dict:
+    def logprobs(self, entries: list[dict] | None) -> dict | None:
+        """OpenAI's `logprobs` of a choice: chat's {"content": [{token, logprob, bytes, top_logprobs}]},
+        or completions' {tokens, token_logprobs, top_logprobs, text_offset}; None when not asked for."""
+        if entries is None:
+            return None
+        text = lambda i: self.decode([i])  # noqa: E731
+        if self.kind == "chat":
+            item = lambda i, lp: {"token": text(i), "logprob": lp, "bytes": list(text(i).encode())}  # noqa: E731
+            return {"content": [{**item(e["token_id"], e["logprob"]), "top_logprobs": [item(i, lp) for i, lp in e["top"]]}
+                                for e in entries]}
+        tokens = [text(e["token_id"]) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{text(i): lp for i, lp in e["top"]} for e in entries], "text_offset": offsets}
+
+    def chunk(self, text: str | None = None, role: bool = False, finish: str | None = None, logprobs=None) -> dict:
         """One streamed chunk: the role (chat's first), a text delta, or the finish reason."""
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
@@ -40,7 +60,7 @@ class Reply:
             obj = "chat.completion.chunk"
         else:
             choice, obj = {"index": 0, "text": text or ""}, "text_completion"
-        choice.update(logprobs=None, finish_reason=finish)
+        choice.update(logprobs=self.logprobs(logprobs) if logprobs else None, finish_reason=finish)
         out = {**self._head(obj), "choices": [choice]}
         if self.include_usage:
             out["usage"] = None  # as OpenAI: null on every chunk but the last

@@ -81,15 +81,16 @@ class HostSampler:
     """
 
     def __init__(self, temperature: float, top_k: int, top_p: float, read_row: Callable[[int], np.ndarray],
-                 constraint=None):
+                 constraint=None, logprobs: "TokenLogprobs | None" = None):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.read_row = read_row
         self.constraint = constraint
+        self.logprobs = logprobs
 
     def sample(self, row: int, u: float) -> int:
         """A token id sampled from row `row`'s processed (and, with a constraint, masked) distribution with
         uniform `u`; with a constraint, the grammar is advanced by it."""
-        logits = self.read_row(row)
+        logits = raw = self.read_row(row)
         if self.constraint is not None:
             logits = np.where(self.constraint.allowed(), logits, np.float32(-np.inf))
         if self.temperature == 0:
@@ -99,6 +100,8 @@ class HostSampler:
             token = int(ids[sample_index(probs, u)])
         if self.constraint is not None:
             self.constraint.commit(token)
+        if self.logprobs is not None:
+            self.logprobs.add(raw, token)
         return token
 
     def verify(self, proposals: np.ndarray, uniforms: np.ndarray) -> tuple[int, int]:
@@ -116,6 +119,32 @@ class HostSampler:
                 return j, token
         n = len(proposals)
         return n, self.sample(n, float(uniforms[n]))
+
+
+class TokenLogprobs:
+    """The log-probabilities of the committed tokens, one entry per token in commit order, under the
+    target's raw distribution of its row (log_softmax of the fp32 logits: before temperature, top_k/top_p
+    and any output constraint, as OpenAI and llama.cpp report them).
+
+    Args:
+        top: how many of each row's most likely tokens to keep too (0..20).
+
+    Attributes:
+        entries: per committed token, {"token_id": int, "logprob": float, "top": [(id, logprob), ...]}.
+    """
+
+    def __init__(self, top: int = 0):
+        self.top, self.entries = int(top), []
+
+    def add(self, logits: np.ndarray, token: int) -> None:
+        z = logits.astype(np.float64)
+        logp = z - (z.max() + np.log(np.exp(z - z.max()).sum()))
+        top = []
+        if self.top:
+            ids = np.argpartition(-logp, self.top - 1)[: self.top]
+            ids = ids[np.argsort(-logp[ids], kind="stable")]
+            top = [(int(i), float(logp[i])) for i in ids]
+        self.entries.append({"token_id": int(token), "logprob": float(logp[token]), "top": top})
 
 
 def verify_chain(proposals: np.ndarray, posterior: np.ndarray, uniforms: np.ndarray,
