@@ -243,6 +243,13 @@ def test_merge_datasets_shifts_offsets():
 
 
 @pytest.mark.slow
+class _Completed:
+    """run()'s (exit code, stderr) in the shape of subprocess.CompletedProcess's two fields the test reads."""
+
+    def __init__(self, returncode: int, stderr: str):
+        self.returncode, self.stderr = returncode, stderr
+
+
 def test_train_draft_end_to_end_and_resume(tmp_path, capsys):
     """A 3-step run on SmolLM2 with 2 prompts: released-format output, valid for build, resumable."""
     from dflash_export.families.registry import load_target_spec
@@ -292,11 +299,14 @@ def test_train_draft_end_to_end_and_resume(tmp_path, capsys):
     assert len(json.loads((out / "train_state" / "state.json").read_text())["losses"]) == 6
     from dflash_export.cli import main
 
-    def refused(args: list[str], match: str) -> None:  # (in this process: a refusal needs no new interpreter)
+    def run(args: list[str]) -> tuple[int, str]:  # (in this process: the CLI was run above; no new interpreter)
         capsys.readouterr()
-        assert main(args[3:] + ["--resume", str(out), "--data-cache", str(tmp_path / "data")]) == 2
-        err = capsys.readouterr().err
-        assert match in err, err[-2000:]
+        code = main(args[3:])
+        return code, capsys.readouterr().err
+
+    def refused(args: list[str], match: str) -> None:
+        code, err = run(args + ["--resume", str(out), "--data-cache", str(tmp_path / "data")])
+        assert code == 2 and match in err, err[-2000:]
 
     # resuming with another loss vocabulary or distillation would silently change the objective: refused
     refused(cmd[:-4] + ["--steps", "7", "--loss-vocab", "full"], "that run used --loss-vocab seen")
@@ -311,16 +321,16 @@ def test_train_draft_end_to_end_and_resume(tmp_path, capsys):
         refused(cmd[:-4] + extra, match)
     # a diverging run stops with the fix, and writes no NaN draft
     out_nan = tmp_path / "nan"
-    r10 = subprocess.run([c if c != str(out) else str(out_nan) for c in cmd[:-4]] + ["--steps", "3", "--lr", "1e30", "--data-cache",
-                                                                                     str(tmp_path / "data")], capture_output=True, text=True, timeout=900)
-    assert r10.returncode == 2 and "training diverged at step" in r10.stderr and "lower --lr (now 1e+30)" in r10.stderr, r10.stderr[-2000:]
+    code, err = run([c if c != str(out) else str(out_nan) for c in cmd[:-4]] + ["--steps", "3", "--lr", "1e30", "--data-cache",
+                                                                               str(tmp_path / "data")])
+    assert code == 2 and "training diverged at step" in err and "lower --lr (now 1e+30)" in err, err[-2000:]
     assert not (out_nan / "config.json").exists()
     # sampled extra responses: 2 per prompt, the greedy ones unchanged, the sampled ones seeded
     out2 = tmp_path / "draft2"
     cmd2 = [c if c != str(out) else str(out2) for c in cmd[:-2]] + ["--data-cache", str(tmp_path / "data2"),
                                                                      "--responses-per-prompt", "2", "--steps", "1"]
-    r5 = subprocess.run(cmd2, capture_output=True, text=True, timeout=900)
-    assert r5.returncode == 0, r5.stderr[-2000:]
+    code, err = run(cmd2)
+    assert code == 0, err[-2000:]
     seqs = json.loads((tmp_path / "data" / "sequences.json").read_text())
     seqs2 = json.loads((tmp_path / "data2" / "sequences.json").read_text())
     assert [s["id"] for s in seqs2] == ["a", "b", "a#s1", "b#s1"]
@@ -332,9 +342,9 @@ def test_train_draft_end_to_end_and_resume(tmp_path, capsys):
     out3 = tmp_path / "draft3"
     cmd3 = [c if c != str(out) else str(out3) for c in cmd[:-2]]
     cmd3[cmd3.index("--prompts") + 1 : cmd3.index("--prompts") + 2] = [str(prompts), str(prompts_c)]
-    r6 = subprocess.run(cmd3 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data3"), "--steps", "1",
-                                "--init-from", str(out), "--lr", "1e-12"], capture_output=True, text=True, timeout=900)
-    assert r6.returncode == 0, r6.stderr[-2000:]
+    code, err = run(cmd3 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data3"), "--steps", "1",
+                            "--init-from", str(out), "--lr", "1e-12"])
+    assert code == 0, err[-2000:]
     record3 = json.loads((out3 / "training_record.json").read_text())
     assert record3["num_sequences"] == 3 and record3["prompts"] == [str(prompts), str(prompts_c)]
     assert record3["init"] == f"draft {out}" and len(record3["prompts_sha256"]) == 2
@@ -347,18 +357,17 @@ def test_train_draft_end_to_end_and_resume(tmp_path, capsys):
     for k, v in load_draft_spec(out, load_target_spec(embedded_target_dir()))[1].items():
         torch.testing.assert_close(state3[k], v, atol=1e-3, rtol=0)
     cmd7 = [c if c != str(out3) else str(tmp_path / "draft7") for c in cmd3]  # (out3 holds a state now: refused)
-    r7 = subprocess.run(cmd7 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data7"), "--steps", "1",
-                                "--init-from", str(out), "--layers", "1"], capture_output=True, text=True, timeout=900)
+    r7 = _Completed(*run(cmd7 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data7"), "--steps", "1",
+                                "--init-from", str(out), "--layers", "1"]))
     assert r7.returncode == 2 and "that draft has --layers 2 --taps 1 27 --block-size 16 --mask-token-id 16, this run --layers 1 " in r7.stderr
     assert not (tmp_path / "data7").exists()  # refused before generating anything
     # a finished cache made with other settings is refused, not silently reused
-    r8 = subprocess.run(cmd7 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data3"), "--steps", "1",
-                                "--max-new-tokens", "20"], capture_output=True, text=True, timeout=900)
+    r8 = _Completed(*run(cmd7 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data3"), "--steps", "1",
+                                "--max-new-tokens", "20"]))
     assert r8.returncode == 2 and f"data cache {tmp_path / 'data'} was generated with other settings" in r8.stderr
     # resuming from a directory without state is a clear error
-    r3 = subprocess.run(cmd[:-4] + ["--resume", str(tmp_path), "--data-cache", str(tmp_path / "data")],
-                        capture_output=True, text=True, timeout=900)
-    assert r3.returncode == 2 and "no train_state" in r3.stderr
+    code, err = run(cmd[:-4] + ["--resume", str(tmp_path), "--data-cache", str(tmp_path / "data")])
+    assert code == 2 and "no train_state" in err
 
 
 @pytest.mark.slow

@@ -104,15 +104,15 @@ def test_tree_steps_equal_plain_greedy_and_sampled_on_the_real_pair(smollm2_arti
     assert sess.verifies_trees
     alternatives_accepted = 0
     for prompt in real_prompts:
-        plain = sess.generate(prompt, chat=True, max_new_tokens=48, block_size=1, stop_token_ids=[])
+        plain = sess.generate(prompt, chat=True, max_new_tokens=40, block_size=1, stop_token_ids=[])
         for tree in ("1+3", "2+2"):
-            res = sess.generate(prompt, chat=True, max_new_tokens=48, verify_len=tree, stop_token_ids=[], record_steps=True)
+            res = sess.generate(prompt, chat=True, max_new_tokens=40, verify_len=tree, stop_token_ids=[], record_steps=True)
             assert res.output_ids == plain.output_ids, (prompt[:40], tree)
             length = int(tree.split("+")[0])
             for s in res.steps:  # an accepted node past the chain's is an alternative
                 if s["accepted"] and s["committed"][0] in s["proposed"][length:] and s["committed"][0] != s["proposed"][0]:
                     alternatives_accepted += 1
-        sampled = dict(chat=True, max_new_tokens=32, stop_token_ids=[], temperature=0.8, seed=7)
+        sampled = dict(chat=True, max_new_tokens=24, stop_token_ids=[], temperature=0.8, seed=7)
         assert sess.generate(prompt, verify_len="1+3", **sampled).output_ids == \
             sess.generate(prompt, block_size=1, **sampled).output_ids, prompt[:40]
     assert alternatives_accepted >= 5

@@ -118,6 +118,8 @@ class DeadlineH11Protocol(H11Protocol):
         self._arm_deadline()
 
     def data_received(self, data: bytes) -> None:
+        if getattr(self, "_lingering", False):
+            return  # answered (408) and closing: what the client still sends is read and dropped
         super().data_received(data)
         self._disarm_once_a_request_runs()
 
@@ -162,12 +164,24 @@ class DeadlineH11Protocol(H11Protocol):
                 self.transport.write(out)
             except h11.LocalProtocolError:  # (no state to answer in: just close)
                 pass
+            else:
+                # a lingering close: closing at once while the client still sends (a trickling header)
+                # makes the kernel answer its bytes with a reset, which can destroy the 408 before the
+                # client reads it; send FIN, drop what still arrives, and close a moment later
+                self._lingering = True
+                if self.transport.can_write_eof():
+                    self.transport.write_eof()
+                self.loop.call_later(LINGER_S, self.transport.close)
+                return
         else:
             try:
                 self.conn.send(h11.ConnectionClosed())
             except h11.LocalProtocolError:
                 pass
         self.transport.close()
+
+
+LINGER_S = 1.0  # how long a connection answered with a 408 still reads (and drops) what its client sends
 
 
 class DFlashServer(uvicorn.Server):
