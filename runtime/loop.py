@@ -65,7 +65,7 @@ class DecodeLoop:
         self.uniforms = np.random.default_rng(opts.seed).random(opts.max_new_tokens, dtype=np.float32)
         self.sampler = None
         self.logprobs = TokenLogprobs(opts.top_logprobs) if opts.logprobs else None
-        if opts.on_host or constraint is not None:
+        if opts.on_host:  # (a constraint implies it: opts.constrained)
             session.logits_buffer()  # the target calls write their logits rows for the host from now on
             self.sampler = HostSampler(opts.temperature, opts.top_k, opts.top_p, session.read_logits_row, constraint,
                                        self.logprobs)

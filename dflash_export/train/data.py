@@ -19,14 +19,12 @@ from pathlib import Path
 from dflash_export.checkpoint.sources import cache_dir
 from dflash_export.checkpoint.target import file_sha256, share_permissions
 from dflash_export.train.loss import autocast_dtype, dtype_name
+from dflash_export.train.teacher import DISTILL_TOPK, TopKRecorder, rows_of_distribution
 from runtime.errors import DFlashError
 
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "models" / "prompts"
 # the shipped training prompts: every train*.jsonl (the held-out evaluation set, eval.jsonl, is not one)
 DEFAULT_PROMPTS = tuple(sorted(PROMPTS_DIR.glob("train*.jsonl")))
-# the target's distribution kept per response position for distillation (`--distill`): its 16 most likely
-# ids and their log-probabilities, from the logits generation computes anyway
-DISTILL_TOPK = 16
 
 
 def first_per_category(prompts: list[dict], limit: int | None) -> list[dict]:
@@ -235,49 +233,8 @@ def _generate_call(tok, model, rows: list[dict], rnd: int, taps, max_new_tokens:
         sid = r["id"] if rnd == 0 else f"{r['id']}#s{rnd}"
         seqs.append({"id": sid, "category": r["category"], "prompt_len": len(prompt_ids), "ids": ids})
         chunks.append(f.to(torch.float16).cpu())
-        dists.append(_rows_of_distribution(top_ids[j], top_logp[j], len(prompt_ids), len(ids)))
+        dists.append(rows_of_distribution(top_ids[j], top_logp[j], len(prompt_ids), len(ids)))
     return seqs, chunks, dists
-
-
-class TopKRecorder:
-    """A forward hook on the target's LM head that records, at every generation step, the target's `k`
-    most likely next ids and their log-probabilities, from the raw logits of each sequence's last
-    position (the plain distribution, before any sampling warper, whatever order a transformers
-    version applies those in).
-
-    Generation computes the target's whole next-token distribution at every response position; training
-    on hard labels keeps one token of it. `stacked()` returns int32 ids and fp16 log-probabilities
-    `[batch, steps, k]`.
-    """
-
-    def __init__(self, k: int):
-        self.k, self.steps = k, []
-
-    def hook(self, module, inputs, logits):
-        import torch
-
-        logp = torch.log_softmax(logits[:, -1].float(), dim=-1)
-        values, ids = torch.topk(logp, self.k, dim=-1)
-        self.steps.append((ids.to(torch.int32).cpu(), values.to(torch.float16).cpu()))
-
-    def stacked(self):
-        import torch
-
-        return torch.stack([i for i, _ in self.steps], dim=1), torch.stack([v for _, v in self.steps], dim=1)
-
-
-def _rows_of_distribution(ids, logp, prompt_len: int, n: int):
-    """One sequence's distribution rows aligned with its tokens: row t holds the target's top-k for the token
-    at position t (from generation step t - prompt_len); prompt rows have ids -1 and log-probability 0.
-    Returns (int32 `[n, K]`, fp16 `[n, K]`)."""
-    import torch
-
-    k = ids.shape[-1]
-    out_ids = torch.full((n, k), -1, dtype=torch.int32)
-    out_logp = torch.zeros((n, k), dtype=torch.float16)
-    resp = n - prompt_len
-    out_ids[prompt_len:], out_logp[prompt_len:] = ids[:resp], logp[:resp]
-    return out_ids, out_logp
 
 
 def _check_context(model, rows: list[dict], enc, max_new_tokens: int) -> None:
