@@ -257,8 +257,8 @@ class OpenAIApi:
             raise ApiError(400, f"{name} is not supported by the batched server yet (--max-batch > 1); serve "
                                 "this artifact with --max-batch 1 for structured output", param=name,
                            code="unsupported_parameter")
-        try:
-            self.session.constraint(options)
+        try:  # (its first mask too: a grammar that matches nothing, or one too large to parse, fails here,
+            self.session.constraint(options).allowed()  # named, off the generation worker)
         except DFlashError as exc:
             raise ApiError(400, str(exc), param=name) from None
 

@@ -135,8 +135,8 @@ class Constraint:
         self.masks = 0
 
     def _check(self) -> None:
-        if self.matcher.is_error():
-            raise DFlashError(f"the output constraint failed: {self.matcher.get_error()}")
+        if self.matcher.is_error():  # (llguidance's first line: the rest is its parser state, for its developers)
+            raise DFlashError(f"the output constraint failed: {self.matcher.get_error().strip().splitlines()[0]}")
 
     def allowed(self) -> np.ndarray:
         """bool `[vocab_size]`: the tokens the grammar allows next (only stop ids once it is complete)."""
