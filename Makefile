@@ -28,7 +28,8 @@ demo: venv
 
 # lint-imports checks the import contracts of pyproject.toml ([tool.importlinter]); -n 2: one worker per core;
 # worksteal: a worker that runs out of tests takes half of the other's queue (the slow tests run first:
-# tests/conftest.py). test-fast leaves out the `slow` tests (pyproject.toml's markers): under 4 minutes (3 min 43 s on the 2-core machine, 2026-12-06).
+# tests/conftest.py). test-fast leaves out the `slow` tests (pyproject.toml's markers): under 4 minutes (3 min 54 s on the
+# 2-core AVX2 machine, 2026-12-07).
 test: venv
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not nightly"

@@ -36,6 +36,7 @@ from runtime.speculation.proposals import Choice, Proposal, Shape, StepRecord
 from runtime.speculation.proposers import DraftProposer, LookupProposer
 from runtime.speculation.sampling import HostSampler, TokenLogprobs, verify_chain
 from runtime.text.reply import ReplyText
+from runtime.text.tools import with_tool_calls
 
 
 class DecodeLoop:
@@ -253,6 +254,8 @@ class DecodeLoop:
             yield StreamChunk(tail, [])
         t_end = clock()
         self.result = self._result(t_start, t_prefill, t_end, reused)
+        if self.opts.uses_tools:
+            with_tool_calls(self.result, self.s.tool_format, self.opts.tools)
 
     def _result(self, t_start: float, t_prefill: float, t_end: float, reused: int) -> GenerationResult:
         total, decode = t_end - t_start, t_end - t_prefill

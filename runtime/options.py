@@ -7,8 +7,9 @@ so the server can answer it as a 400 and the command line print it without a tra
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -24,6 +25,8 @@ MAX_STOP_STRINGS = 16
 # float32 below about 1e-36, and anything this small already puts all the mass on the argmax.
 MIN_TEMPERATURE = 1e-5
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function-name rule (and "." as some clients send)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,12 @@ class GenerationOptions:
         logprobs: return each committed token's log-probability under the target (its raw distribution:
             before temperature, top_k/top_p and any output constraint), in `result.logprobs`.
         top_logprobs: with logprobs, also the MAX_TOP_LOGPROBS or fewer most likely tokens of each row.
+        tools: OpenAI function tools (`[{"type": "function", "function": {"name", "description",
+            "parameters"}}]`) offered to a chat prompt through the model's template (`runtime.text.tools`).
+        tool_choice: "auto" (default with tools: the model chooses, its calls are parsed), "none" (tools are
+            not offered), "required" (the reply is one or more calls) or a function name / OpenAI's
+            `{"type": "function", "function": {"name": ...}}` (one call of it); normalised to the name.
+        parallel_tool_calls: "required" may produce several calls (False: exactly one).
     """
 
     max_new_tokens: int = 128
@@ -73,6 +82,9 @@ class GenerationOptions:
     regex: str | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    tools: tuple | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
@@ -125,7 +137,12 @@ class GenerationOptions:
             raise DFlashError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS} (got {self.top_logprobs})")
         if self.top_logprobs and not self.logprobs:
             raise DFlashError("top_logprobs needs logprobs=True")
-        for flag in ("record_steps", "reuse_prefix", "logprobs"):
+        set_("tools", check_tools(self.tools) or None)
+        set_("tool_choice", check_tool_choice(self.tool_choice, self.tools or ()))
+        if self.forces_tool_call and self.constrained_output:
+            raise DFlashError(f"tool_choice {self.tool_choice!r} forces a tool call: pass no response_format, grammar or "
+                              'regex with it (or use tool_choice "auto")')
+        for flag in ("record_steps", "reuse_prefix", "logprobs", "parallel_tool_calls"):
             if not isinstance(getattr(self, flag), bool):
                 raise DFlashError(f"{flag} must be true or false (got {getattr(self, flag)!r})")
 
@@ -143,9 +160,25 @@ class GenerationOptions:
 
     @property
     def constrained(self) -> bool:
-        """The reply must follow a grammar (response_format other than text, grammar or regex)."""
+        """The reply must follow a grammar (response_format other than text, grammar, regex, or a forced
+        tool call)."""
+        return self.constrained_output or self.forces_tool_call
+
+    @property
+    def constrained_output(self) -> bool:
+        """response_format (other than text), grammar or regex is given."""
         text = isinstance(self.response_format, dict) and self.response_format.get("type") == "text"
         return (self.response_format is not None and not text) or self.grammar is not None or self.regex is not None
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """tool_choice "required" or a named function: the reply is calls only, by grammar."""
+        return self.tool_choice not in ("none", "auto")
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools are offered in the prompt and calls read from the reply (tool_choice other than "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 # the keyword arguments Session.generate / stream / chat accept as options
@@ -234,3 +267,79 @@ def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
         if len(s) > MAX_STOP_CHARS:
             raise DFlashError(f"stop strings are limited to {MAX_STOP_CHARS} characters (got {len(s)})")
     return stop
+
+
+# ---- a request's tools (`runtime.text.tools` writes them into prompts and grammars) ----------------------------------------------------------------------
+def check_tools(tools: Any) -> tuple[dict, ...]:
+    """OpenAI `tools`, checked: `[{"type": "function", "function": {"name", "description"?, "parameters"?,
+    "strict"?}}, ...]`. Returns them normalised (parameters default to an empty object schema).
+
+    Raises:
+        DFlashError: naming the first malformed tool (`tools[i]...`).
+    """
+    if tools is None:
+        return ()
+    if not isinstance(tools, (list, tuple)):
+        raise DFlashError('tools must be a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}')
+    out, names = [], set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise DFlashError(f'{where} must be {{"type": "function", "function": {{...}}}} (only function tools exist)')
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise DFlashError(f'{where}.function must be an object with a name (and description, parameters)')
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            raise DFlashError(f"{where}.function.name must be 1-64 letters, digits, '_', '-' or '.' (got {name!r:.80})")
+        if name in names:
+            raise DFlashError(f"{where}.function.name {name!r} is given twice; function names must be unique")
+        names.add(name)
+        desc = fn.get("description", "")
+        if not isinstance(desc, str):
+            raise DFlashError(f"{where}.function.description must be a string")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise DFlashError(f'{where}.function.parameters must be a JSON schema of type "object"')
+        strict = fn.get("strict", False)
+        if not isinstance(strict, bool):
+            raise DFlashError(f"{where}.function.strict must be true or false")
+        if strict:
+            params = {**params, "additionalProperties": params.get("additionalProperties", False)}
+        extra = sorted(set(fn) - {"name", "description", "parameters", "strict"})
+        if extra:
+            raise DFlashError(f"{where}.function has unknown fields {extra}")
+        entry = {"name": name, "parameters": params}
+        if desc:
+            entry["description"] = desc
+        out.append({"type": "function", "function": entry})
+    return tuple(out)
+
+
+def check_tool_choice(choice: Any, tools: tuple[dict, ...]) -> str:
+    """OpenAI `tool_choice` -> "none", "auto", "required" or the name of the function to call.
+    Default: "auto" with tools, "none" without.
+
+    Raises:
+        DFlashError: an unknown mode, a malformed or unknown named function, or a choice without tools.
+    """
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise DFlashError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                              '{"name": ...}}')
+        known = [t["function"]["name"] for t in tools]
+        if name not in known:
+            raise DFlashError(f"tool_choice names the function {name!r:.80}, which is not in tools "
+                              f"({', '.join(known) or 'none given'})")
+        return name
+    if isinstance(choice, str) and choice not in TOOL_CHOICE_MODES and choice in [t["function"]["name"] for t in tools]:
+        return choice  # (the normalised form of a named function)
+    if choice not in TOOL_CHOICE_MODES:
+        raise DFlashError(f'tool_choice must be "none", "auto", "required" or a named function (got {choice!r:.80})')
+    if choice != "none" and not tools:
+        raise DFlashError(f'tool_choice "{choice}" needs tools')
+    return choice

@@ -52,6 +52,11 @@ class GenerationResult:
         logprobs: with `logprobs=True`, one entry per output id: {"token_id", "logprob" (natural log,
             under the target's raw distribution), "top": [(id, logprob), ...] (`top_logprobs` of them)};
             else None.
+        tool_calls: with `tools` offered: the calls the reply holds, OpenAI's
+            `[{"id", "type": "function", "function": {"name", "arguments": JSON text}}]` (finish_reason is
+            then "tool_calls" where the reply ended by itself); None without tools.
+        content: with `tools` offered: the reply's text outside its calls (None when that is only
+            whitespace beside calls); `text` stays the whole reply.
     """
 
     output_ids: list[int]
@@ -70,6 +75,8 @@ class GenerationResult:
     reused_tokens: int = 0
     lookup_steps: int = 0
     logprobs: list[dict] | None = None
+    tool_calls: list[dict] | None = None
+    content: str | None = None
 
     @property
     def tau(self) -> float:
@@ -95,6 +102,8 @@ class GenerationResult:
             "reused_tokens": self.reused_tokens,
             "lookup_steps": self.lookup_steps,
         }
+        if self.tool_calls is not None:
+            out.update(tool_calls=self.tool_calls, content=self.content)
         if with_steps:
             out["steps"] = self.steps
         return out

@@ -164,9 +164,13 @@ class Session(PromptEncoding, GraphCalls):
             return None
         from runtime.text.constraints import Constraint, GrammarTokenizer, constraint_grammar
 
-        grammar = constraint_grammar(opts.response_format, opts.grammar, opts.regex)  # (its shape errors first)
+        if opts.forces_tool_call and self.tokenizer is not None:
+            grammar = self.tool_format.grammar(opts.tools, opts.tool_choice, opts.parallel_tool_calls)
+        else:
+            grammar = constraint_grammar(opts.response_format, opts.grammar, opts.regex)  # (its shape errors first)
         if self.tokenizer is None:
-            raise DFlashError("response_format, grammar and regex need the artifact's tokenizer; rebuild it with one")
+            raise DFlashError("response_format, grammar, regex and tool_choice need the artifact's tokenizer; "
+                              "rebuild it with one")
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = GrammarTokenizer(self.artifact_dir / "tokenizer" / "tokenizer.json",
                                                        int(self.manifest["target"]["vocab_size"]), self.stop_token_ids)
@@ -222,8 +226,9 @@ class Session(PromptEncoding, GraphCalls):
         opts = GenerationOptions(**options)
         if (prompt is None) == (messages is None):
             raise DFlashError("pass either a prompt or messages (exactly one)")
-        ids = self.encode(prompt, chat=chat, enable_thinking=enable_thinking) if messages is None \
-            else self.encode_messages(messages, enable_thinking)
+        tools = opts.tools if opts.uses_tools else None
+        ids = self.encode(prompt, chat=chat, enable_thinking=enable_thinking, tools=tools) if messages is None \
+            else self.encode_messages(messages, enable_thinking, tools)
         b = self.check_request(ids, opts)
         constraint = self.constraint(opts)  # (compiled before the lock: a bad grammar changes nothing)
         if not self._lock.acquire(blocking=False):

@@ -1,7 +1,10 @@
 """Constrained decoding speed: JSON-schema replies with the default policy against constrained plain
 decoding (`block_size` 1) on one artifact, in alternating order, and the grammar mask's cost per token.
 
-    python scripts/constrained_bench.py ARTIFACT [--rounds 3] [--max-new-tokens 96] [--threads N]
+    python scripts/constrained_bench.py ARTIFACT [--rounds 3] [--max-new-tokens 96] [--threads N] [--tools]
+
+--tools asks for tool calls instead (`tool_choice: "required"`, one call, the schemas as the
+functions' parameters).
 
 Prints, per prompt, the median tok/s of each mode over the rounds and their ratio, the median ratio,
 whether every pair of replies was equal (they must be) and valid JSON for the schema, and the mask
@@ -48,6 +51,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tools", action="store_true", help="forced tool calls instead of response_format")
     args = ap.parse_args()
     sess = runtime.load(args.artifact, threads=args.threads)
     ratios, equal, valid, finished = [], True, 0, 0
@@ -56,6 +60,10 @@ def main() -> None:
     for i, prompt in enumerate(PROMPTS):
         schema = SCHEMAS[i % len(SCHEMAS)]
         fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        ask = dict(response_format=fmt)
+        if args.tools:
+            ask = dict(tools=[{"type": "function", "function": {"name": f"tool_{j}", "parameters": sch}}
+                              for j, sch in enumerate(SCHEMAS)], tool_choice=f"tool_{i % len(SCHEMAS)}")
         msgs = [{"role": "user", "content": prompt}]
         speeds: dict[str, list[float]] = {"plain": [], "default": []}
         outs = {}
@@ -63,20 +71,21 @@ def main() -> None:
             for mode in (("plain", "default") if r % 2 == 0 else ("default", "plain")):
                 kw = dict(block_size=1) if mode == "plain" else {}
                 t0 = time.perf_counter()
-                res = sess.chat(msgs, max_new_tokens=args.max_new_tokens, response_format=fmt, **kw)
+                res = sess.chat(msgs, max_new_tokens=args.max_new_tokens, **ask, **kw)
                 speeds[mode].append(len(res.output_ids) / (time.perf_counter() - t0))
                 outs.setdefault(mode, res.output_ids)
                 if mode == "default" and r == 0:
-                    finished += res.finish_reason == "stop"
+                    finished += res.finish_reason in ("stop", "tool_calls")
+                    last = res
                 equal &= outs[mode] == res.output_ids
                 if mode == "plain":
                     plain_step.append(res.verify_s / max(len(res.output_ids) - 1, 1))
         equal &= outs["plain"] == outs["default"]
         text = sess.tokenizer.decode(outs["default"])
         try:
-            json.loads(text)
+            json.loads(last.tool_calls[0]["function"]["arguments"] if args.tools else text)
             valid += 1
-        except ValueError:
+        except (ValueError, IndexError):
             pass
         p, d = statistics.median(speeds["plain"]), statistics.median(speeds["default"])
         ratios.append(d / p)

@@ -12,6 +12,9 @@ import torch
 from hybrid_fixtures import VOCAB
 from tolerances import assert_fp32_close
 
+# a hybrid build (over a minute on AVX2): `make test` runs these, `make test-fast` leaves them out
+pytestmark = pytest.mark.slow
+
 TAPS = (0, 1, 2)
 SLOTS, MAX_SEQ = 4, 48
 

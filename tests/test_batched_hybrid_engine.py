@@ -16,6 +16,9 @@ from trt_doubles import doubles  # noqa: F401 (a fixture)
 import runtime
 from runtime.batching import BatchEngine
 
+# the batched hybrid build (over a minute on AVX2): `make test` runs these, `make test-fast` leaves them out
+pytestmark = pytest.mark.slow
+
 # prompts longer than the hybrid's 64 rows per call are prefilled in several calls
 PROMPT_LENGTHS = (5, 70, 12, 3, 30, 9)
 

@@ -38,6 +38,7 @@ def _bench(art, tmp_path, *args) -> int:
     return main(["bench", *([str(art)] if art else []), "--prompts", _prompts(tmp_path), "--out", str(tmp_path / "out"), *args])
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_ab_reports_every_arm_against_plain(proposing, tmp_path, capsys):
     """Every arm's figures are the medians of the runs ab.json holds; with three prompts the 90% bootstrap
     interval is the smallest to the largest prompt ratio; every arm gives plain's output."""
@@ -67,6 +68,7 @@ def test_ab_reports_every_arm_against_plain(proposing, tmp_path, capsys):
     assert rep["arms"]["3"]["tau"] == pytest.approx(np.mean(fixed))
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 @pytest.mark.parametrize("args, match", [
     (["--ab", "confidence"], "--ab arm 'confidence' needs a draft that proposes"),
     (["--ab", "auto,auto"], "--ab 'auto,auto' repeats an arm"),
@@ -91,6 +93,7 @@ def test_mode_bad_options_fail_before_running(qwen, tmp_path, capsys, args, matc
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_mode_arguments_refused(qwen, tmp_path, capsys):
     """Two modes at once (argparse), no ARTIFACT, an ARTIFACT after a mode's list, the same artifact twice."""
     with pytest.raises(SystemExit) as exc:
@@ -105,6 +108,7 @@ def test_mode_arguments_refused(qwen, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_replay_records_traces_and_replays_them_again(qwen, tmp_path, capsys):
     """A recorded trace is what generate verifying every proposal accepts at its step starts; the oracle
     bounds every policy; replaying the saved traces without the artifact gives the same rows."""
@@ -131,6 +135,7 @@ def test_replay_records_traces_and_replays_them_again(qwen, tmp_path, capsys):
     assert list(again) == ["auto", "3", "oracle"] and all(again[k] == table[k] for k in again)
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_replay_refuses_what_is_not_saved_traces(qwen, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{\"traces\": []}")
     for args, match in [([str(qwen.artifact)], "is a directory; --replay takes a traces.json"),
@@ -143,6 +148,7 @@ def test_replay_refuses_what_is_not_saved_traces(qwen, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_verify_costs_of_two_artifacts(qwen, tmp_path, capsys):
     """One curve per artifact and past length; each cell after the first is its ms and ratio to the first's;
     without --past-lengths the curve is taken at 256, lowered to what fits the artifact."""
@@ -167,6 +173,7 @@ def test_verify_costs_of_two_artifacts(qwen, tmp_path, capsys):
     assert one["artifacts"] == labels[:1] and one["curves"][labels[0]][0]["past_len"] == qwen.max_seq_len - 8 - 1
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_draft_ranks_summarise_every_anchor(qwen, tmp_path, capsys):
     """One anchor per reply token but the last; tau at every position is 1 + the mean run of top-1
     proposals; top-k shares grow with k; naming the artifact's own draft gives the same figures."""

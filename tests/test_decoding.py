@@ -60,7 +60,7 @@ def check_steps(res):
 
 
 # ---- 1. lossless greedy ---------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["qwen", "llama"])
+@pytest.mark.parametrize("kind", ["qwen", pytest.param("llama", marks=pytest.mark.slow)])
 def test_greedy_equals_plain_and_hugging_face(kind, request):
     pair = request.getfixturevalue(kind)
     sess = runtime.load(pair.artifact)

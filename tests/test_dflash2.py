@@ -103,6 +103,7 @@ def _steps(res) -> list[tuple[list[int], int]]:
 
 
 # ---- the tests ---------------------------------------------------------------------------------
+@pytest.mark.slow  # two reference loops (20 s each on AVX2); fast: test_a_seed_gives_the_plain_reply
 @pytest.mark.parametrize("which", ["dense", "following"])
 def test_proposals_and_acceptance_match_the_reference_loop(request, which):
     """Greedy, every proposal verified: each full-block step's proposals and acceptance equal the
@@ -122,6 +123,7 @@ def test_proposals_and_acceptance_match_the_reference_loop(request, which):
         assert want_steps[0][1] == BLOCK - 1 and want_steps[1][1] < BLOCK - 1
 
 
+@pytest.mark.slow  # a DFlash 2 artifact build: `make test`
 def test_greedy_speculation_equals_plain_under_every_policy(following):
     _, art, _ = following
     sess = runtime.load(art)
@@ -132,6 +134,7 @@ def test_greedy_speculation_equals_plain_under_every_policy(following):
     assert max(res.acceptance_lengths) > 2
 
 
+@pytest.mark.slow  # a DFlash 2 artifact build: `make test`
 @pytest.mark.parametrize("sampling", [dict(temperature=0.9), dict(temperature=0.7, top_k=5),
                                       dict(temperature=1.1, top_p=0.8)])
 def test_a_seed_gives_the_plain_reply(following, sampling):
@@ -166,6 +169,7 @@ def test_sampling_rules_compared(following, temperature):
     assert mean_ours > 1.0 and mean_theirs > 1.0
 
 
+@pytest.mark.slow  # a DFlash 2 artifact build: `make test`
 def test_graph_is_standard_and_fixed_to_the_block(dense):
     import onnx
 

@@ -45,6 +45,7 @@ def _graph_names(path):
             {t.name for t in model.graph.initializer})
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_the_proposal_head_moves_into_the_draft(qwen, tmp_path):
     """The draft graph holds the proposal rows and returns [R, 4] ids and probabilities; the target
     takes proposal ids (no ranks, no hidden rows) and holds no proposal rows. `--draft-vocab full`
@@ -64,6 +65,7 @@ def test_the_proposal_head_moves_into_the_draft(qwen, tmp_path):
     assert _graph_names(tmp_path / "full" / "target.onnx")[0][1] == "draft_hidden"
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_check_compares_the_draft_candidates(qwen):
     """`check` compares the draft's candidate ids (where their ranks are clear) and probabilities with
     the PyTorch draft scored by the target's proposal rows."""
@@ -76,6 +78,7 @@ def test_check_compares_the_draft_candidates(qwen):
     assert rows[("draft_prefill", "draft_top_ids")].shape == (qwen.block_size - 1, 4)
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_read_draft_proposals(qwen):
     """Candidates come from the proposal vocabulary in rank order, with descending probabilities that
     sum to at most 1; the top-1 column is what the target verifies."""
@@ -97,6 +100,7 @@ def test_read_draft_proposals_needs_a_proposing_draft(tmp_path_factory):
         sess.read_draft_proposals(1)
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 @pytest.mark.parametrize("verify_len", [1, 3, "2+1", "all", None])
 def test_greedy_output_equals_plain(qwen, verify_len):
     sess = runtime.load(qwen.artifact)
@@ -106,6 +110,7 @@ def test_greedy_output_equals_plain(qwen, verify_len):
         assert spec.output_ids == plain.output_ids
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_sampling_is_unchanged_by_the_layout(qwen):
     """A seed gives the same sampled reply with and without speculation (one uniform per position)."""
     sess = runtime.load(qwen.artifact)
@@ -114,6 +119,7 @@ def test_sampling_is_unchanged_by_the_layout(qwen):
     assert spec.output_ids == plain.output_ids
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_auto_verifies_confident_blocks(ctxfree, monkeypatch):
     """The context-free pair accepts whole blocks and its draft is sure of them: from a pessimistic
     prior, auto probes, measures that drafted steps pay and then verifies whole blocks; output

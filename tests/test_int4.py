@@ -64,6 +64,7 @@ def int4_art(pairs, tmp_path_factory):
 
 # `make test` checks the untied fp32 form and a tied table with an INT4 head; the other four (a build
 # each, or a check of a build a fast test reuses) run in `make test-nightly`
+@pytest.mark.slow  # two INT4 builds; fast: test_runtime_defaults_to_int8_activations_only_where_rows_are_exact
 @pytest.mark.parametrize("kind, dtype, lm_head", [("qwen3", "fp32", False),
                                                   pytest.param("qwen3_tied", "fp32", False, marks=pytest.mark.nightly),
                                                   pytest.param("llama", "fp32", False, marks=pytest.mark.nightly),

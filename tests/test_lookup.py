@@ -146,6 +146,7 @@ def _fixed_costs(monkeypatch):
     monkeypatch.setattr(call_costs, "load_or_measure", lambda sess: (COSTS, "fixed"))
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_lookup_steps_commit_the_repeated_text_without_draft_calls(ctxfree, monkeypatch):
     """The context-free pair's reply repeats one id: from the third token on, the text's own 2-grams
     predict it. With the draft written off (a pessimistic prior), auto verifies those lookups, no
@@ -172,6 +173,7 @@ def test_lookup_steps_commit_the_repeated_text_without_draft_calls(ctxfree, monk
     assert auto.tau >= 2.0
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_explicit_lengths_and_plain_decoding_never_look_up(ctxfree):
     sess = runtime.load(ctxfree.artifact)
     prompt = [5, 7, ctxfree.mask_id]
@@ -180,6 +182,7 @@ def test_explicit_lengths_and_plain_decoding_never_look_up(ctxfree):
         assert not any(s["lookup"] for s in r.steps), kw
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_lookups_keep_the_output_of_plain_decoding(qwen, monkeypatch):
     """On the random Qwen3-shaped pair (whose greedy replies loop), auto with lookups gives plain
     decoding's ids. Its drafted steps are written off (their measured microseconds would beat any
@@ -199,6 +202,7 @@ def test_lookups_keep_the_output_of_plain_decoding(qwen, monkeypatch):
     assert looked_up > 0 and probes > 0
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_sampled_lookups_keep_the_sampled_output(ctxfree, monkeypatch):
     """A seeded sample with lookups equals the same seed's plain sample (a lookup token is accepted
     iff it equals the position's sample), and the lookups were accepted (drafted steps written off
@@ -214,6 +218,7 @@ def test_sampled_lookups_keep_the_sampled_output(ctxfree, monkeypatch):
     assert sum(s["accepted"] for s in auto.steps if s["lookup"]) > 0
 
 
+@pytest.mark.slow  # a proposing-artifact build: `make test`
 def test_lookups_with_host_sampling_and_a_reused_prefix(ctxfree, monkeypatch):
     """top_k sampling (the host samples each verified row) with lookups equals the seeded plain
     sample, and a second turn that extends the first (its cached rows reused) equals plain too."""

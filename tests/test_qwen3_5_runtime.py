@@ -23,6 +23,9 @@ from dflash_export.cli import main
 from hybrid_fixtures import CONFIG, VOCAB, oracle_draft
 from runtime.errors import DFlashError
 
+# hybrid builds (close to a minute on AVX2): `make test` runs these, `make test-fast` leaves them out
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def hybrid(hybrid_pair):

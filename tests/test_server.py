@@ -168,10 +168,19 @@ BAD_REQUESTS = [  # (path, body, param, a phrase of the message)
     ("chat", chat_body(top_logprobs=2), "top_logprobs", "needs logprobs: true"),
     ("chat", chat_body(logprobs=1), "logprobs", "true or false"),
     ("comp", comp_body(logprobs=6), "logprobs", "from 0 to 5"),
+    # tools: OpenAI's shapes, a named choice among them (runtime.text.tools)
+    ("chat", chat_body(tools=[{"type": "function", "function": {"name": "no spaces"}}]), "tools", "tools[0].function.name"),
+    ("chat", chat_body(tools={"name": "f"}), "tools", "must be a list"),
+    ("chat", chat_body(tool_choice="auto"), "tool_choice", "needs tools"),
+    ("chat", chat_body(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="sometimes"), "tool_choice", "must be"),
+    ("chat", chat_body(tools=[{"type": "function", "function": {"name": "f"}}], parallel_tool_calls=1), "parallel_tool_calls",
+     "true or false"),
+    ("chat", chat_body(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+                       response_format={"type": "json_object"}), "tool_choice", "forces a tool call"),
+    ("comp", comp_body(tools=[]), "tools", "unrecognized request argument"),
 ]
 UNSUPPORTED = [  # (path, body, param): refused with 400, never ignored
-    ("chat", chat_body(n=2), "n"), ("chat", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    ("chat", chat_body(tool_choice="auto"), "tool_choice"), ("chat", chat_body(functions=[{"name": "f"}]), "functions"),
+    ("chat", chat_body(n=2), "n"), ("chat", chat_body(functions=[{"name": "f"}]), "functions"),
     ("chat", chat_body(function_call="auto"), "function_call"),
     ("chat", chat_body(frequency_penalty=0.5), "frequency_penalty"), ("chat", chat_body(presence_penalty=-1), "presence_penalty"),
     ("chat", chat_body(logit_bias={"5": 10}), "logit_bias"), ("comp", comp_body(best_of=2), "best_of"),

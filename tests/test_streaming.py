@@ -224,7 +224,8 @@ def test_chat_message_errors(chat_art, qwen):
             ([{"role": "robot", "content": "t9"}], "role must be one of"),
             ([{"role": "user", "content": 5}], "content must be a string"),
             ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "only text parts"),
-            ([{"role": "user", "content": "t9", "tool_calls": []}], "unsupported fields"),
+            ([{"role": "user", "content": "t9", "tool_calls": []}], "only assistant turns carry tool calls"),
+            ([{"role": "user", "content": "t9", "audio": {}}], r"unsupported fields \['audio'\]"),
         ]:
             with pytest.raises(DFlashError, match=match):
                 sess.chat(bad, max_new_tokens=2)

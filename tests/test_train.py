@@ -250,6 +250,7 @@ class _Completed:
         self.returncode, self.stderr = returncode, stderr
 
 
+@pytest.mark.slow  # train-draft end to end (half a minute); fast: the in-process refusals and resume checks
 def test_train_draft_end_to_end_and_resume(tmp_path, capsys):
     """A 3-step run on SmolLM2 with 2 prompts: released-format output, valid for build, resumable."""
     from dflash_export.families.registry import load_target_spec

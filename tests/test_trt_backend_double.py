@@ -168,7 +168,8 @@ def test_check_runs_engines_through_the_backend(engines, doubles):
     assert rep.passed and rep.precision == "fp32" and len(rep.results) == 36
 
 
-@pytest.mark.parametrize("proposing", [False, True], ids=["hidden-rows", "proposing-draft"])
+@pytest.mark.parametrize("proposing", [False, pytest.param(True, marks=pytest.mark.slow)],  # (slow: a proposing build)
+                         ids=["hidden-rows", "proposing-draft"])
 def test_accepted_blocks_through_the_double(tmp_path_factory, doubles, proposing):
     """A pair that accepts whole blocks (the context-free pair) through the TensorRT path: the engines'
     verify profile, the scratch bindings and the one-read ids commit every accepted proposal; also

@@ -33,6 +33,9 @@ from test_profiles import _record  # records each backend call's input/output sh
 
 PROMPT = [5, 17, 33, 8, 61, 2, 99, 14]
 
+# the hybrid build (half a minute on AVX2): `make test` runs these, `make test-fast` leaves them out
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def hybrid(hybrid_pair, tmp_path_factory):

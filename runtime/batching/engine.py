@@ -52,6 +52,7 @@ from runtime.results import GenerationResult, StreamChunk
 from runtime.speculation.sampling import HostSampler, verify_chain
 from runtime.text.prompts import PromptEncoding
 from runtime.text.tokenizer import load_tokenizer
+from runtime.text.tools import with_tool_calls
 
 log = logging.getLogger("runtime.batching")
 
@@ -151,8 +152,9 @@ class BatchEngine(PromptEncoding):
         opts = GenerationOptions(**options)
         if (prompt is None) == (messages is None):
             raise DFlashError("pass either a prompt or messages (exactly one)")
-        ids = self.encode(prompt, chat=chat, enable_thinking=enable_thinking) if messages is None \
-            else self.encode_messages(messages, enable_thinking)
+        tools = opts.tools if opts.uses_tools else None
+        ids = self.encode(prompt, chat=chat, enable_thinking=enable_thinking, tools=tools) if messages is None \
+            else self.encode_messages(messages, enable_thinking, tools)
         self.check_request(ids, opts)
         return self._queue(ids, opts, on_event)
 
@@ -192,7 +194,7 @@ class BatchEngine(PromptEncoding):
                               "engine.generate([prompt]); for one streamed reply use engine.stream(prompt)")
         refuse_unknown_options(options)
         opts = GenerationOptions(**options)
-        encoded = [self.encode(p, chat=chat) for p in prompts]
+        encoded = [self.encode(p, chat=chat, tools=opts.tools if opts.uses_tools else None) for p in prompts]
         for ids in encoded:
             self.check_request(ids, opts)
         handles = [self._queue(ids, opts) for ids in encoded]
@@ -211,7 +213,8 @@ class BatchEngine(PromptEncoding):
         :meth:`runtime.Session.check_request` says: a request is refused or run alike whatever
         `--max-batch`), prompt + max_new_tokens beyond max_seq_len, stop ids or top_k outside the vocabulary, stop strings
         without a tokenizer."""
-        for name, given in (("response_format, grammar and regex", opts.constrained), ("logprobs", opts.logprobs)):
+        for name, given in (("response_format, grammar, regex and a forced tool_choice", opts.constrained),
+                            ("logprobs", opts.logprobs)):
             if given:  # (refused, never ignored: the one-sequence Session runs them)
                 raise DFlashError(f"{name} are not supported by the BatchEngine yet; use a Session "
                                   "(`runtime.load`, or serve with --max-batch 1)")
@@ -400,6 +403,9 @@ class BatchEngine(PromptEncoding):
                 tail = seq.reply.finish()
                 if tail:
                     seq.handle.emit("chunk", StreamChunk(tail, []))
-                seq.handle.emit("done", seq.result(seq.policy_name(self.speculates)))
+                result = seq.result(seq.policy_name(self.speculates))
+                if seq.opts.uses_tools:
+                    with_tool_calls(result, self.tool_format, seq.opts.tools)
+                seq.handle.emit("done", result)
             with self.cond:
                 self._leave(seq)

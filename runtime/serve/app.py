@@ -45,6 +45,7 @@ from runtime.errors import DFlashError
 from runtime.options import DEFAULT_MAX_TOKENS, GenerationOptions
 from runtime.serve.params import ApiError, ParsedRequest, parse_request
 from runtime.serve.replies import Reply, as_api_error, sse
+from runtime.text.tools import ToolCallReader
 from runtime.serve.worker import (
     BatchWorker,
     Job,
@@ -173,7 +174,9 @@ class OpenAIApi:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         loop = asyncio.get_running_loop()
         job = await loop.run_in_executor(self._prepare, self._prepare_job, req, loop)
-        reply = Reply(req, self.model_name, self.session.tokenizer.decode)
+        tools = _offered_tools(req)
+        reader = ToolCallReader(self.session.tool_format, tools) if tools else None
+        reply = Reply(req, self.model_name, self.session.tokenizer.decode, reader)
         handed_over = False
         try:
             async with _DisconnectWatch(request) as watch:
@@ -207,7 +210,7 @@ class OpenAIApi:
     def _encode(self, req: ParsedRequest) -> list[int]:
         try:
             if req.kind == "chat":
-                return self.session.encode_messages(req.messages, req.enable_thinking)
+                return self.session.encode_messages(req.messages, req.enable_thinking, _offered_tools(req))
             return self.session.encode(req.prompt)
         except DFlashError as exc:
             raise ApiError(400, str(exc), param="messages" if req.kind == "chat" else "prompt") from None
@@ -240,9 +243,10 @@ class OpenAIApi:
         except DFlashError as exc:
             message = str(exc).replace("max_new_tokens", "max_tokens")
             # the artifact's limits on options: their messages start with the option's name
-            named = message.split(" ", 1)[0] if message.split(" ", 1)[0] in ("top_k", "verify_len", "block_size") else None
+            first = message.split(" ", 1)[0]
+            named = first if first in ("top_k", "verify_len", "block_size", "tool_choice") else None
             raise ApiError(400, message, param=named) from None
-        constrained = next((name for name in ("response_format", "grammar", "regex") if name in opts), None)
+        constrained = next((name for name in ("response_format", "grammar", "regex", "tools") if name in opts), None)
         if constrained is not None:
             self._check_constraint(opts, constrained)
         return opts
@@ -251,6 +255,9 @@ class OpenAIApi:
         """Compile the request's output constraint once before it queues, so a bad schema or grammar is
         a 400 naming the field (the Session compiles it again for the run: milliseconds)."""
         options = GenerationOptions(**opts)
+        if options.uses_tools and not options.constrained and not isinstance(self.session, BatchEngine):
+            # "auto": no grammar runs, but the tools' parameter schemas must compile as "required" would
+            options = GenerationOptions(**{**opts, "tool_choice": "required"})
         if not options.constrained:
             return
         if isinstance(self.session, BatchEngine):
@@ -289,9 +296,11 @@ class OpenAIApi:
         while True:
             kind, payload = event
             if kind == "chunk":
-                if payload.text or payload.logprobs:
-                    yield sse(reply.chunk(text=payload.text, logprobs=payload.logprobs))
+                for out in reply.text_chunks(payload.text, payload.logprobs):
+                    yield sse(out)
             elif kind == "done":
+                for out in reply.text_chunks(None):
+                    yield sse(out)
                 yield sse(reply.chunk(finish=payload.finish_reason))
                 if reply.include_usage:
                     yield sse(reply.usage_chunk(payload))
@@ -415,6 +424,12 @@ class _EventStream(StreamingResponse):
             self._worker.cancel(self._job)
             with contextlib.suppress(Exception):
                 await self.body_iterator.aclose()
+
+
+def _offered_tools(req: ParsedRequest) -> tuple[dict, ...] | None:
+    """The request's tools when they are offered to the model (tool_choice other than "none")."""
+    tools = req.options.get("tools")
+    return tools if tools and req.options.get("tool_choice") != "none" else None
 
 
 def _error_response(err: ApiError) -> JSONResponse:

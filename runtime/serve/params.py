@@ -1,8 +1,8 @@
 """OpenAI request bodies -> checked generation requests (the server's input side, no server library).
 
 Every problem is an :class:`ApiError` carrying the HTTP status and the OpenAI-style error body, so the
-server answers it without a traceback. A parameter this runtime cannot honour (n > 1, tools, logprobs,
-penalties, ...) is refused with 400 rather than ignored: a client relying on it would otherwise get a
+server answers it without a traceback. A parameter this runtime cannot honour (n > 1, the legacy
+`functions`, penalties, ...) is refused with 400 rather than ignored: a client relying on it would otherwise get a
 different answer than it asked for. Only fields that never change the output (`user`, `metadata`) are
 accepted and ignored.
 
@@ -161,10 +161,8 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
     ]
     if kind == "chat":
         checks += [
-            ("tools", ([],), "tools (function calling) are not supported"),
-            ("functions", ([],), "functions (function calling) are not supported"),
-            ("tool_choice", ("none",), "tool_choice is not supported (no tools)"),
-            ("function_call", ("none",), "function_call is not supported (no functions)"),
+            ("functions", ([],), "functions (the legacy function calling) is not supported: pass tools"),
+            ("function_call", ("none",), "function_call (the legacy function calling) is not supported: pass tool_choice"),
         ]
     else:
         checks += [
@@ -175,8 +173,6 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
     for name, no_op, why in checks:
         if name in body and not any(_same(body[name], v) for v in no_op):
             raise ApiError(400, why, param=name, code="unsupported_parameter")
-    if "parallel_tool_calls" in body and not isinstance(body["parallel_tool_calls"], bool):
-        raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
 
 
 def _same(value, no_op) -> bool:
@@ -237,6 +233,7 @@ def _options(body: dict, kind: str = "chat") -> dict[str, Any]:
                            param="stop_token_ids")
         opts["stop_token_ids"] = ids
     opts.update(_logprobs(body, kind))
+    opts.update(_tools(body))
     for name in _CONSTRAINTS:  # (types here; the grammar is compiled, and its errors named, before queueing)
         if name in body:
             try:
@@ -271,6 +268,21 @@ def _logprobs(body: dict, kind: str) -> dict[str, Any]:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 5:
         raise ApiError(400, f"logprobs must be an integer from 0 to 5 (got {shown(value)})", param="logprobs")
     return {"logprobs": True, "top_logprobs": value}
+
+
+def _tools(body: dict) -> dict[str, Any]:
+    """Chat's `tools`, `tool_choice` and `parallel_tool_calls`, checked together (a named choice must be
+    one of the tools), as GenerationOptions' normalised values."""
+    given = {name: body[name] for name in ("tools", "tool_choice", "parallel_tool_calls") if name in body}
+    if not given:
+        return {}
+    try:
+        opts = GenerationOptions(**given)
+    except DFlashError as exc:
+        message = str(exc)
+        param = next((n for n in ("tool_choice", "parallel_tool_calls") if message.startswith(n)), "tools")
+        raise ApiError(400, message, param=param) from None
+    return {"tools": opts.tools, "tool_choice": opts.tool_choice, "parallel_tool_calls": opts.parallel_tool_calls}
 
 
 def _rename(message: str, option: str, name: str) -> str:

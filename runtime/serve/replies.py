@@ -13,9 +13,10 @@ from runtime.serve.params import ApiError, ParsedRequest
 class Reply:
     """The OpenAI response objects of one request (its id and creation time shared by every chunk)."""
 
-    def __init__(self, req: ParsedRequest, model: str, decode=None):
+    def __init__(self, req: ParsedRequest, model: str, decode=None, tool_reader=None):
         self.kind, self.model, self.include_usage = req.kind, model, req.include_usage
         self.decode = decode  # ids -> text: a log-probability entry's token string
+        self.tool_reader = tool_reader  # a runtime.text.tools.ToolCallReader where tools are offered
         self.text_offset = 0  # completions' logprobs.text_offset: characters before the next token
         chat = req.kind == "chat"
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -29,6 +30,10 @@ class Reply:
         """The non-streamed response."""
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": result.text}}
+            if result.tool_calls is not None:
+                choice["message"]["content"] = result.content
+                if result.tool_calls:
+                    choice["message"]["tool_calls"] = result.tool_calls
         else:
             choice = {"index": 0, "text": result.text}
         choice.update(logprobs=self.logprobs(result.logprobs), finish_reason=result.finish_reason)
@@ -52,10 +57,22 @@ class Reply:
         return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
                 "top_logprobs": [{text(i): lp for i, lp in e["top"]} for e in entries], "text_offset": offsets}
 
-    def chunk(self, text: str | None = None, role: bool = False, finish: str | None = None, logprobs=None) -> dict:
-        """One streamed chunk: the role (chat's first), a text delta, or the finish reason."""
+    def text_chunks(self, text: str | None, logprobs=None) -> list[dict]:
+        """The chunks of a text delta (None: the end of the reply): the text itself, or, where tools are
+        offered, its content and OpenAI tool-call deltas (id and name, then argument fragments)."""
+        if self.tool_reader is None:
+            return [self.chunk(text=text, logprobs=logprobs)] if text or logprobs else []
+        content, calls = self.tool_reader.feed(text) if text is not None else self.tool_reader.finish()
+        out = [self.chunk(text=content, logprobs=logprobs)] if content or logprobs else []
+        return out + [self.chunk(tool_call=d.openai()) for d in calls]
+
+    def chunk(self, text: str | None = None, role: bool = False, finish: str | None = None, logprobs=None,
+              tool_call: dict | None = None) -> dict:
+        """One streamed chunk: the role (chat's first), a text delta, a tool-call delta or the finish reason."""
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            if tool_call is not None:
+                delta = {"tool_calls": [tool_call]}
             choice = {"index": 0, "delta": delta}
             obj = "chat.completion.chunk"
         else:

@@ -8,6 +8,7 @@ from typing import Sequence
 from runtime.errors import DFlashError
 from runtime.options import as_int
 from runtime.text.tokenizer import check_messages
+from runtime.text.tools import ToolFormat, tool_format
 
 
 class PromptEncoding:
@@ -17,17 +18,21 @@ class PromptEncoding:
     manifest: dict
     tokenizer: object
 
-    def encode(self, prompt: str | Sequence[int], chat: bool = False, enable_thinking: bool | None = None) -> list[int]:
-        """Prompt text (optionally as a one-turn chat) or ids -> ids.
+    def encode(self, prompt: str | Sequence[int], chat: bool = False, enable_thinking: bool | None = None,
+               tools: Sequence[dict] | None = None) -> list[int]:
+        """Prompt text (optionally as a one-turn chat, offering `tools`) or ids -> ids.
 
         Raises:
-            DFlashError: empty prompt, ids outside the vocabulary, or text without a tokenizer.
+            DFlashError: empty prompt, ids outside the vocabulary, text without a tokenizer, or tools
+                with a text prompt that is not a chat (token ids are taken as rendered with the tools).
         """
+        if tools and isinstance(prompt, str) and not chat:  # (ids: rendered with the tools by the caller)
+            raise DFlashError("tools are offered through the chat template: pass messages= or a text prompt with chat=True")
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise DFlashError("the prompt is empty; pass some text or token ids")
             if chat:
-                return self.encode_messages([{"role": "user", "content": prompt}], enable_thinking)
+                return self.encode_messages([{"role": "user", "content": prompt}], enable_thinking, tools)
             ids = self._require_tokenizer().encode(prompt)
             if not ids:
                 raise DFlashError("the prompt tokenizes to no tokens; pass some text or token ids")
@@ -46,11 +51,19 @@ class PromptEncoding:
             raise DFlashError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         return ids
 
-    def encode_messages(self, messages, enable_thinking: bool | None = None) -> list[int]:
-        """OpenAI-style messages (`[{"role": "system"|"user"|"assistant", "content": str}, ...]`) -> the
-        ids of the model's chat template with the generation prompt. `enable_thinking` (Qwen3's
-        template option) defaults to what the draft was trained on (the manifest's
-        `draft.enable_thinking`; False when absent: the released drafts are non-thinking).
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this model writes tool calls (read off its chat template: `runtime.text.tools`)."""
+        return tool_format(self.tokenizer.chat_template if self.tokenizer is not None else None)
+
+    def encode_messages(self, messages, enable_thinking: bool | None = None,
+                        tools: Sequence[dict] | None = None) -> list[int]:
+        """OpenAI-style messages (`[{"role": "system"|"user"|"assistant"|"tool", "content": str, ...}, ...]`,
+        assistant turns with `tool_calls` included) -> the ids of the model's chat template with the
+        generation prompt, offering `tools` (checked OpenAI function tools) in the form the template
+        teaches (`runtime.text.tools`). `enable_thinking` (Qwen3's template option) defaults to what the
+        draft was trained on (the manifest's `draft.enable_thinking`; False when absent: the released
+        drafts are non-thinking).
 
         Raises:
             DFlashError: malformed messages, no tokenizer or no chat template.
@@ -60,7 +73,11 @@ class PromptEncoding:
             enable_thinking = bool(self.manifest["draft"].get("enable_thinking", False))
         elif not isinstance(enable_thinking, bool):
             raise DFlashError(f"enable_thinking must be true or false (got {enable_thinking!r})")
-        ids = self._require_tokenizer().apply_chat_template(messages, enable_thinking=enable_thinking)
+        tokenizer = self._require_tokenizer()
+        form = self.tool_format
+        rendered = form.prompt_messages(messages, tuple(tools or ()))
+        ids = tokenizer.apply_chat_template(rendered, enable_thinking=enable_thinking,
+                                            tools=list(tools) if tools and form.native else None)
         if not ids:
             raise DFlashError("the chat template renders these messages to no tokens")
         return ids

@@ -7,7 +7,7 @@ from typing import Any
 
 from runtime.errors import DFlashError
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class ChatTokenizer:
@@ -46,9 +46,11 @@ class ChatTokenizer:
                               "send UTF-8 text") from None
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]], enable_thinking: bool = False) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], enable_thinking: bool = False,
+                            tools: list[dict] | None = None) -> list[int]:
         """Render a conversation with the generation prompt and tokenize it (as HF's
-        `apply_chat_template(..., add_generation_prompt=True, enable_thinking=enable_thinking)`).
+        `apply_chat_template(..., add_generation_prompt=True, enable_thinking=enable_thinking, tools=tools)`;
+        `tools`: OpenAI function tools, for templates that render them).
 
         Raises:
             DFlashError: the checkpoint has no chat template.
@@ -75,7 +77,7 @@ class ChatTokenizer:
         extra = {k: v for k, v in self.special_tokens.items() if isinstance(k, str) and k not in ("messages",)}
         try:
             text = env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=True, enable_thinking=enable_thinking, **extra
+                messages=messages, add_generation_prompt=True, enable_thinking=enable_thinking, tools=tools, **extra
             )
         except jinja2.TemplateError as exc:
             raise DFlashError(f"the model's chat template cannot be rendered: {exc}") from None
@@ -95,9 +97,11 @@ def load_tokenizer(artifact_dir: Path, manifest: dict) -> "ChatTokenizer | None"
     return ChatTokenizer(tok_json, manifest.get("chat_template"), manifest.get("special_tokens", {}))
 
 
-def check_messages(messages) -> list[dict[str, str]]:
-    """OpenAI-style chat messages, checked: a non-empty list of {"role": system|user|assistant,
-    "content": str or a list of {"type": "text", "text": str} parts}; returns them with string content.
+def check_messages(messages) -> list[dict]:
+    """OpenAI-style chat messages, checked: a non-empty list of {"role": system|user|assistant|tool,
+    "content": str or a list of {"type": "text", "text": str} parts}; an assistant turn may carry
+    `tool_calls` (its content then may be null), a tool turn a `tool_call_id`. Returns them with string
+    content (and those fields kept).
 
     Raises:
         DFlashError: naming the first malformed message.
@@ -110,21 +114,57 @@ def check_messages(messages) -> list[dict[str, str]]:
             raise DFlashError(f"messages[{i}] must be an object with role and content")
         role, content = m.get("role"), m.get("content")
         if role not in CHAT_ROLES:
-            raise DFlashError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} (got {role!r})")
-        if isinstance(content, list):  # content parts: only text is supported
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise DFlashError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                      "are supported")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise DFlashError(f"messages[{i}].content must be a string (got {type(content).__name__})")
+            raise DFlashError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)} (got {role!r:.80})")
+        calls = m.get("tool_calls")
+        if calls is not None and role != "assistant":
+            raise DFlashError(f"messages[{i}].tool_calls: only assistant turns carry tool calls")
+        if content is None and calls:
+            content = ""
+        content = _text_content(content, i)
         if "name" in m and not isinstance(m["name"], str):  # accepted (OpenAI's participant name), not templated
             raise DFlashError(f"messages[{i}].name must be a string (got {type(m['name']).__name__})")
-        extra = sorted(set(m) - {"role", "content", "name"})
+        extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"})
         if extra:
-            raise DFlashError(f"messages[{i}] has unsupported fields {extra} (tools and function calls are not supported)")
-        out.append({"role": role, "content": content})
+            raise DFlashError(f"messages[{i}] has unsupported fields {extra}")
+        entry = {"role": role, "content": content}
+        if calls:
+            entry["tool_calls"] = _check_calls(calls, i)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise DFlashError(f"messages[{i}].tool_call_id must be a string")
+            entry["tool_call_id"] = call_id or ""
+            if isinstance(m.get("name"), str):
+                entry["name"] = m["name"]
+        out.append(entry)
+    return out
+
+
+def _text_content(content, i: int) -> str:
+    if isinstance(content, list):  # content parts: only text is supported
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise DFlashError(f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                  "are supported")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise DFlashError(f"messages[{i}].content must be a string (got {type(content).__name__})")
+    return content
+
+
+def _check_calls(calls, i: int) -> list[dict]:
+    """An assistant turn's `tool_calls`: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
+    if not isinstance(calls, list):
+        raise DFlashError(f"messages[{i}].tool_calls must be a list of tool calls")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments", "{}"), (str, dict)):
+            raise DFlashError(f'messages[{i}].tool_calls[{j}] must be {{"id": ..., "type": "function", "function": '
+                              '{"name": ..., "arguments": "<JSON text>"}}')
+        out.append({"id": str(c.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn.get("arguments", "{}")}})
     return out
