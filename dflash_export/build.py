@@ -125,6 +125,8 @@ class BuildOptions:
         quant_lm_head: with int4, the LM head too (the embedding lookups keep their table).
         proposal_head: "full" keeps the proposal vocabulary's head rows in the graph dtype; "int4"
             stores them INT4 (they only rank proposals, which the full head verifies: output unchanged).
+        mtp: export the target's multi-token-prediction head as `mtp.onnx` where the checkpoint has one
+            (`mtp.*`, Qwen3.5 / Qwen3.6: `nn.mtp`); False leaves it out.
         batched: also export the batched target (`target_batched.onnx`, reading target.onnx's weights
             file), which `runtime.batching` serves several sequences at once with (dense targets).
         quiet: print no progress.
@@ -143,6 +145,7 @@ class BuildOptions:
     quant_lm_head: bool = False
     proposal_head: str = "full"
     batched: bool = False
+    mtp: bool = True
     quiet: bool = False
     overwrite: bool = True
 
@@ -215,6 +218,8 @@ def build(options: BuildOptions) -> dict:
     family = target_family(tspec.family)
     draft_kind = family_of(dspec.path) if dspec.path is not None else draft_family(DEFAULT_DRAFT_FAMILY)
     qconfig = _checked_quant_config(o, family, tspec, dspec, tsource)
+    # the target's MTP head (checked now: a malformed one fails before any output exists)
+    heads = family.mtp_source(tspec, tsource) if o.mtp and hasattr(family, "mtp_source") else None
     if o.batched and not getattr(family, "BATCHES", False):
         raise DFlashError(f"--batched needs a Qwen3, Llama or Qwen3.5 target; {tspec.family} targets have no batched "
                           "graph: serve them one request at a time (drop --batched)")
@@ -224,7 +229,7 @@ def build(options: BuildOptions) -> dict:
     # the manifest's source hashes read every shard once more: done on a thread while the draft and
     # the target template trace (CPU-bound, the disk idle), not after the weights are written
     hashes = SourceHashes(tspec, dspec)
-    stage = Stage(total=5, quiet=quiet)
+    stage = Stage(total=5 + (heads is not None), quiet=quiet)
     stage.report(f"validated target and draft in {time.perf_counter() - t_start:.1f}s")
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
     with staged_directory(out, "an artifact") as tmp:
@@ -239,8 +244,14 @@ def build(options: BuildOptions) -> dict:
             extra = {"batched_path": tmp / "target_batched.onnx"} if o.batched else {}
             exported = family.export_for_build(tspec, dspec, tsource, tmp / "target.onnx", torch_dtype, qconfig,
                                                proposal_head, quiet, **extra)
+        shared = None
+        if heads is not None:
+            with stage("exporting mtp.onnx (the target's multi-token-prediction head)"):
+                shared = family.export_mtp_for_build(tspec, heads, tmp / "mtp.onnx", torch_dtype, tmp / "target.onnx")
+                del heads
         with stage("checking graphs (TensorRT 10 operators, duplicate weights)"):
             graphs = ("target", "draft", "target_batched") if o.batched else ("target", "draft")
+            graphs += ("mtp",) if shared is not None else ()
             graphs += ("draft_batched",) if drafted.batched else ()
             checks = {g: check_graph(tmp / f"{g}.onnx") for g in graphs}
         with stage("writing tokenizer and manifest"):
@@ -253,6 +264,10 @@ def build(options: BuildOptions) -> dict:
             head = exported.proposal_head or (head_config if proposal_head == "int4" else None)
             if head is not None:
                 manifest["proposal_head"] = {"format": "int4", "method": head.method, "block": head.block}
+            if shared is not None:
+                manifest["mtp"] = {"graph": "mtp.onnx", "num_layers": 1, "hidden_size": tspec.hybrid.hidden_size,
+                                   "num_kv_heads": tspec.hybrid.num_kv_heads, "head_dim": tspec.hybrid.head_dim,
+                                   "weights_shared_with_target": shared}
             manifest["export_seconds"] = round(time.perf_counter() - t_start, 1)
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest

@@ -96,6 +96,9 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--batched", action="store_true",
                    help="also export target_batched.onnx and draft_batched.onnx (reading the same weights files): "
                         "serve several clients at once (`python -m runtime serve --max-batch N`; Qwen3 / Llama targets)")
+    b.add_argument("--no-mtp", dest="mtp", action="store_false",
+                   help="leave out the target's multi-token-prediction head (exported as mtp.onnx whenever the "
+                        "checkpoint has mtp.* tensors: Qwen3.5 / Qwen3.6)")
     b.add_argument("--engine", choices=["onnx", "trt"], default="onnx", help="trt: also build TensorRT engines (needs TensorRT + GPU)")
     b.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16", help="TensorRT engine precision")
     b.set_defaults(func=cmd_build)

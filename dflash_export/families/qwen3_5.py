@@ -332,3 +332,41 @@ def hybrid_manifest_fields(h) -> dict:
             "gdn": {"conv_kernel": h.conv_kernel, "conv_dim": h.conv_dim, "num_key_heads": h.num_k_heads,
                     "num_value_heads": h.num_v_heads, "key_head_dim": h.key_head_dim,
                     "value_head_dim": h.value_head_dim}}
+
+
+# ---- the multi-token-prediction head (`nn.mtp`) ------------------------------------------------------
+def mtp_source(tspec: TargetSpec, source):
+    """Family hook: the checkpoint's MTP head as a WeightSource under `nn.mtp.MTPHead` names (with the
+    target's embedding and LM head), or None where the checkpoint has no `mtp.*` tensors.
+
+    Raises:
+        DFlashError: `mtp_num_hidden_layers` other than 1, or `mtp.*` tensors missing, unexpected or
+            mis-shaped (named), before any output exists.
+    """
+    from dflash_export.nn.mtp import MTPHead, mtp_weight_name
+
+    if not any(n.startswith("mtp.") for n in source.names()):
+        return None
+    where = f"the MTP head (mtp.*) of {tspec.path}"
+    layers = tspec.hybrid.raw.get("mtp_num_hidden_layers", 1)
+    stored = {n.split(".")[2] for n in source.names() if n.startswith("mtp.layers.") and n.count(".") > 2}
+    if layers != 1 or len(stored) > 1:
+        raise DFlashError(f"{where}: mtp_num_hidden_layers is {layers} ({len(stored)} stored layers); only one-layer heads "
+                          "are exported (Qwen3.5 / Qwen3.6 ship one; vLLM cycles several per chained step). Build "
+                          "with --no-mtp to leave the head out")
+    heads = source.renamed(mtp_weight_name)
+    module = empty_module(lambda: MTPHead(tspec.hybrid))
+    check_weight_names({k: tuple(p.shape) for k, p in module.named_parameters()}, heads, where,
+                       tied=module.lm_head is None)
+    return heads
+
+
+def export_mtp_for_build(tspec: TargetSpec, heads, path: Path, dtype: torch.dtype, weights_of: Path | None) -> list[str]:
+    """`build`'s MTP step (family hook): the head of `mtp_source` at `path` in `dtype` (its weights loaded:
+    one decoder layer, the fc and the target's embedding and LM head, which link to the target graph's
+    data file where it has one). Returns the names linked."""
+    from dflash_export.export.mtp import export_mtp
+    from dflash_export.nn.mtp import MTPHead
+
+    module = load_module_weights(empty_module(lambda: MTPHead(tspec.hybrid, dtype)), heads, "the MTP head")
+    return export_mtp(module.to(dtype).eval(), Path(path), weights_of)

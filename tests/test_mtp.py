@@ -1,0 +1,204 @@
+"""Qwen3.5's multi-token-prediction head (`nn.mtp`, `export.mtp`): the exported `mtp.onnx` against an
+independent reference recomputed from scratch at every call (no caches: the entries as they stand, the
+layer as Hugging Face's one-layer Qwen3.5 stack over `inputs_embeds`), through catch-up, chained and
+rolled-back calls; the graph on the TensorRT 10 list; the checkpoint checks (`families.qwen3_5.mtp_source`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hybrid_fixtures import CONFIG
+from tolerances import assert_fp32_close
+
+from dflash_export.checkpoint.hybrid import HybridSpec
+from dflash_export.checkpoint.weights import WeightSource
+from dflash_export.nn.mtp import MTPHead
+from runtime.errors import DFlashError
+
+D = CONFIG["hidden_size"]
+
+
+def _checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random head in the checkpoint's names (`mtp.*`) with the target's embedding (tied LM head);
+    norms away from zero, so every (1 + w) scale matters."""
+    torch.manual_seed(seed)
+    spec = HybridSpec.from_config(CONFIG)
+    head = MTPHead(spec)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else 0.15))
+    out = {}
+    for name, p in head.state_dict().items():
+        out["model.embed_tokens.weight" if name.startswith("model.") else f"mtp.{name}"] = p.clone()
+    return out
+
+
+def _spec(**extra) -> HybridSpec:
+    return HybridSpec.from_config({**CONFIG, **extra})
+
+
+class Reference:
+    """The head recomputed from its definition over every entry so far (vLLM's computation, written
+    here from the tensors: fc over the (1 + w)-normed embedding and hidden state, then Hugging Face's
+    Qwen3.5 decoder layer and final norm over `inputs_embeds` at positions 0..n-1)."""
+
+    def __init__(self, ckpt: dict[str, torch.Tensor]):
+        import transformers
+
+        cfg = transformers.Qwen3_5TextConfig(**{**CONFIG, "num_hidden_layers": 1, "layer_types": ["full_attention"]})
+        cfg._attn_implementation = "eager"
+        self.model = transformers.Qwen3_5ForCausalLM(cfg).eval().double()
+        state = {k.replace("mtp.layers.0.", "model.layers.0."): v for k, v in ckpt.items() if k.startswith("mtp.layers.")}
+        state["model.norm.weight"] = ckpt["mtp.norm.weight"]
+        state["model.embed_tokens.weight"] = ckpt["model.embed_tokens.weight"]
+        missing, unexpected = self.model.load_state_dict({k: v.double() for k, v in state.items()}, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}
+        self.ckpt = {k: v.double() for k, v in ckpt.items()}
+        eps = CONFIG.get("rms_norm_eps", 1e-6)
+        self.norm = lambda x, w: x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w)  # noqa: E731
+
+    def __call__(self, tokens: list[int], hiddens: np.ndarray) -> tuple[int, np.ndarray]:
+        """(the greedy token after the last entry, its post-norm output) for entries (tokens[i], hiddens[i])."""
+        c = self.ckpt
+        e = self.norm(c["model.embed_tokens.weight"][torch.tensor(tokens)], c["mtp.pre_fc_norm_embedding.weight"])
+        h = self.norm(torch.from_numpy(np.asarray(hiddens, np.float64)), c["mtp.pre_fc_norm_hidden.weight"])
+        x = torch.cat([e, h], dim=-1) @ c["mtp.fc.weight"].T
+        with torch.no_grad():
+            out = self.model.model(inputs_embeds=x[None]).last_hidden_state[0, -1]
+        return int(torch.argmax(out @ c["model.embed_tokens.weight"].T)), out.numpy()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The head's graph, exported from the checkpoint tensors through the build's own hooks."""
+    import onnxruntime as ort
+
+    from dflash_export.checkpoint.target import TargetSpec
+    from dflash_export.families import qwen3_5
+
+    ckpt = _checkpoint()
+    spec = _spec()
+    tspec = TargetSpec(path="tiny", family="qwen3_5", arch=spec.attention_spec(), vocab_size=spec.vocab_size,
+                       tie_word_embeddings=True, eos_token_ids=[], hybrid=spec)
+    heads = qwen3_5.mtp_source(tspec, WeightSource("tiny", tensors=ckpt))
+    path = tmp_path_factory.mktemp("mtp") / "mtp.onnx"
+    qwen3_5.export_mtp_for_build(tspec, heads, path, torch.float32, None)
+    return ckpt, path, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def test_catch_up_chained_and_rolled_back_calls_equal_the_reference(exported):
+    """The runtime's call pattern: catch-up entries for a prompt, proposals chained on the head's own
+    output, then a rollback to the verified length and the accepted entries entered again with the
+    target's states. Each call's token equals the reference's, its hidden state within fp32 rounding."""
+    ckpt, _, sess = exported
+    ref = Reference(ckpt)
+    rng = np.random.default_rng(3)
+    kv = np.zeros((0, CONFIG["num_key_value_heads"], CONFIG["head_dim"]), np.float32)
+    keys, values = kv, kv
+    tokens, hiddens = [], []
+
+    def call(new_tokens, new_hiddens):
+        nonlocal keys, values
+        ids, hid, k, v = sess.run(None, {"input_ids": np.asarray(new_tokens, np.int64), "past_key": keys,
+                                         "past_value": values, "hidden": np.asarray(new_hiddens, np.float32)})
+        keys, values = np.concatenate([keys, k]), np.concatenate([values, v])
+        tokens.extend(new_tokens)
+        hiddens.extend(new_hiddens)
+        want_id, want_hidden = ref(tokens, hiddens)
+        assert int(ids[0]) == want_id
+        assert_fp32_close(hid[0], want_hidden, reduction=4 * D, depth=6, what=f"entry {len(tokens) - 1}")
+        return int(ids[0]), hid[0]
+
+    target_states = rng.standard_normal((12, D)).astype(np.float32)
+    token, state = call(list(rng.integers(0, CONFIG["vocab_size"], 6)), list(target_states[:6]))  # catch-up
+    chained = []
+    for _ in range(3):  # proposals: each entry is (the drafted token, the head's own output)
+        chained.append(token)
+        token, state = call([token], [state])
+    keys, values = keys[:6], values[:6]  # verified: one proposal accepted; roll back to the catch-up entries
+    del tokens[6:], hiddens[6:]
+    call([chained[0], 7], list(target_states[6:8]))  # the accepted token and the bonus, with the target's states
+
+
+def test_the_graph_is_standard_and_its_io_is_static(exported):
+    from dflash_export.export.checks import check_graph
+
+    _, path, sess = exported
+    assert check_graph(path)["ops"]  # every operator on the TensorRT 10 list (it raises otherwise)
+    assert [i.name for i in sess.get_inputs()] == ["input_ids", "hidden", "past_key", "past_value"]
+    assert [o.name for o in sess.get_outputs()] == ["next_ids", "mtp_hidden", "key", "value"]
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: c.pop("mtp.fc.weight"), r"mtp.fc.weight|fc.weight"),
+    (lambda c: c.update({"mtp.norm.weight": torch.zeros(D + 1)}), "norm.weight"),
+    (lambda c: c.update({"mtp.layers.1.input_layernorm.weight": torch.zeros(D)}), "mtp_num_hidden_layers"),
+])
+def test_malformed_heads_are_refused_by_name(edit, match):
+    from dflash_export.checkpoint.target import TargetSpec
+    from dflash_export.families import qwen3_5
+
+    ckpt = _checkpoint()
+    edit(ckpt)
+    spec = _spec()
+    tspec = TargetSpec(path="tiny", family="qwen3_5", arch=spec.attention_spec(), vocab_size=spec.vocab_size,
+                       tie_word_embeddings=True, eos_token_ids=[], hybrid=spec)
+    with pytest.raises(DFlashError, match=match):
+        qwen3_5.mtp_source(tspec, WeightSource("tiny", tensors=ckpt))
+
+
+def test_two_layer_heads_and_heads_absent():
+    from dflash_export.checkpoint.target import TargetSpec
+    from dflash_export.families import qwen3_5
+
+    spec = _spec(mtp_num_hidden_layers=2)
+    tspec = TargetSpec(path="tiny", family="qwen3_5", arch=spec.attention_spec(), vocab_size=spec.vocab_size,
+                       tie_word_embeddings=True, eos_token_ids=[], hybrid=spec)
+    with pytest.raises(DFlashError, match="mtp_num_hidden_layers is 2.*--no-mtp"):
+        qwen3_5.mtp_source(tspec, WeightSource("tiny", tensors=_checkpoint()))
+    plain = {k: v for k, v in _checkpoint().items() if not k.startswith("mtp.")}
+    assert qwen3_5.mtp_source(tspec, WeightSource("tiny", tensors=plain)) is None
+
+
+@pytest.mark.slow  # a hybrid build (a minute on AVX2)
+def test_build_exports_the_head_beside_the_target_reading_its_weights_file(tmp_path):
+    """`build` of a hybrid checkpoint carrying `mtp.*`: `mtp.onnx` beside the target, named in the
+    manifest, equal to the head exported on its own; with the target's weights in a data file, the head's
+    embedding points into that file (no second copy); `--no-mtp` sets the option that leaves it out."""
+    from unittest import mock
+
+    import onnx
+    import onnxruntime as ort
+    from hybrid_fixtures import THREE_LAYER_TYPES, six_layer_model
+    from safetensors.torch import save_file
+
+    from dflash_export.build import BuildOptions, build
+    from dflash_export.cli import make_parser
+    from dflash_export.export import graphs
+
+    model = six_layer_model(THREE_LAYER_TYPES)
+    model.save_pretrained(tmp_path / "target", safe_serialization=True)
+    state = {k: v.clone().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # (tied)
+    head = {k: v for k, v in _checkpoint().items() if k.startswith("mtp.")}
+    save_file({**state, **head}, str(tmp_path / "target" / "model.safetensors"), metadata={"format": "pt"})
+    with mock.patch.object(graphs, "EXTERNAL_DATA_THRESHOLD", 0):
+        manifest = build(BuildOptions(str(tmp_path / "target"), None, tmp_path / "art", max_seq_len=64, quiet=True))
+    art = tmp_path / "art"
+    assert manifest["mtp"]["graph"] == "mtp.onnx" and manifest["io"]["mtp"]["inputs"][0]["name"] == "input_ids"
+    assert manifest["mtp"]["weights_shared_with_target"] == ["model.embed_tokens.weight"]
+    stored = onnx.load(str(art / "mtp.onnx"), load_external_data=False)
+    embed = next(t for t in stored.graph.initializer if t.name == "model.embed_tokens.weight")
+    assert {e.key: e.value for e in embed.external_data}["location"] == "target.onnx.data"
+    sess = ort.InferenceSession(str(art / "mtp.onnx"), providers=["CPUExecutionProvider"])
+    ref = Reference({**head, "model.embed_tokens.weight": state["model.embed_tokens.weight"]})
+    rng = np.random.default_rng(0)
+    tokens, hiddens = list(rng.integers(0, CONFIG["vocab_size"], 4)), rng.standard_normal((4, D)).astype(np.float32)
+    kv = np.zeros((0, CONFIG["num_key_value_heads"], CONFIG["head_dim"]), np.float32)
+    ids, out, _, _ = sess.run(None, {"input_ids": np.asarray(tokens, np.int64), "hidden": hiddens, "past_key": kv,
+                                     "past_value": kv})
+    want_id, want = ref(tokens, hiddens)
+    assert int(ids[0]) == want_id
+    assert_fp32_close(out[0], want, reduction=4 * D, depth=6, what="the built head")
+    args = make_parser().parse_args(["build", "--no-mtp"])
+    assert args.mtp is False and make_parser().parse_args(["build"]).mtp is True
