@@ -226,6 +226,10 @@ def build(options: BuildOptions) -> dict:
     dtype, quiet, proposal_head, max_seq_len = o.dtype, o.quiet, o.proposal_head, o.max_seq_len
     if o.draft_vocab == "full":
         dspec = replace(dspec, draft_vocab=None)
+    if heads is not None and dspec.draft_vocab is None:
+        # both drafters' proposals reach the target as ids: the DFlash draft ends in the proposal head
+        # (over the whole vocabulary where it names none), and the target takes ids
+        dspec = replace(dspec, draft_vocab=tuple(range(tspec.vocab_size)))
     # the manifest's source hashes read every shard once more: done on a thread while the draft and
     # the target template trace (CPU-bound, the disk idle), not after the weights are written
     hashes = SourceHashes(tspec, dspec)
@@ -237,11 +241,14 @@ def build(options: BuildOptions) -> dict:
         with stage(f"exporting draft.onnx{' and draft_batched.onnx' if o.batched else ''}"):
             batched_draft = {"batched_path": tmp / "draft_batched.onnx"} if o.batched and getattr(draft_kind, "BATCHES", False) else {}
             drafted = draft_kind.export_for_build(tspec, dspec, dstate, tsource, tmp / "draft.onnx", torch_dtype, qconfig,
-                                                  proposal_head, family.DRAFT_PROPOSES or o.batched, quiet, **batched_draft)
+                                                  proposal_head, family.DRAFT_PROPOSES or o.batched or heads is not None,
+                                                  quiet, **batched_draft)
             head_config, dquant = drafted.head_config, drafted.quant_plan
             del dstate
         with stage(f"exporting target.onnx{' and target_batched.onnx' if o.batched else ''} ({family.EXPORT_TITLE})"):
             extra = {"batched_path": tmp / "target_batched.onnx"} if o.batched else {}
+            if heads is not None:
+                extra["final_hidden"] = True  # the rows the MTP head reads
             exported = family.export_for_build(tspec, dspec, tsource, tmp / "target.onnx", torch_dtype, qconfig,
                                                proposal_head, quiet, **extra)
         shared = None

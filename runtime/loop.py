@@ -33,7 +33,7 @@ from runtime.options import GenerationOptions
 from runtime.results import GenerationResult, StreamChunk
 from runtime.speculation.policy import Policy
 from runtime.speculation.proposals import Choice, Proposal, Shape, StepRecord
-from runtime.speculation.proposers import DraftProposer, LookupProposer
+from runtime.speculation.proposers import DraftProposer, LookupProposer, MTPProposer
 from runtime.speculation.sampling import HostSampler, TokenLogprobs, verify_chain
 from runtime.text.reply import ReplyText
 from runtime.text.tools import with_tool_calls
@@ -78,6 +78,7 @@ class DecodeLoop:
         self.anchor_row = 0  # next_embeddings row holding the embedding of the last committed token
         self.anchor_valid = True  # False when a host sample is not the token whose embedding that row holds
         self.draft = DraftProposer(session, block_size)
+        self.mtp = MTPProposer(session) if opts.drafter == "mtp" else None
         self.lookup: LookupProposer | None = None  # the request's text, indexed for lookups (built in run)
         self.result: GenerationResult | None = None
 
@@ -107,6 +108,14 @@ class DecodeLoop:
     def _choose(self, limit: int) -> Choice:
         """This step's choice: the policy's, from the lookup's offer (where it keeps one) and its own
         estimates; a tree it cannot verify here runs as its chain (`_verifiable`)."""
+        if self.mtp is not None:  # the MTP chain, as long as the policy's fixed length (what the limit allows)
+            n = min(self.policy.proposals(limit), limit) if limit > 0 else 0
+            if n == 0:
+                return Choice(0)
+            t0 = time.perf_counter()
+            offer = self.mtp.propose(n, self.out[-1])
+            self.draft_s += time.perf_counter() - t0
+            return Choice(n, offer=offer)
         offers = []
         if self.constraint is not None and limit > 0:
             forced = self.constraint.forced(limit)
@@ -215,7 +224,7 @@ class DecodeLoop:
         self.draft_s = self.verify_s = 0.0
         self.lookup_steps = 0
         t_start = clock()
-        if self.policy.uses_lookup and self.s.draft_proposes:  # (indexing counts as prefill time)
+        if self.policy.uses_lookup and self.s.draft_proposes and self.mtp is None:  # (indexing counts as prefill time)
             self.lookup = LookupProposer(self.prompt)
         first, reused = self._prefill()
         t_prefill = clock()

@@ -265,3 +265,11 @@ def check_batched_graph(manifest: dict[str, Any], artifact_dir: Path) -> None:
         value = section.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise DFlashError(f"{artifact_dir}: {BATCHED_GRAPH}.{key} is {value!r}, expected a positive integer; rebuild")
+
+
+MTP_INPUTS = ("input_ids", "hidden", "past_key", "past_value")  # the MTP head's graph (`mtp.onnx`)
+
+
+def has_mtp(manifest: dict[str, Any]) -> bool:
+    """The artifact carries the target's multi-token-prediction head (`mtp.onnx`; Qwen3.5 / Qwen3.6)."""
+    return isinstance(manifest.get("mtp"), dict)

@@ -26,6 +26,8 @@ MAX_STOP_STRINGS = 16
 MIN_TEMPERATURE = 1e-5
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 TOOL_CHOICE_MODES = ("none", "auto", "required")
+DRAFTERS = ("auto", "dflash", "mtp")
+MTP_DEFAULT_LENGTH = 3  # chained MTP proposals a step when verify_len does not say (vLLM's and SGLang's usual 1-3)
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function-name rule (and "." as some clients send)
 
 
@@ -64,6 +66,9 @@ class GenerationOptions:
             not offered), "required" (the reply is one or more calls) or a function name / OpenAI's
             `{"type": "function", "function": {"name": ...}}` (one call of it); normalised to the name.
         parallel_tool_calls: "required" may produce several calls (False: exactly one).
+        drafter: where proposals come from: "auto" (default: the DFlash draft and lookups, as the policy
+            chooses), "dflash" (the same), or "mtp" (the target's multi-token-prediction head, chaining
+            `verify_len` proposals a step, MTP_DEFAULT_LENGTH when it is "auto"; artifacts with `mtp.onnx`).
     """
 
     max_new_tokens: int = 128
@@ -85,6 +90,7 @@ class GenerationOptions:
     tools: tuple | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    drafter: str = "auto"
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
@@ -142,6 +148,8 @@ class GenerationOptions:
         if self.forces_tool_call and self.constrained_output:
             raise DFlashError(f"tool_choice {self.tool_choice!r} forces a tool call: pass no response_format, grammar or "
                               'regex with it (or use tool_choice "auto")')
+        if self.drafter not in DRAFTERS:
+            raise DFlashError(f"drafter must be one of {', '.join(DRAFTERS)} (got {self.drafter!r:.80})")
         for flag in ("record_steps", "reuse_prefix", "logprobs", "parallel_tool_calls"):
             if not isinstance(getattr(self, flag), bool):
                 raise DFlashError(f"{flag} must be true or false (got {getattr(self, flag)!r})")

@@ -22,8 +22,9 @@ from runtime.graphs.calls import CachedContext, GraphCalls
 from runtime.graphs.row_exact import needs_row_padding
 from runtime.graphs.tree import TREE_RANKS, VerifyTree, parse_tree, verify_tree
 from runtime.loop import DecodeLoop
-from runtime.manifest import DTYPES, load_manifest
+from runtime.manifest import DTYPES, has_mtp, load_manifest
 from runtime.options import (
+    MTP_DEFAULT_LENGTH,
     GenerationOptions,
     check_speculation_options,
     check_vocabulary_options,
@@ -82,7 +83,9 @@ class Session(PromptEncoding, GraphCalls):
         self.artifact_dir = Path(artifact_dir)
         self.keep_logits = bool(keep_logits)
         self.manifest = m = load_manifest(self.artifact_dir)
-        self.backend = make_backend(backend, self.artifact_dir, m, threads, int4_accuracy_level)
+        # the MTP head's graph where the artifact has one (onnxruntime backends: no TensorRT engine for it yet)
+        graphs = ("target", "draft") + (("mtp",) if has_mtp(m) and backend != "trt" else ())
+        self.backend = make_backend(backend, self.artifact_dir, m, threads, int4_accuracy_level, graphs)
         self.dtype = np.dtype(DTYPES[m["dtype"]])
         self.max_seq_len = int(m["max_seq_len"])
         self.block_size = int(m["draft"]["block_size"])
@@ -246,6 +249,10 @@ class Session(PromptEncoding, GraphCalls):
             if chosen is not None and b > 1:
                 self._decide_row_padding()
                 policy = chosen
+            elif opts.drafter == "mtp" and b > 1:  # a fixed chain: verify_len's, or MTP_DEFAULT_LENGTH
+                self._decide_row_padding()
+                v = opts.verify_len
+                policy = FixedLength(b - 1 if v == "all" else MTP_DEFAULT_LENGTH if v in (None, "auto") else min(int(v), b - 1))
             else:
                 policy = self.policy(b, opts.verify_len)
             policy.start()
@@ -350,6 +357,14 @@ class Session(PromptEncoding, GraphCalls):
                 f"{total} exceeds the KV buffers' max_seq_len {self.max_seq_len}; {fix}"
             )
         check_vocabulary_options(opts, int(self.manifest["target"]["vocab_size"]), self.tokenizer is not None)
+        if opts.drafter == "mtp":
+            if not self.has_mtp:
+                raise DFlashError('drafter "mtp" needs the target\'s multi-token-prediction head, and this artifact has '
+                                  "none (mtp.onnx: built from a Qwen3.5 / Qwen3.6 checkpoint carrying mtp.* tensors, "
+                                  'without --no-mtp; the TensorRT backend does not run it yet); use drafter "dflash"')
+            if isinstance(opts.verify_len, str) and "+" in opts.verify_len:
+                raise DFlashError(f'verify_len "{opts.verify_len}" is a verify tree, which the DFlash draft proposes; '
+                                  'the MTP head chains one proposal after another: pass a number of proposals')
         return b
 
 

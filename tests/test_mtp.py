@@ -161,44 +161,186 @@ def test_two_layer_heads_and_heads_absent():
     assert qwen3_5.mtp_source(tspec, WeightSource("tiny", tensors=plain)) is None
 
 
-@pytest.mark.slow  # a hybrid build (a minute on AVX2)
-def test_build_exports_the_head_beside_the_target_reading_its_weights_file(tmp_path):
-    """`build` of a hybrid checkpoint carrying `mtp.*`: `mtp.onnx` beside the target, named in the
-    manifest, equal to the head exported on its own; with the target's weights in a data file, the head's
-    embedding points into that file (no second copy); `--no-mtp` sets the option that leaves it out."""
+def _fitted_head(model, steps: int = 150) -> dict[str, torch.Tensor]:
+    """A head fitted to `model` (a tiny random target): trained on its own greedy continuations of random
+    prompts to predict the token after next from (next token, final hidden state), so its proposals
+    are accepted often, though not always. Returns the `mtp.*` tensors."""
+    from dflash_export.nn.layers import causal_bias, rope_cos_sin
+
+    torch.manual_seed(0)
+    spec = HybridSpec.from_config({**CONFIG, "layer_types": list(model.config.layer_types),
+                                   "num_hidden_layers": model.config.num_hidden_layers})
+    head = MTPHead(spec)
+    head.load_state_dict({k.removeprefix("mtp."): v for k, v in _checkpoint().items() if k.startswith("mtp.")},
+                         strict=False)
+    head.model.embed_tokens.weight.data.copy_(model.model.embed_tokens.weight.data)
+    head.model.embed_tokens.weight.requires_grad_(False)
+    with torch.no_grad():  # start near "the next token again" (the fc passes the embedding, the layer adds little)
+        d = spec.hidden_size
+        head.fc.weight.copy_(torch.cat([torch.eye(d), 0.05 * torch.randn(d, d)], dim=1))
+        head.layers[0].self_attn.o_proj.weight.mul_(0.1)
+        head.layers[0].mlp.down_proj.weight.mul_(0.1)
+        head.norm.weight.zero_()
+    with torch.no_grad():
+        prompts = torch.randint(0, CONFIG["vocab_size"], (48, 6))
+        seqs = model.generate(prompts, max_new_tokens=40, do_sample=False, min_new_tokens=40, pad_token_id=0)
+        hidden = model(seqs, output_hidden_states=True).hidden_states[-1]
+    n, kv = seqs.shape[1], torch.zeros(0, spec.num_kv_heads, spec.head_dim)
+    rope = rope_cos_sin(torch.arange(n - 2), head.inv_freq, 1.0)
+    causal = causal_bias(n - 2, spec.num_heads // spec.num_kv_heads)
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=1e-3)
+    for step in range(steps):
+        i = step % len(seqs)
+        e = head.pre_fc_norm_embedding(head.model.embed_tokens(seqs[i, 1:-1]))
+        x = head.fc(torch.cat([e, head.pre_fc_norm_hidden(hidden[i, :-2])], dim=-1))
+        h, _ = head.layers[0](x, (kv, kv), rope, causal)
+        logits = head.norm(h) @ head.head_weight().T
+        loss = torch.nn.functional.cross_entropy(logits, seqs[i, 2:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {f"mtp.{k}": v.detach().clone() for k, v in head.state_dict().items() if not k.startswith("model.")}
+
+
+@pytest.fixture(scope="module")
+def mtp_pair(tmp_path_factory):
+    """A 3-layer hybrid checkpoint carrying a random `mtp.*` head, built (untrained DFlash draft, fp32,
+    max_seq_len 64) with the target's weights in a data file: (checkpoint dir, artifact, the head's
+    reference tensors, the Hugging Face target)."""
     from unittest import mock
+
+    import transformers
+    from hybrid_fixtures import THREE_LAYER_TYPES, six_layer_model
+    from safetensors.torch import save_file
+    from shared_cache import shared_dir
+
+    from dflash_export.build import BuildOptions, build
+    from dflash_export.export import graphs
+
+    def make(root):
+        model = six_layer_model(THREE_LAYER_TYPES)
+        model.save_pretrained(root / "target", safe_serialization=True)
+        state = {k: v.clone().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # (tied)
+        head = _fitted_head(model)
+        save_file({**state, **head}, str(root / "target" / "model.safetensors"), metadata={"format": "pt"})
+        with mock.patch.object(graphs, "EXTERNAL_DATA_THRESHOLD", 0):
+            build(BuildOptions(str(root / "target"), None, root / "art", max_seq_len=64, quiet=True))
+
+    root = shared_dir(tmp_path_factory, "mtp_hybrid", make)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(root / "target" / "model.safetensors"))
+    ckpt = {k: v for k, v in stored.items() if k.startswith("mtp.") or k == "model.embed_tokens.weight"}
+    model = transformers.Qwen3_5ForCausalLM.from_pretrained(root / "target", dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    return root / "target", root / "art", ckpt, model
+
+
+@pytest.mark.slow  # a hybrid build (a minute on AVX2)
+def test_build_exports_the_head_beside_the_target_reading_its_weights_file(mtp_pair):
+    """`build` of a hybrid checkpoint carrying `mtp.*`: `mtp.onnx` beside the target, named in the
+    manifest, equal to the reference; with the target's weights in a data file, the head's embedding
+    points into that file (no second copy); `--no-mtp` sets the option that leaves it out."""
+    import json
 
     import onnx
     import onnxruntime as ort
-    from hybrid_fixtures import THREE_LAYER_TYPES, six_layer_model
-    from safetensors.torch import save_file
 
-    from dflash_export.build import BuildOptions, build
     from dflash_export.cli import make_parser
-    from dflash_export.export import graphs
 
-    model = six_layer_model(THREE_LAYER_TYPES)
-    model.save_pretrained(tmp_path / "target", safe_serialization=True)
-    state = {k: v.clone().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # (tied)
-    head = {k: v for k, v in _checkpoint().items() if k.startswith("mtp.")}
-    save_file({**state, **head}, str(tmp_path / "target" / "model.safetensors"), metadata={"format": "pt"})
-    with mock.patch.object(graphs, "EXTERNAL_DATA_THRESHOLD", 0):
-        manifest = build(BuildOptions(str(tmp_path / "target"), None, tmp_path / "art", max_seq_len=64, quiet=True))
-    art = tmp_path / "art"
+    _, art, ckpt, _ = mtp_pair
+    manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["mtp"]["graph"] == "mtp.onnx" and manifest["io"]["mtp"]["inputs"][0]["name"] == "input_ids"
     assert manifest["mtp"]["weights_shared_with_target"] == ["model.embed_tokens.weight"]
+    assert manifest["io"]["target"]["outputs"][-1]["name"] == "final_hidden"
     stored = onnx.load(str(art / "mtp.onnx"), load_external_data=False)
     embed = next(t for t in stored.graph.initializer if t.name == "model.embed_tokens.weight")
     assert {e.key: e.value for e in embed.external_data}["location"] == "target.onnx.data"
     sess = ort.InferenceSession(str(art / "mtp.onnx"), providers=["CPUExecutionProvider"])
-    ref = Reference({**head, "model.embed_tokens.weight": state["model.embed_tokens.weight"]})
     rng = np.random.default_rng(0)
     tokens, hiddens = list(rng.integers(0, CONFIG["vocab_size"], 4)), rng.standard_normal((4, D)).astype(np.float32)
     kv = np.zeros((0, CONFIG["num_key_value_heads"], CONFIG["head_dim"]), np.float32)
     ids, out, _, _ = sess.run(None, {"input_ids": np.asarray(tokens, np.int64), "hidden": hiddens, "past_key": kv,
                                      "past_value": kv})
-    want_id, want = ref(tokens, hiddens)
+    want_id, want = Reference(ckpt)(tokens, hiddens)
     assert int(ids[0]) == want_id
     assert_fp32_close(out[0], want, reduction=4 * D, depth=6, what="the built head")
     args = make_parser().parse_args(["build", "--no-mtp"])
     assert args.mtp is False and make_parser().parse_args(["build"]).mtp is True
+
+
+def _reference_steps(model, ref: Reference, prompt: list[int], n_new: int, chain: int):
+    """Greedy decoding with the MTP head recomputed from scratch at every step (no caches anywhere): per
+    step (proposals, accepted), and the reply. The target's final hidden states are Hugging Face's."""
+    seq, steps = list(prompt), []
+    with torch.no_grad():
+        def target(ids):
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+            return out.logits[0].argmax(-1).tolist(), out.hidden_states[-1][0].numpy()
+
+        greedy, _ = target(seq)
+        seq.append(greedy[-1])
+        while len(seq) - len(prompt) < n_new:
+            limit = min(chain, n_new - (len(seq) - len(prompt)) - 1)
+            if limit <= 0:
+                greedy, _ = target(seq)
+                seq.append(greedy[-1])
+                steps.append(([], 0))
+                continue
+            _, hidden = target(seq[:-1])  # the rows the target has verified: all but the last token
+            tokens, states = seq[1:], list(hidden)
+            proposals = []
+            for _ in range(limit):
+                token, state = ref(tokens, states)
+                proposals.append(token)
+                tokens, states = tokens + [token], states + [state]
+            greedy, _ = target(seq + proposals)
+            posterior = greedy[len(seq) - 1:]
+            acc = next((j for j, p in enumerate(proposals) if p != posterior[j]), len(proposals))
+            seq += proposals[:acc] + [posterior[acc]]
+            steps.append((proposals, acc))
+    return seq[len(prompt):], steps
+
+
+@pytest.mark.slow  # the hybrid MTP build (shared with the test above)
+def test_mtp_drafting_equals_plain_and_a_from_scratch_reference(mtp_pair):
+    """`drafter="mtp", verify_len=3`: the reply equals plain decoding and a reference that recomputes the
+    target and the head from scratch at every step; each step's chained proposals and acceptance equal
+    the reference's; `StepRecord.source` says "mtp"; seeded sampling gives the plain reply; the
+    default drafter still equals plain."""
+    import runtime
+
+    _, art, ckpt, model = mtp_pair
+    prompt = [int(t) for t in torch.randint(0, CONFIG["vocab_size"], (6,), generator=torch.Generator().manual_seed(11))]
+    with runtime.load(art) as sess:
+        plain = sess.generate(prompt, max_new_tokens=20, block_size=1, stop_token_ids=[])
+        mtp = sess.generate(prompt, max_new_tokens=20, drafter="mtp", verify_len=3, stop_token_ids=[],
+                            record_steps=True, reuse_prefix=False)
+        want, steps = _reference_steps(model, Reference(ckpt), prompt, 20, 3)
+        assert mtp.output_ids == plain.output_ids == want
+        assert [(s["proposed"], s["accepted"]) for s in mtp.steps] == [(list(p), a) for p, a in steps]
+        assert {s["source"] for s in mtp.steps if s["proposed"]} == {"mtp"}  # (the last steps, too short to draft, are plain)
+        assert sum(a for _, a in steps) > 0  # the head's proposals were accepted
+        again = sess.generate(prompt, max_new_tokens=20, drafter="mtp", verify_len=3, stop_token_ids=[])
+        assert again.output_ids == plain.output_ids  # (the cached prefix reused, the head's cache with it)
+        rejected = 0
+        for kw in (dict(temperature=0.8, seed=3), dict(temperature=0.9, top_k=20, seed=5)):
+            want_sampled = sess.generate(prompt, max_new_tokens=16, block_size=1, **kw).output_ids
+            got = sess.generate(prompt, max_new_tokens=16, drafter="mtp", verify_len=2, record_steps=True, **kw)
+            assert got.output_ids == want_sampled
+            rejected += sum(s["accepted"] < len(s["proposed"]) for s in got.steps)
+        assert rejected  # (samples that differ from the head's greedy proposals: the rejection path ran too)
+        assert sess.generate(prompt, max_new_tokens=16, stop_token_ids=[]).output_ids == plain.output_ids[:16]
+
+
+def test_drafter_mtp_without_a_head_is_one_clear_error(tmp_path_factory):
+    import runtime
+    import runtime_fixtures as rf
+
+    pair = rf.artifact("qwen3", tmp_path_factory)
+    with runtime.load(pair.artifact) as sess:
+        with pytest.raises(DFlashError, match='drafter "mtp" needs the target\'s multi-token-prediction head'):
+            sess.generate([5, 6, 7], max_new_tokens=4, drafter="mtp")
+        with pytest.raises(DFlashError, match="drafter must be one of auto, dflash, mtp"):
+            sess.generate([5, 6, 7], drafter="eagle")
+        assert sess.generate([5, 6, 7], max_new_tokens=3, drafter="dflash").output_ids

@@ -138,6 +138,19 @@ class HybridDFlashTarget(Qwen35TargetForExport):
         self.compute_dtype = dtype
 
 
+class HybridMTPTarget(HybridDFlashTarget):
+    """The hybrid DFlash target graph that also returns every row's final post-norm hidden state
+    (`final_hidden [T + N, d]`, the last output): what the MTP head (`nn.mtp`) reads. Built where the
+    artifact has the head."""
+
+    def forward(self, input_ids, proposals, temperature, uniform, *past):
+        proposal_ids = proposals if self.draft_proposes else self.propose(proposals)
+        ids = torch.cat([input_ids, proposal_ids], dim=0)
+        h, tap_features, new_caches = self.body(ids, past)
+        outs = self._outputs(self.head(h, input_ids.shape[0], proposal_ids, temperature, uniform, tap_features, new_caches))
+        return (*outs, h)
+
+
 def io_names(module: HybridDFlashTarget) -> tuple[list[str], list[str]]:
     """Input and output names of the hybrid DFlash target graph, in positional order."""
     ins = ["input_ids", "proposal_ids" if module.draft_proposes else "draft_hidden", "temperature", "uniform"]
@@ -145,7 +158,7 @@ def io_names(module: HybridDFlashTarget) -> tuple[list[str], list[str]]:
     for i, kind in enumerate(module.spec.layer_types):
         cin, cout = cache_names(kind, i)
         ins, outs = ins + cin, outs + cout
-    return ins, outs
+    return ins, outs + (["final_hidden"] if isinstance(module, HybridMTPTarget) else [])
 
 
 def export_inputs(module: HybridDFlashTarget) -> tuple:
@@ -183,8 +196,8 @@ def replication_layout(module: HybridDFlashTarget):
     spec = module.spec
 
     def make_template(kinds, taps):
-        return HybridDFlashTarget(replace(spec, layer_types=tuple(kinds)), taps, module.compute_dtype,
-                                  draft_proposes=module.draft_proposes)
+        return type(module)(replace(spec, layer_types=tuple(kinds)), taps, module.compute_dtype,
+                            draft_proposes=module.draft_proposes)
 
     return Layout(kinds=tuple(spec.layer_types), cache_names=cache_names, make_template=make_template,
                   export_inputs=export_inputs, io_names=io_names, folded=folded_constants, whole=_derived_in_graph)
@@ -273,16 +286,18 @@ def _derived_in_graph(name: str) -> bool:
 
 
 def export_for_build(tspec: TargetSpec, dspec, source, path: Path, dtype: torch.dtype, qconfig, proposal_head: str,
-                     quiet: bool, batched_path: Path | None = None) -> ExportedTarget:
+                     quiet: bool, batched_path: Path | None = None, final_hidden: bool = False) -> ExportedTarget:
     """`build`'s target step for a hybrid (family hook; fp32 or fp16, INT4 with `qconfig`): the graph at
     `path`, each weight read from its shard (a ConditionalGeneration's under its text name) when its
     initializer is written, INT4-quantized on the way, as for Qwen3 targets; with `batched_path`, also the
-    batched hybrid target (`nn.batched_hybrid`) there, reading the target graph's weights file."""
+    batched hybrid target (`nn.batched_hybrid`) there, reading the target graph's weights file. With
+    `final_hidden`, the target graph also returns its rows' final hidden states (`HybridMTPTarget`)."""
 
     text = source.renamed(text_weight_name)
     # a batched build's draft proposes ids (the batched graph verifies ids), so the target takes them too
-    proposes = draft_proposes(DRAFT_PROPOSES or batched_path is not None, dspec, qconfig)
-    module, readers = target_export_module(tspec, dspec, text, dtype, HybridDFlashTarget, _derived_in_graph, proposes)
+    proposes = draft_proposes(DRAFT_PROPOSES or batched_path is not None or final_hidden, dspec, qconfig)
+    module_class = HybridMTPTarget if final_hidden else HybridDFlashTarget
+    module, readers = target_export_module(tspec, dspec, text, dtype, module_class, _derived_in_graph, proposes)
     names = _quantized_names(module, qconfig) if qconfig is not None else []
     head_config = proposal_head_config(proposal_head, "draft_head" in readers, qconfig, tspec.hybrid.hidden_size)
     rewrite = streaming_rewrite(readers, text, dtype, qconfig, names, head_config)

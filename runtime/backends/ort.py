@@ -21,6 +21,7 @@ from runtime.manifest import (
     BATCHED_HYBRID_INPUTS,
     BATCHED_INPUTS,
     DTYPES,
+    MTP_INPUTS,
     TREE_INPUTS,
     TREE_SHAPE_INPUTS,
     draft_proposes,
@@ -103,6 +104,11 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
 
     if graph in (BATCHED_GRAPH, BATCHED_DRAFT_GRAPH):
         return _check_batched_io(graph, inputs, manifest)
+    if graph == "mtp":
+        if tuple(name for name, _ in inputs) != MTP_INPUTS:
+            raise DFlashError(f"mtp graph inputs {[n for n, _ in inputs]} are not {list(MTP_INPUTS)}; the artifact is "
+                              "damaged, rebuild it")
+        return None
     n = int(manifest[graph]["num_layers"])
     proposes = draft_proposes(manifest)
     proposals = "proposal_ids" if proposes else "draft_hidden"

@@ -218,6 +218,9 @@ class BatchEngine(PromptEncoding):
             if given:  # (refused, never ignored: the one-sequence Session runs them)
                 raise DFlashError(f"{name} are not supported by the BatchEngine yet; use a Session "
                                   "(`runtime.load`, or serve with --max-batch 1)")
+        if opts.drafter == "mtp":
+            raise DFlashError('drafter "mtp" is not supported by the BatchEngine yet; use a Session (`runtime.load`, '
+                              "or serve with --max-batch 1)")
         fixed = fixed_draft_block(self.manifest)
         check_speculation_options(opts, int(self.manifest["draft"]["block_size"]),
                                   fixed or max(MAX_BLOCK_SIZE, int(self.manifest["draft"]["block_size"])),

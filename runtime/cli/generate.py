@@ -53,6 +53,9 @@ def add_generate_arguments(g: argparse.ArgumentParser) -> None:
                    help="proposals verified per step: auto (default: chosen per step from this device's measured "
                         "costs and the running acceptance, 0 when speculation would not pay), all, 1..block_size-1, or a "
                         "verify tree L+A (L top-1 proposals plus A more candidates for the first position, e.g. 1+3)")
+    g.add_argument("--drafter", choices=("auto", "dflash", "mtp"), default="auto",
+                   help="where proposals come from: auto (default: the DFlash draft and lookups), dflash, or mtp (the "
+                        "target's multi-token-prediction head, artifacts with mtp.onnx; --verify-len chained proposals, 3 by default)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples the target's distribution")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling in (0, 1] (default 1: off)")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
@@ -84,7 +87,7 @@ def cmd_generate(args) -> int:
         res = sess.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             block_size=args.block_size, chat=args.chat, seed=args.seed, record_steps=args.steps,
                             verify_len=None if args.verify_len == "auto" else args.verify_len,
-                            top_p=args.top_p, top_k=args.top_k, stop=args.stop)
+                            top_p=args.top_p, top_k=args.top_k, stop=args.stop, drafter=args.drafter)
         trained = sess.manifest["draft"]["trained"]
     if args.json:
         print(json.dumps(res.to_dict(with_steps=args.steps)))

@@ -15,6 +15,8 @@ import numpy as np
 
 from runtime.backends.base import View
 from runtime.backends.profiles import MAX_BLOCK_SIZE
+
+MTP_CALL_ROWS = 64  # entries per MTP head call (its graph's bound, as a hybrid target's rows per call)
 from runtime.errors import DFlashError
 from runtime.graphs.recurrent import RecurrentState
 from runtime.graphs.tree import VerifyTree, verify_tree
@@ -94,8 +96,58 @@ class GraphCalls:
         if tree_inputs_exported(m):  # a target taking proposal ids needs no ranks (the host picked the ids)
             self.tree_depth, self.tree_bias = be.alloc(np.int64, mb), be.alloc(np.float32, mb * mb)
             self.tree_rank = None if self.draft_proposes else be.alloc(np.int64, mb)
+        self._allocate_mtp(m, hidden)
         mask_row = load_mask_embedding(self.artifact_dir / m["mask_embedding"], hidden).astype(self.dtype)
         be.write(self.block.rows(0, mb), np.broadcast_to(mask_row, (mb, hidden)))
+
+    def _allocate_mtp(self, m: dict, hidden: int) -> None:
+        """The MTP head's buffers where its graph is loaded: the target's final hidden state of every
+        context row (the head's input), the head's own K/V cache `[max_seq_len, Hkv, D]`, its entry ids
+        and two rows for its output state (a chained call reads one and writes the other)."""
+        self.has_mtp = "mtp" in getattr(self.backend, "sessions", {})  # (loaded by the Session where the artifact has it)
+        self.mtp_len = 0  # head cache rows entered with the target's states (chained rows past it are scratch)
+        if not self.has_mtp:
+            return
+        be, S, mtp = self.backend, self.max_seq_len, m["mtp"]
+        self.final_hidden = be.alloc(self.dtype, S, (hidden,))
+        self.mtp_k = be.alloc(self.dtype, S, (mtp["num_kv_heads"], mtp["head_dim"]))
+        self.mtp_v = be.alloc(self.dtype, S, (mtp["num_kv_heads"], mtp["head_dim"]))
+        self.mtp_ids = be.alloc(np.int64, MTP_CALL_ROWS)
+        self.mtp_next = be.alloc(np.int64, 1)
+        self.mtp_out = be.alloc(self.dtype, 2, (hidden,))
+
+    def mtp_propose(self, n: int, last: int) -> list[int]:
+        """`n` chained proposals of the MTP head after the last committed token `last`: first the head
+        enters every committed row it lacks (the token after each row with the target's final hidden
+        state of that row; calls of at most MTP_CALL_ROWS entries), whose last output is proposal 1;
+        then each further proposal enters the previous one with the head's own output state. The
+        chained rows are scratch: the next call enters the verified rows again from `mtp_len`."""
+        ctx, be = self.context, self.backend
+        ids, c = ctx.ids + [last], len(ctx.ids)
+        self.mtp_len = min(self.mtp_len, c)
+        while self.mtp_len < c:  # catch up: entry i = (ids[i + 1], final hidden of row i)
+            start, k = self.mtp_len, min(c - self.mtp_len, MTP_CALL_ROWS)
+            be.write(self.mtp_ids.rows(0, k), np.asarray(ids[start + 1:start + 1 + k], np.int64))
+            self.run_mtp(k, start, self.final_hidden.rows(start, k), out_row=0)
+            self.mtp_len += k
+        proposals = [int(be.read(self.mtp_next.rows(0, 1))[0])]
+        for j in range(1, n):  # chained: (the last proposal, the head's own output) at row c + j - 1
+            be.write(self.mtp_ids.rows(0, 1), np.array([proposals[-1]], np.int64))
+            self.run_mtp(1, c + j - 1, self.mtp_out.rows((j - 1) % 2, 1), out_row=j % 2)
+            proposals.append(int(be.read(self.mtp_next.rows(0, 1))[0]))
+        return proposals
+
+    def run_mtp(self, n: int, past: int, hidden, out_row: int) -> None:
+        """One MTP head call: entries `mtp_ids` rows [0, n) with `hidden` (a `[n, d]` view) after the head's
+        cache rows [0, past); writes its K/V at row `past`, the greedy id after the last entry to
+        `mtp_next` and its output state to `mtp_out` row `out_row`."""
+        if self.closed:
+            raise DFlashError("this Session is closed; load the artifact again")
+        inputs = {"input_ids": self.mtp_ids.rows(0, n), "hidden": hidden, "past_key": self.mtp_k.rows(0, past),
+                  "past_value": self.mtp_v.rows(0, past)}
+        outputs = {"next_ids": self.mtp_next.rows(0, 1), "mtp_hidden": self.mtp_out.rows(out_row, 1),
+                   "key": self.mtp_k.rows(past, n), "value": self.mtp_v.rows(past, n)}
+        self.backend.run("mtp", inputs, outputs)
 
     # ---- the steps of a generation (what `runtime.loop` calls; it touches no buffer itself) ------
     def reuse_prefix(self, prompt: list[int], reuse: bool = True) -> int:
@@ -108,6 +160,7 @@ class GraphCalls:
         reused = ctx.keep_prefix(prompt)  # a failed call below leaves these rows valid
         if self.recurrent is not None and self.recurrent.keep(reused) < reused:  # the state cannot roll back that far
             reused = ctx.keep_prefix([])
+        self.mtp_len = min(self.mtp_len, reused)
         return reused
 
     def prefill(self, prompt: list[int], start: int) -> int:
@@ -222,6 +275,8 @@ class GraphCalls:
             "next_embeddings": self.next_embeddings.rows(0, n_proposals + 1),
             "taps": self.taps.rows(taps_row, rows),
         }
+        if self.has_mtp:  # the final hidden state of every row, at its cache row (the MTP head's input)
+            outputs["final_hidden"] = self.final_hidden.rows(past, rows)
         if self.draft_proposes:  # the ids the host wrote sit right after the posterior: read_ids reads both
             inputs["proposal_ids"] = proposals
         else:
@@ -269,6 +324,7 @@ class GraphCalls:
         """Empty the cached context (KV rows and any recurrent state): the next request prefills
         from position 0. The caller holds the session's lock (or owns the session)."""
         self.context = CachedContext()
+        self.mtp_len = 0
         if self.recurrent is not None:
             self.recurrent.forget()
 

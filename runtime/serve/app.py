@@ -244,7 +244,7 @@ class OpenAIApi:
             message = str(exc).replace("max_new_tokens", "max_tokens")
             # the artifact's limits on options: their messages start with the option's name
             first = message.split(" ", 1)[0]
-            named = first if first in ("top_k", "verify_len", "block_size", "tool_choice") else None
+            named = first if first in ("top_k", "verify_len", "block_size", "tool_choice", "drafter") else None
             raise ApiError(400, message, param=named) from None
         constrained = next((name for name in ("response_format", "grammar", "regex", "tools") if name in opts), None)
         if constrained is not None:

@@ -36,6 +36,7 @@ _OPTION_FIELDS = {
     "verify_len": "verify_len",
     "block_size": "block_size",
     "reuse_prefix": "reuse_prefix",
+    "drafter": "drafter",
 }
 _IGNORED = {"user", "metadata"}  # no effect on the output
 # output constraints (`runtime.text.constraints`): OpenAI's response_format, and the extensions grammar

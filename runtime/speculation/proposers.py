@@ -2,6 +2,7 @@
 
 - :class:`DraftProposer`: the DFlash draft fills the block after the last committed token in one
   graph call (its candidates and probabilities where the draft ends in the proposal head).
+- :class:`MTPProposer`: the target's multi-token-prediction head (Qwen3.5 / Qwen3.6), chained.
 - :class:`LookupProposer`: a continuation of the request's own text after its last n-gram
   (`runtime.speculation.lookup`), no graph call.
 
@@ -51,6 +52,25 @@ class DraftProposer:
             return Proposal(self.source)
         candidates, probs = self.calls.read_draft_proposals(rows)
         return Proposal(self.source, candidates=candidates, probs=probs)
+
+
+class MTPProposer:
+    """The target's multi-token-prediction head on a session's graph calls (`GraphCalls.mtp_propose`):
+    `n` chained greedy proposals after the last committed token, the head's cache caught up on the
+    verified rows first.
+
+    Args:
+        calls: the session's :class:`runtime.graphs.calls.GraphCalls` (an artifact with `mtp.onnx`).
+    """
+
+    source = "mtp"
+
+    def __init__(self, calls: GraphCalls):
+        self.calls = calls
+
+    def propose(self, n: int, last: int) -> Proposal:
+        """`n` (>= 1) proposals after the last committed token `last`, as ids."""
+        return Proposal(self.source, ids=np.asarray(self.calls.mtp_propose(n, last), np.int64))
 
 
 class LookupProposer:
