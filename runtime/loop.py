@@ -258,13 +258,15 @@ class DecodeLoop:
             if self.opts.record_steps:
                 self.steps.append(record.summary())
             yield chunk
+        if self.constraint is not None and self.constraint.finished:  # (complete exactly at max_new_tokens)
+            self.reply.finish_reason = "stop"
         tail = self.reply.finish()
         if tail:
             yield StreamChunk(tail, [])
         t_end = clock()
         self.result = self._result(t_start, t_prefill, t_end, reused)
         if self.opts.uses_tools:
-            with_tool_calls(self.result, self.s.tool_format, self.opts.tools)
+            with_tool_calls(self.result, self.s.tool_format, self.opts)
 
     def _result(self, t_start: float, t_prefill: float, t_end: float, reused: int) -> GenerationResult:
         total, decode = t_end - t_start, t_end - t_prefill

@@ -28,7 +28,7 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 DRAFTERS = ("auto", "dflash", "mtp")
 MTP_DEFAULT_LENGTH = 3  # chained MTP proposals a step when verify_len does not say (vLLM's and SGLang's usual 1-3)
-TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function-name rule (and "." as some clients send)
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # (matched whole: `fullmatch`)  # OpenAI's function-name rule (and "." as some clients send)
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,9 @@ class GenerationOptions:
             raise DFlashError("top_logprobs needs logprobs=True")
         set_("tools", check_tools(self.tools) or None)
         set_("tool_choice", check_tool_choice(self.tool_choice, self.tools or ()))
+        if self.forces_tool_call and self.stop:
+            raise DFlashError(f"tool_choice {self.tool_choice!r} forces a tool call, which a stop string would cut; "
+                              'pass no stop with it (or use tool_choice "auto")')
         if self.forces_tool_call and self.constrained_output:
             raise DFlashError(f"tool_choice {self.tool_choice!r} forces a tool call: pass no response_format, grammar or "
                               'regex with it (or use tool_choice "auto")')
@@ -298,8 +301,11 @@ def check_tools(tools: Any) -> tuple[dict, ...]:
         if not isinstance(fn, dict):
             raise DFlashError(f'{where}.function must be an object with a name (and description, parameters)')
         name = fn.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.match(name):
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
             raise DFlashError(f"{where}.function.name must be 1-64 letters, digits, '_', '-' or '.' (got {name!r:.80})")
+        if name in TOOL_CHOICE_MODES:
+            raise DFlashError(f"{where}.function.name {name!r} is one of tool_choice's modes (none, auto, required); "
+                              "name the function otherwise")
         if name in names:
             raise DFlashError(f"{where}.function.name {name!r} is given twice; function names must be unique")
         names.add(name)
@@ -317,6 +323,9 @@ def check_tools(tools: Any) -> tuple[dict, ...]:
         extra = sorted(set(fn) - {"name", "description", "parameters", "strict"})
         if extra:
             raise DFlashError(f"{where}.function has unknown fields {extra}")
+        extra = sorted(set(tool) - {"type", "function"})
+        if extra:
+            raise DFlashError(f"{where} has unknown fields {extra}")
         entry = {"name": name, "parameters": params}
         if desc:
             entry["description"] = desc

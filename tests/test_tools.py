@@ -221,3 +221,78 @@ def test_parallel_and_named_choices(byte_tokenizer):
     named = HERMES.grammar(TOOLS, "get_weather", parallel=True)  # a named function: one call of it
     assert not _follows(byte_tokenizer, named, one)
     assert _follows(byte_tokenizer, named, two[len(one) + 1:])
+
+
+# ---- what a hostile client tried (each was a bug) ------------------------------------------------------
+def test_parameter_schemas_with_defs_and_refs_compile(byte_tokenizer):
+    """Nested models (`$defs` / `$ref`, as pydantic writes them) and a recursive `#` work inside the call
+    schema, where the parameters are no longer the root."""
+    loc = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+           "additionalProperties": False}
+    nested = {"type": "function", "function": {"name": "trip", "parameters": {
+        "$defs": {"Loc": loc}, "type": "object", "properties": {"to": {"$ref": "#/$defs/Loc"}}, "required": ["to"],
+        "additionalProperties": False}}}
+    tree = {"type": "function", "function": {"name": "node", "parameters": {
+        "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+        "required": ["kids"], "additionalProperties": False}}}
+    tools = GenerationOptions(tools=[nested, tree]).tools
+    grammar = HERMES.grammar(tools, "required", parallel=False)
+    assert _follows(byte_tokenizer, grammar, '<tool_call>\n{"name": "trip", "arguments": {"to": {"city": "Oslo"}}}\n</tool_call>')
+    assert not _follows(byte_tokenizer, grammar, '<tool_call>\n{"name": "trip", "arguments": {"to": {"town": "Oslo"}}}\n</tool_call>')
+    assert _follows(byte_tokenizer, grammar, '<tool_call>\n{"name": "node", "arguments": {"kids": [{"kids": []}]}}\n</tool_call>')
+    for form in (XML, LLAMA):
+        assert form.grammar(tools, "required", parallel=True)
+
+
+@pytest.mark.parametrize("form, text", [
+    (LLAMA, '{"name": "get_weather", "parameters": {"city": "Oslo"}}'),
+    (XML, "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"),
+    (HERMES, '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>'),  # (name last)
+])
+def test_a_call_read_whole_streams_its_arguments_at_its_own_index(form, text):
+    content, calls = _streamed(text, form, 10_000)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Oslo"})]
+
+
+def test_an_end_marker_inside_a_string_argument_does_not_end_the_call():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}\n</tool_call>'
+    whole = read_tool_calls(text, HERMES, TOOLS)
+    assert whole[0] is None and json.loads(whole[1][0]["function"]["arguments"]) == {"city": "a</tool_call>b"}
+    for step in (1, 4):
+        content, calls = _streamed(text, HERMES, step)
+        assert content == "" and [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city": "a</tool_call>b"}')]
+    scalar = '<tool_call>\n{"name": "get_time", "arguments": 5}\n</tool_call>'  # (not an object: kept as written)
+    assert read_tool_calls(scalar, HERMES, TOOLS)[1][0]["function"]["arguments"] == "5"
+    assert _streamed(scalar, HERMES, 1)[1][0]["arguments"] == "5"
+
+
+def test_a_forced_call_cut_short_leaves_no_markup_in_the_content():
+    for cut in ("<", "<tool_call>", '<tool_call>\n{"name": "get_weather", "'):
+        assert read_tool_calls(cut, HERMES, TOOLS, forced=True)[0] is None
+    two = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name":'
+    content, calls = read_tool_calls(two, HERMES, TOOLS, forced=True)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tools=[{"type": "function", "function": {"name": "ab\n"}}]), r"tools\[0\].function.name must be"),
+    (dict(tools=[{"type": "function", "function": {"name": "none"}}]), "one of tool_choice's modes"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}, "foo": 1}]), r"tools\[0\] has unknown fields \['foo'\]"),
+    (dict(tools=[WEATHER], tool_choice="required", stop=["}"]), "a stop string would cut"),
+])
+def test_more_malformed_tools_are_named(kwargs, match):
+    with pytest.raises(DFlashError, match=match):
+        GenerationOptions(**kwargs)
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "user", "content": "x", "tool_call_id": "c1"}], "only tool turns answer a tool call"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"type": "retrieval", "function": {"name": "f"}}]}],
+     r'tool_calls\[0\].type must be "function"'),
+    ([{"role": "assistant", "content": "x", "tool_calls": False}], "tool_calls must be a list"),
+])
+def test_malformed_tool_turns_are_named(messages, match):
+    from runtime.text.tokenizer import check_messages
+
+    with pytest.raises(DFlashError, match=match):
+        check_messages(messages)

@@ -408,7 +408,7 @@ class BatchEngine(PromptEncoding):
                     seq.handle.emit("chunk", StreamChunk(tail, []))
                 result = seq.result(seq.policy_name(self.speculates))
                 if seq.opts.uses_tools:
-                    with_tool_calls(result, self.tool_format, seq.opts.tools)
+                    with_tool_calls(result, self.tool_format, seq.opts)
                 seq.handle.emit("done", result)
             with self.cond:
                 self._leave(seq)

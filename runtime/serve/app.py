@@ -175,7 +175,8 @@ class OpenAIApi:
         loop = asyncio.get_running_loop()
         job = await loop.run_in_executor(self._prepare, self._prepare_job, req, loop)
         tools = _offered_tools(req)
-        reader = ToolCallReader(self.session.tool_format, tools) if tools else None
+        forced = req.options.get("tool_choice") not in ("none", "auto", None)
+        reader = ToolCallReader(self.session.tool_format, tools, forced) if tools else None
         reply = Reply(req, self.model_name, self.session.tokenizer.decode, reader)
         handed_over = False
         try:
@@ -267,7 +268,18 @@ class OpenAIApi:
         try:  # (its first mask too: a grammar that matches nothing, or one too large to parse, fails here,
             self.session.constraint(options).allowed()  # named, off the generation worker)
         except DFlashError as exc:
-            raise ApiError(400, str(exc), param=name) from None
+            raise ApiError(400, self._which_tool(options, exc) if name == "tools" else str(exc), param=name) from None
+
+    def _which_tool(self, options: GenerationOptions, exc: DFlashError) -> str:
+        """A tools grammar's compile error, naming the first tool whose parameters fail alone (llguidance's
+        message cut to its first line, at most 300 characters)."""
+        first = str(exc).splitlines()[0][:300]
+        for i, tool in enumerate(options.tools):
+            try:
+                self.session.constraint(GenerationOptions(tools=[tool], tool_choice="required"))
+            except DFlashError as alone:
+                return f"tools[{i}].function.parameters: {str(alone).splitlines()[0][:300]}"
+        return first
 
     def _stop_ids(self, extra: list[int]) -> list[int]:
         """The model's stop ids and a request's `stop_token_ids` (vLLM's: ids that stop the reply as well

@@ -118,6 +118,8 @@ def check_messages(messages) -> list[dict]:
         calls = m.get("tool_calls")
         if calls is not None and role != "assistant":
             raise DFlashError(f"messages[{i}].tool_calls: only assistant turns carry tool calls")
+        if m.get("tool_call_id") is not None and role != "tool":
+            raise DFlashError(f"messages[{i}].tool_call_id: only tool turns answer a tool call")
         if content is None and calls:
             content = ""
         content = _text_content(content, i)
@@ -127,7 +129,7 @@ def check_messages(messages) -> list[dict]:
         if extra:
             raise DFlashError(f"messages[{i}] has unsupported fields {extra}")
         entry = {"role": role, "content": content}
-        if calls:
+        if calls is not None:
             entry["tool_calls"] = _check_calls(calls, i)
         if role == "tool":
             call_id = m.get("tool_call_id")
@@ -160,6 +162,8 @@ def _check_calls(calls, i: int) -> list[dict]:
         raise DFlashError(f"messages[{i}].tool_calls must be a list of tool calls")
     out = []
     for j, c in enumerate(calls):
+        if isinstance(c, dict) and c.get("type", "function") != "function":
+            raise DFlashError(f'messages[{i}].tool_calls[{j}].type must be "function"')
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
                 or not isinstance(fn.get("arguments", "{}"), (str, dict)):

@@ -85,15 +85,18 @@ class ToolFormat:
         """
         import llguidance
 
-        chosen = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
+        defs: dict = {}
+        chosen = [{**t["function"], "parameters": _hoisted(i, t["function"]["parameters"], defs)}
+                  for i, t in enumerate(tools) if choice == "required" or t["function"]["name"] == choice]
         many = parallel and choice == "required"
+        extra = {"$defs": defs} if defs else {}
         if self.name == "llama3_json":
-            schema = {"anyOf": [_call_schema(f, "parameters") for f in chosen], "x-guidance": _TOOL_JSON}
+            schema = {"anyOf": [_call_schema(f, "parameters") for f in chosen], **extra, "x-guidance": _TOOL_JSON}
             return llguidance.grammar_from("json_schema", json.dumps(schema))
         start = 'start: call ("\\n" call)*\n' if many else "start: call\n"
         if self.name == "xml":
-            return llguidance.grammar_from("lark", start + _xml_rules(chosen))
-        schema = {"anyOf": [_call_schema(f, "arguments") for f in chosen], "x-guidance": _TOOL_JSON}
+            return llguidance.grammar_from("lark", start + _xml_rules(chosen, defs))
+        schema = {"anyOf": [_call_schema(f, "arguments") for f in chosen], **extra, "x-guidance": _TOOL_JSON}
         return llguidance.grammar_from("lark", start + f'call: "<tool_call>\\n" %json {json.dumps(schema)} "\\n</tool_call>"\n')
 
 
@@ -128,12 +131,46 @@ def _hermes_call(name: str, arguments: str | dict) -> str:
     return f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n</tool_call>'
 
 
+def _hoisted(index: int, params: dict, defs: dict) -> dict:
+    """`params` (function `index`'s parameter schema) with its `$defs` / `definitions` moved into `defs`
+    (the call schema's root, under names prefixed `f<index>_`) and its `$ref`s rewritten to them (`#`,
+    the parameters themselves, too): inside the call schema the parameters are no longer the root."""
+    local = {f"#/{key}/{name}": f"#/$defs/f{index}_{name}"
+             for key in ("$defs", "definitions") for name in (params.get(key) or {})}
+    root = f"#/$defs/f{index}__root"
+    used_root = False
+
+    def rewrite(node):
+        nonlocal used_root
+        if isinstance(node, list):
+            return [rewrite(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for k, v in node.items():
+            if k == "$ref" and isinstance(v, str) and v.startswith("#"):  # (other refs: llguidance names them)
+                hit = next((new + v[len(p):] for p, new in local.items() if v == p or v.startswith(p + "/")), None)
+                if hit is None:  # a pointer into the parameters themselves
+                    used_root, hit = True, root + v[1:]
+                v = hit
+            out[k] = rewrite(v)
+        return out
+
+    body = rewrite({k: v for k, v in params.items() if k not in ("$defs", "definitions")})
+    for key in ("$defs", "definitions"):
+        for name, schema in (params.get(key) or {}).items():
+            defs[f"f{index}_{name}"] = rewrite(schema)
+    if used_root:
+        defs[f"f{index}__root"] = body
+    return body
+
+
 def _call_schema(fn: dict, key: str) -> dict:
     return {"type": "object", "properties": {"name": {"const": fn["name"]}, key: fn["parameters"]},
             "required": ["name", key], "additionalProperties": False}
 
 
-def _xml_rules(functions: list[dict]) -> str:
+def _xml_rules(functions: list[dict], defs: dict) -> str:
     """Lark rules of the xml form: per function its parameters in schema order (required ones always,
     the others optional); string values are text without "</" (so `</parameter>` ends them), others JSON."""
     rules = ["call: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
@@ -142,7 +179,7 @@ def _xml_rules(functions: list[dict]) -> str:
         required = set(fn["parameters"].get("required", []) or [])
         parts = []
         for j, (pname, pschema) in enumerate(props.items()):
-            if not isinstance(pname, str) or not _NAME.match(pname):
+            if not isinstance(pname, str) or not _NAME.fullmatch(pname):
                 raise DFlashError(f"function {fn['name']!r}: parameter name {pname!r:.80} cannot be written in the xml "
                                   "tool-call form (letters, digits, '_', '-' or '.')")
             value = f"V{i}_{j}"
@@ -150,7 +187,8 @@ def _xml_rules(functions: list[dict]) -> str:
                 rules.append(f'{value}: /([^<]|<[^\\/])*\\n<\\/parameter>\\n/')
                 body = value
             else:
-                rules.append(f"v{i}_{j}: %json {json.dumps({**(pschema if isinstance(pschema, dict) else {}), 'x-guidance': _TOOL_JSON})}")
+                own = {**(pschema if isinstance(pschema, dict) else {}), **({"$defs": defs} if defs else {}), "x-guidance": _TOOL_JSON}
+                rules.append(f"v{i}_{j}: %json {json.dumps(own)}")
                 body = f'v{i}_{j} "\\n</parameter>\\n"'
             part = f'"<parameter={pname}>\\n" {body}'
             parts.append(f"({part})" if pname in required else f"({part})?")
@@ -189,16 +227,20 @@ class ToolCallReader:
     """Splits a reply, as it arrives, into content and tool calls.
 
     Feed it text deltas (`feed`), then `finish()`; each returns (content delta, [ToolCallDelta]).
-    `calls` holds the OpenAI `tool_calls` read so far. A call whose function is not in `tools` or that
-    does not parse stays in the content.
+    `calls` holds the OpenAI `tool_calls` read so far. A call whose function is not in `tools`, or whose
+    head does not parse, stays in the content; once its name is out, a call stands, and its arguments
+    are the text written (OpenAI's: they may not parse, e.g. cut by max_tokens).
 
     Args:
         form: the ToolFormat.
         tools: the request's checked tools.
+        forced: a forced call (tool_choice "required" or named): text outside calls (an unfinished
+            marker cut by max_tokens) is dropped, never content.
     """
 
     form: ToolFormat
     tools: tuple[dict, ...]
+    forced: bool = False  # tool_choice "required" or named: the reply is calls only, other text is dropped
     calls: list[dict] = field(default_factory=list)
     content: str = ""
     _buffer: str = ""  # text not yet given out
@@ -228,8 +270,8 @@ class ToolCallReader:
         return content, deltas
 
     def result(self) -> tuple[str | None, list[dict]]:
-        """(the content, None when it is only whitespace beside calls; the calls)."""
-        if self.calls and not self.content.strip():
+        """(the content, None when it is only whitespace beside calls or the call was forced; the calls)."""
+        if self.forced or self.calls and not self.content.strip():
             return None, self.calls
         return self.content, self.calls
 
@@ -258,7 +300,7 @@ class ToolCallReader:
                 continue
             if self.form.name == "llama3_json":
                 return content, deltas  # (read whole at finish)
-            end = self._buffer.find(_END)
+            end = self._call_end(self._buffer, final)
             if end < 0:
                 deltas += self._open_call(self._buffer)
                 return content, deltas
@@ -266,9 +308,20 @@ class ToolCallReader:
             content, deltas = content + c, deltas + d
             self._buffer, self._inside = self._buffer[end + len(_END):], False
 
+    def _call_end(self, body: str, final: bool) -> int:
+        """Where the end marker of the open call is (-1: not yet): after its JSON object where the body
+        is one (a `</tool_call>` inside a string argument does not end the call)."""
+        start = len(body) - len(body.lstrip())
+        if self.form.name == "xml" or not body[start:start + 1] == "{":
+            return body.find(_END)
+        done = start + _json_value_end(body[start:])
+        return body.find(_END, done) if done < len(body) or final else -1
+
     def _content(self, text: str) -> str:
         """Content out, whitespace held back until something else follows (so the newlines between
-        calls never become content)."""
+        calls never become content; a forced call's reply has none)."""
+        if self.forced:
+            return ""
         body = text.rstrip()
         if not body:
             self._space += text
@@ -318,7 +371,7 @@ class ToolCallReader:
                 self.calls[-1]["function"]["arguments"] = parsed[1]
                 deltas.append(ToolCallDelta(len(self.calls) - 1, arguments=parsed[1]))
         elif parsed is not None and parsed[0] in self._names:
-            deltas += [self._header(parsed[0]), ToolCallDelta(len(self.calls), arguments=parsed[1])]
+            deltas += [self._header(parsed[0]), ToolCallDelta(len(self.calls) - 1, arguments=parsed[1])]
             self.calls[-1]["function"]["arguments"] = parsed[1]
         else:  # not a call: its text is content
             text = (_START + body + (_END if closed else "")) if self.form.name != "llama3_json" else body
@@ -364,7 +417,14 @@ def _json_call(body: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
 
 
 def _json_value_end(text: str) -> int:
-    """Where the JSON value at the start of `text` ends (its length so far while it is still open)."""
+    """Where the JSON value at the start of `text` ends (its length so far while it is still open): an
+    object or array at its closing bracket, a string at its closing quote, a number or literal before
+    the first character that cannot continue it."""
+    lead = len(text) - len(text.lstrip())
+    first = text[lead:lead + 1]
+    if first and first not in '{["':
+        rest = text[lead:]
+        return lead + next((i for i, ch in enumerate(rest) if ch in ",}] \n\t\r"), len(rest))
     depth, in_string, escaped = 0, False, False
     for i, ch in enumerate(text):
         if in_string:
@@ -374,6 +434,8 @@ def _json_value_end(text: str) -> int:
                 escaped = True
             elif ch == '"':
                 in_string = False
+                if depth == 0:
+                    return i + 1
         elif ch == '"':
             in_string = True
         elif ch in "{[":
@@ -393,20 +455,29 @@ def _partial_marker(text: str, marker: str) -> int:
     return 0
 
 
-def read_tool_calls(text: str, form: ToolFormat, tools: tuple[dict, ...]) -> tuple[str | None, list[dict]]:
+def read_tool_calls(text: str, form: ToolFormat, tools: tuple[dict, ...],
+                    forced: bool = False) -> tuple[str | None, list[dict]]:
     """A whole reply's (content, tool calls), as a streamed reader would give them."""
-    reader = ToolCallReader(form, tools)
+    reader = ToolCallReader(form, tools, forced)
     reader.feed(text)
     reader.finish()
     return reader.result()
 
 
-def with_tool_calls(result, form: ToolFormat, tools: tuple[dict, ...]):
-    """`result` (a GenerationResult with text) with its `tool_calls` and `content` read, and finish_reason
-    "tool_calls" where it holds calls and ended by itself (a stop token or the grammar's end)."""
+def with_tool_calls(result, form: ToolFormat, opts):
+    """`result` (a GenerationResult with text) with its `tool_calls` and `content` read (`opts`: the
+    request's GenerationOptions), and finish_reason "tool_calls" where it holds calls, ended by itself
+    (a stop token or the grammar's end) and every call's arguments parse as a JSON object."""
     if result.text is None:
         return result
-    result.content, result.tool_calls = read_tool_calls(result.text, form, tools)
-    if result.tool_calls and result.finish_reason == "stop":
+    result.content, result.tool_calls = read_tool_calls(result.text, form, opts.tools, opts.forces_tool_call)
+    if result.tool_calls and result.finish_reason == "stop" and all(_object(c) for c in result.tool_calls):
         result.finish_reason = "tool_calls"
     return result
+
+
+def _object(call: dict) -> bool:
+    try:
+        return isinstance(json.loads(call["function"]["arguments"]), dict)
+    except ValueError:
+        return False
