@@ -104,7 +104,6 @@ class Session(PromptEncoding, GraphCalls):
         self._lock = threading.Lock()
         self._owner: int | None = None  # the thread that holds _lock
         self.tokenizer = load_tokenizer(self.artifact_dir, m)
-        self._grammar_tokenizer = None  # built at the first constrained request
         self._allocate()
 
     def policy(self, block_size: int, verify_len: int | str | None = None) -> Policy:
@@ -155,29 +154,6 @@ class Session(PromptEncoding, GraphCalls):
             raise DFlashError(f'verify_len "{verify_len}" asks for {tree.alternatives} alternatives, but this draft ranks '
                               f"only {k} candidates (a proposal vocabulary of {k} ids); use at most {k - 1}")
         return tree
-
-    def constraint(self, opts: GenerationOptions):
-        """The request's output constraint (`runtime.text.constraints.Constraint`), or None without one.
-
-        Raises:
-            DFlashError: an artifact without a tokenizer, llguidance missing, a malformed or unsupported
-                response_format, or a grammar, regex or schema that does not compile.
-        """
-        if not opts.constrained:
-            return None
-        from runtime.text.constraints import Constraint, GrammarTokenizer, constraint_grammar
-
-        if opts.forces_tool_call and self.tokenizer is not None:
-            grammar = self.tool_format.grammar(opts.tools, opts.tool_choice, opts.parallel_tool_calls)
-        else:
-            grammar = constraint_grammar(opts.response_format, opts.grammar, opts.regex)  # (its shape errors first)
-        if self.tokenizer is None:
-            raise DFlashError("response_format, grammar, regex and tool_choice need the artifact's tokenizer; "
-                              "rebuild it with one")
-        if self._grammar_tokenizer is None:
-            self._grammar_tokenizer = GrammarTokenizer(self.artifact_dir / "tokenizer" / "tokenizer.json",
-                                                       int(self.manifest["target"]["vocab_size"]), self.stop_token_ids)
-        return Constraint(self._grammar_tokenizer, grammar)
 
     def close(self) -> None:
         """Release the backend's graphs and device memory; the session cannot generate afterwards."""

@@ -9,7 +9,9 @@ each worker from those same checkpoints.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -17,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-# The suite never reads or writes the user's cache of measured step costs (runtime.graphs.costs).
+# The suite never reads or writes the user's cache of measured step costs (runtime.graphs.costs); each
+# test process removes its own directory when it exits.
 os.environ["DFLASH_EXPORT_CALL_COSTS"] = tempfile.mkdtemp(prefix="dflash-test-costs-")
+atexit.register(shutil.rmtree, os.environ["DFLASH_EXPORT_CALL_COSTS"], ignore_errors=True)
 
 # Under `pytest -n N` the workers share the cores: each worker's torch (and the subprocesses it starts)
 # gets cores / N intra-op threads. Two OpenMP threads per worker on 2 busy cores spin for one another:

@@ -174,10 +174,12 @@ class BatchEngine(PromptEncoding):
         handle = BatchedGeneration(on_event)
         stops = set(self.stop_token_ids if opts.stop_token_ids is None else opts.stop_token_ids)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
+        constraint = self.constraint(opts)  # (compiled here, in the caller's thread: a bad grammar changes nothing)
         with self.cond:
             if self.closed:
                 raise DFlashError("this BatchEngine is closed; load the artifact again")
-            self.waiting.append(BatchedSequence(handle, ids, opts, stops, decode, self.block_size if self.speculates else 1))
+            self.waiting.append(BatchedSequence(handle, ids, opts, stops, decode, self.block_size if self.speculates else 1,
+                                                constraint))
             self.cond.notify_all()
         return handle
 
@@ -213,11 +215,6 @@ class BatchEngine(PromptEncoding):
         :meth:`runtime.Session.check_request` says: a request is refused or run alike whatever
         `--max-batch`), prompt + max_new_tokens beyond max_seq_len, stop ids or top_k outside the vocabulary, stop strings
         without a tokenizer."""
-        for name, given in (("response_format, grammar, regex and a forced tool_choice", opts.constrained),
-                            ("logprobs", opts.logprobs)):
-            if given:  # (refused, never ignored: the one-sequence Session runs them)
-                raise DFlashError(f"{name} are not supported by the BatchEngine yet; use a Session "
-                                  "(`runtime.load`, or serve with --max-batch 1)")
         if opts.drafter == "mtp":
             raise DFlashError('drafter "mtp" is not supported by the BatchEngine yet; use a Session (`runtime.load`, '
                               "or serve with --max-batch 1)")
@@ -342,6 +339,7 @@ class BatchEngine(PromptEncoding):
             spec, t0 = self.speculation, time.perf_counter()
             before = sum(len(s.reply.out) for s in decoding)
             proposals, drafts = spec.propose(decoding) if spec is not None else ([((), None)] * len(decoding), [])
+            proposals = [_grammar_proposals(s, p) for s, p in zip(decoding, proposals)]
             outcomes = self._call(decoding, proposals, 1)
             self.speculative_steps += bool(outcomes)
             if spec is not None:  # (the step's whole time: its host work differs between plain and speculative steps)
@@ -358,7 +356,7 @@ class BatchEngine(PromptEncoding):
         generations in it (their slots are freed)."""
         rows = [s.next_rows(chunk, p[0]) for s, p in zip(seqs, proposals)]
         prefill = [s.prefilling for s in seqs]
-        host = any(s.opts.samples_on_host for s, r in zip(seqs, rows) if r.wanted)
+        host = any(s.opts.on_host for s, r in zip(seqs, rows) if r.wanted)
         t0 = time.perf_counter()
         ids = self.calls.run(rows, keep_logits=host)
         self.last_call_s = time.perf_counter() - t0
@@ -367,7 +365,8 @@ class BatchEngine(PromptEncoding):
             posterior, base = ids[k:k + r.wanted], k
             k += r.wanted
             sampler = HostSampler(seq.opts.temperature, seq.opts.top_k, seq.opts.top_p,
-                                  lambda j, base=base: self.calls.read_logits(base + j)) if seq.opts.samples_on_host else None
+                                  lambda j, base=base: self.calls.read_logits(base + j), seq.constraint,
+                                  seq.logprobs) if seq.opts.on_host else None
             if prefill[i]:
                 committed_rows, tokens = len(r.ids), []
                 if r.wanted:
@@ -397,7 +396,12 @@ class BatchEngine(PromptEncoding):
             seq.t_first = time.perf_counter()
         cancelled = seq.handle.cancelled.is_set()
         if not cancelled:
+            start = len(seq.reply.out)
             chunk = seq.reply.commit(tokens)
+            if seq.logprobs is not None:
+                chunk.logprobs = seq.logprobs.entries[start:start + len(chunk.token_ids)]
+            if seq.constraint is not None and seq.constraint.finished:  # the grammar is complete: the reply ends
+                seq.reply.finish_reason = "stop"
             if seq.lookup is not None:
                 seq.lookup.extend(chunk.token_ids)
             seq.handle.emit("chunk", chunk)
@@ -412,3 +416,17 @@ class BatchEngine(PromptEncoding):
                 seq.handle.emit("done", result)
             with self.cond:
                 self._leave(seq)
+
+
+def _grammar_proposals(seq: BatchedSequence, proposal: tuple) -> tuple:
+    """A constrained sequence's proposals: the draft's cut where the grammar forbids one (never verified),
+    or the tokens the grammar forces where they are more (free proposals, verified like any)."""
+    if seq.constraint is None:
+        return proposal
+    ids, probs = proposal
+    ids = list(ids)[:seq.constraint.valid_prefix(list(ids))] if len(ids) else []
+    room = seq.opts.max_new_tokens - len(seq.reply.out) - 1
+    forced = seq.constraint.forced(min(max(seq.block_size - 1, 0), room)) if seq.block_size > 1 else []
+    if len(forced) > len(ids):
+        return tuple(forced), None
+    return tuple(ids), probs if len(ids) else None

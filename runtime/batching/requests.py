@@ -15,6 +15,7 @@ from runtime.batching.calls import SequenceRows
 from runtime.options import GenerationOptions
 from runtime.results import GenerationResult, StreamChunk
 from runtime.speculation.lookup import NgramLookup
+from runtime.speculation.sampling import TokenLogprobs
 from runtime.text.reply import ReplyText
 
 log = logging.getLogger("runtime.batching")
@@ -82,8 +83,10 @@ class BatchedSequence:
     """A request in the engine: its prompt, options, slot, reply so far and speculation state."""
 
     def __init__(self, handle: BatchedGeneration, prompt: list[int], opts: GenerationOptions, stop_ids: set[int],
-                 decode, block_size: int):
+                 decode, block_size: int, constraint=None):
         self.handle, self.prompt, self.opts = handle, prompt, opts
+        self.constraint = constraint  # its output constraint (`runtime.text.constraints`), None without one
+        self.logprobs = TokenLogprobs(opts.top_logprobs) if opts.logprobs else None
         self.reply = ReplyText(decode, opts.stop, stop_ids)
         self.uniforms = np.random.default_rng(opts.seed).random(opts.max_new_tokens, dtype=np.float32)
         self.slot = -1
@@ -129,7 +132,7 @@ class BatchedSequence:
         else:
             ids = [self.reply.out[-1], *proposals]
             wanted = len(ids)
-        host = opts.samples_on_host
+        host = opts.on_host
         last = len(self.uniforms) - 1
         return SequenceRows(self.slot, self.cached, list(ids), wanted=wanted,
                             temperature=0.0 if host else opts.temperature,
@@ -154,4 +157,5 @@ class BatchedSequence:
             decode_tokens_per_s=(len(out) - 1) / decode if decode > 0 and len(out) > 1 else 0.0,
             prefill_s=first - self.t_start, draft_s=self.draft_s, verify_s=self.verify_s,
             host_s=max(decode - self.draft_s - self.verify_s, 0.0), policy=policy,
-            prompt_tokens=len(self.prompt), reused_tokens=self.reused)
+            prompt_tokens=len(self.prompt), reused_tokens=self.reused,
+            logprobs=self.logprobs.entries[:len(out)] if self.logprobs is not None else None)

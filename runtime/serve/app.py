@@ -256,15 +256,11 @@ class OpenAIApi:
         """Compile the request's output constraint once before it queues, so a bad schema or grammar is
         a 400 naming the field (the Session compiles it again for the run: milliseconds)."""
         options = GenerationOptions(**opts)
-        if options.uses_tools and not options.constrained and not isinstance(self.session, BatchEngine):
+        if options.uses_tools and not options.constrained:
             # "auto": no grammar runs, but the tools' parameter schemas must compile as "required" would
             options = GenerationOptions(**{**opts, "tool_choice": "required"})
         if not options.constrained:
             return
-        if isinstance(self.session, BatchEngine):
-            raise ApiError(400, f"{name} is not supported by the batched server yet (--max-batch > 1); serve "
-                                "this artifact with --max-batch 1 for structured output", param=name,
-                           code="unsupported_parameter")
         try:  # (its first mask too: a grammar that matches nothing, or one too large to parse, fails here,
             self.session.constraint(options).allowed()  # named, off the generation worker)
         except DFlashError as exc:

@@ -12,11 +12,13 @@ from runtime.text.tools import ToolFormat, tool_format
 
 
 class PromptEncoding:
-    """The Session's prompt methods; the class using it provides `manifest` (the artifact's) and
-    `tokenizer` (None for an artifact without one)."""
+    """The prompt and constraint methods of a Session or BatchEngine; the class using it provides
+    `manifest` (the artifact's), `artifact_dir`, `stop_token_ids` and `tokenizer` (None for an artifact
+    without one)."""
 
     manifest: dict
     tokenizer: object
+    _grammar_tokenizer = None  # (llguidance's view of the tokenizer: built at the first constrained request)
 
     def encode(self, prompt: str | Sequence[int], chat: bool = False, enable_thinking: bool | None = None,
                tools: Sequence[dict] | None = None) -> list[int]:
@@ -81,6 +83,30 @@ class PromptEncoding:
         if not ids:
             raise DFlashError("the chat template renders these messages to no tokens")
         return ids
+
+    def constraint(self, opts):
+        """The request's output constraint (`runtime.text.constraints.Constraint`) for its
+        GenerationOptions `opts`, or None without one.
+
+        Raises:
+            DFlashError: an artifact without a tokenizer, llguidance missing, a malformed or unsupported
+                response_format, or a grammar, regex or schema that does not compile.
+        """
+        if not opts.constrained:
+            return None
+        from runtime.text.constraints import Constraint, GrammarTokenizer, constraint_grammar
+
+        if opts.forces_tool_call and self.tokenizer is not None:
+            grammar = self.tool_format.grammar(opts.tools, opts.tool_choice, opts.parallel_tool_calls)
+        else:
+            grammar = constraint_grammar(opts.response_format, opts.grammar, opts.regex)  # (its shape errors first)
+        if self.tokenizer is None:
+            raise DFlashError("response_format, grammar, regex and tool_choice need the artifact's tokenizer; "
+                              "rebuild it with one")
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(self.artifact_dir / "tokenizer" / "tokenizer.json",
+                                                       int(self.manifest["target"]["vocab_size"]), self.stop_token_ids)
+        return Constraint(self._grammar_tokenizer, grammar)
 
     def _require_tokenizer(self):
         if self.tokenizer is None:
