@@ -29,8 +29,9 @@ from typing import Iterator
 import numpy as np
 
 from runtime.graphs.tree import VerifyTree
-from runtime.options import GenerationOptions
+from runtime.options import MTP_DEFAULT_LENGTH, GenerationOptions
 from runtime.results import GenerationResult, StreamChunk
+from runtime.speculation.drafters import DrafterChoice
 from runtime.speculation.policy import Policy
 from runtime.speculation.proposals import Choice, Proposal, Shape, StepRecord
 from runtime.speculation.proposers import DraftProposer, LookupProposer, MTPProposer
@@ -78,7 +79,12 @@ class DecodeLoop:
         self.anchor_row = 0  # next_embeddings row holding the embedding of the last committed token
         self.anchor_valid = True  # False when a host sample is not the token whose embedding that row holds
         self.draft = DraftProposer(session, block_size)
-        self.mtp = MTPProposer(session) if opts.drafter == "mtp" else None
+        # the MTP head: always with drafter "mtp"; with "auto" where the artifact has one, chosen per step
+        # against the policy's step by measured rate (`runtime.speculation.drafters`)
+        both = opts.drafter == "auto" and getattr(session, "has_mtp", False) and block_size > 1
+        self.chooser = DrafterChoice() if both else None
+        self.mtp = MTPProposer(session) if opts.drafter == "mtp" or both else None
+        self.mtp_length = MTP_DEFAULT_LENGTH if both else getattr(policy, "n", MTP_DEFAULT_LENGTH)
         self.lookup: LookupProposer | None = None  # the request's text, indexed for lookups (built in run)
         self.result: GenerationResult | None = None
 
@@ -105,11 +111,12 @@ class DecodeLoop:
         elif n_prop == 0:
             self.s.write_uniforms(np.zeros(1, np.float32))
 
-    def _choose(self, limit: int) -> Choice:
-        """This step's choice: the policy's, from the lookup's offer (where it keeps one) and its own
-        estimates; a tree it cannot verify here runs as its chain (`_verifiable`)."""
-        if self.mtp is not None:  # the MTP chain, as long as the policy's fixed length (what the limit allows)
-            n = min(self.policy.proposals(limit), limit) if limit > 0 else 0
+    def _choose(self, limit: int, mtp: bool = False) -> Choice:
+        """This step's choice: with `mtp`, the MTP head's chain; else the policy's, from the lookup's offer
+        (where it keeps one) and its own estimates; a tree it cannot verify here runs as its chain
+        (`_verifiable`)."""
+        if mtp:  # the MTP chain, `mtp_length` long (what the limit allows)
+            n = min(self.mtp_length, limit) if limit > 0 else 0
             if n == 0:
                 return Choice(0)
             t0 = time.perf_counter()
@@ -224,7 +231,7 @@ class DecodeLoop:
         self.draft_s = self.verify_s = 0.0
         self.lookup_steps = 0
         t_start = clock()
-        if self.policy.uses_lookup and self.s.draft_proposes and self.mtp is None:  # (indexing counts as prefill time)
+        if self.policy.uses_lookup and self.s.draft_proposes and (self.mtp is None or self.chooser is not None):
             self.lookup = LookupProposer(self.prompt)
         first, reused = self._prefill()
         t_prefill = clock()
@@ -235,7 +242,9 @@ class DecodeLoop:
         max_new = self.opts.max_new_tokens
         while self.reply.finish_reason != "stop" and len(self.out) < max_new and not self._grammar_done():
             limit = min(self.b - 1, max_new - len(self.out) - 1)  # never verify more than can be committed
-            choice = self._choose(limit)
+            side = "mtp" if self.mtp is not None and (self.chooser is None or self.chooser.choose() == "mtp") else "policy"
+            t_choice = clock()
+            choice = self._choose(limit, side == "mtp")
             source = choice.offer.source if choice.offer is not None else ("draft" if choice.shape else "plain")
             t_step, catch_up = clock(), source == "draft" and self.s.context.pending > self.b
             self.first_rank, self.step_draft_s = None, 0.0
@@ -251,7 +260,10 @@ class DecodeLoop:
                                 draft_seconds=self.step_draft_s, catch_up=catch_up,
                                 tree=shape if isinstance(shape, VerifyTree) else None, first_rank=self.first_rank,
                                 proposed=[int(t) for t in proposals], committed=chunk.token_ids)
-            self.policy.observe(record)
+            if self.chooser is not None:
+                self.chooser.observe(side, len(chunk.token_ids), clock() - t_choice)
+            if side == "policy" or self.chooser is None:  # (an auto policy learns from its own steps only)
+                self.policy.observe(record)
             if n_prop > 0:
                 self.acceptance.append(acc + 1)
                 self.lookup_steps += record.lookup

@@ -66,9 +66,11 @@ class GenerationOptions:
             not offered), "required" (the reply is one or more calls) or a function name / OpenAI's
             `{"type": "function", "function": {"name": ...}}` (one call of it); normalised to the name.
         parallel_tool_calls: "required" may produce several calls (False: exactly one).
-        drafter: where proposals come from: "auto" (default: the DFlash draft and lookups, as the policy
-            chooses), "dflash" (the same), or "mtp" (the target's multi-token-prediction head, chaining
-            `verify_len` proposals a step, MTP_DEFAULT_LENGTH when it is "auto"; artifacts with `mtp.onnx`).
+        drafter: where proposals come from: "auto" (default: the DFlash draft and lookups as the policy
+            chooses, and, where the artifact has the target's MTP head, that head's chain when it measures
+            faster: `runtime.speculation.drafters`), "dflash" (the draft and lookups only), or "mtp" (the
+            head's chain of `verify_len` proposals a step, MTP_DEFAULT_LENGTH when it is "auto";
+            artifacts with `mtp.onnx`).
     """
 
     max_new_tokens: int = 128

@@ -344,3 +344,44 @@ def test_drafter_mtp_without_a_head_is_one_clear_error(tmp_path_factory):
         with pytest.raises(DFlashError, match="drafter must be one of auto, dflash, mtp"):
             sess.generate([5, 6, 7], drafter="eagle")
         assert sess.generate([5, 6, 7], max_new_tokens=3, drafter="dflash").output_ids
+
+
+@pytest.mark.slow  # the hybrid MTP build (shared with the tests above)
+def test_auto_chooses_the_head_where_it_pays_and_leaves_it_where_it_does_not(mtp_pair, monkeypatch):
+    """`drafter="auto"` on an artifact with both drafters equals plain decoding either way, and tries the
+    head. (On this repetitive text lookups of 15 tokens outrun the head's chains of 3, so the policy's
+    side keeps most steps.) With a head whose proposals are always wrong, only probes are MTP steps."""
+    import runtime
+
+    _, art, _, _ = mtp_pair
+    prompt = [9, 80, 4, 41, 17, 3]
+    with runtime.load(art) as sess:
+        plain = sess.generate(prompt, max_new_tokens=40, block_size=1, stop_token_ids=[])
+        auto = sess.generate(prompt, max_new_tokens=40, stop_token_ids=[], record_steps=True, reuse_prefix=False)
+        assert auto.output_ids == plain.output_ids
+        assert "mtp" in [s["source"] for s in auto.steps]
+        real = sess.mtp_propose
+        monkeypatch.setattr(sess, "mtp_propose", lambda n, last: [(t + 1) % CONFIG["vocab_size"] for t in real(n, last)])
+        wrong = sess.generate(prompt, max_new_tokens=40, stop_token_ids=[], record_steps=True, reuse_prefix=False)
+        assert wrong.output_ids == plain.output_ids
+        sources = [s["source"] for s in wrong.steps]
+        assert sources.count("mtp") <= 2 + len(sources) // 8, sources  # the first try, then a probe every 8 steps
+
+
+def test_the_drafter_choice_follows_the_measured_rates():
+    from runtime.speculation.drafters import DrafterChoice
+
+    choice = DrafterChoice(probe_every=3, decay=0.5)
+    assert choice.choose() == "mtp"
+    choice.observe("mtp", 4, 0.1)  # 40 tokens/s
+    assert choice.choose() == "policy"
+    choice.observe("policy", 1, 0.05)  # 20 tokens/s
+    picks = []
+    for _ in range(8):
+        side = choice.choose()
+        picks.append(side)
+        choice.observe(side, 4 if side == "mtp" else 1, 0.1 if side == "mtp" else 0.05)
+    assert picks == ["mtp", "mtp", "mtp", "policy", "mtp", "mtp", "mtp", "policy"]
+    for _ in range(6):  # the head stops paying (the text changed): the policy's side takes over
+        choice.observe("mtp", 1, 0.2)
+    assert choice.choose() == "policy"

@@ -1,0 +1,53 @@
+"""Choosing the drafter per step where an artifact has two: the DFlash draft (with the policy's lookups
+and plain steps) and the target's own MTP head (`drafter="auto"`).
+
+Which one pays depends on the text (DFlash leads on code, MTP on prose, in other runtimes' measurements)
+and on the device (on small parts MTP's chain of calls can lose). So neither is assumed: each step's
+committed tokens per second are measured for the drafter that ran it, as a running (exponentially
+weighted) rate, and the step asks the faster one. The other is tried again every `probe_every` steps,
+so a change in the text or the load is noticed. The policy behind the DFlash side still decides its
+own verify lengths, lookups and plain steps, and keeps its "never slower than plain" guard.
+"""
+
+from __future__ import annotations
+
+DRAFTER_SIDES = ("mtp", "policy")
+
+
+class DrafterChoice:
+    """The per-step choice between the MTP chain ("mtp") and the policy's step ("policy").
+
+    Args:
+        probe_every: steps of the faster side between two tries of the other.
+        decay: weight of a side's previous rate in its running rate (0: the last step only).
+    """
+
+    def __init__(self, probe_every: int = 8, decay: float = 0.7):
+        self.probe_every, self.decay = int(probe_every), float(decay)
+        self.rates: dict[str, float | None] = {side: None for side in DRAFTER_SIDES}
+        self.since_probe = 0
+
+    @property
+    def best(self) -> str | None:
+        """The side with the higher running rate (None until both ran)."""
+        if any(r is None for r in self.rates.values()):
+            return None
+        return max(DRAFTER_SIDES, key=lambda side: self.rates[side])
+
+    def choose(self) -> str:
+        """The side the next step runs: an untried one first, else the faster, the other every
+        `probe_every` steps."""
+        for side in DRAFTER_SIDES:
+            if self.rates[side] is None:
+                return side
+        best = self.best
+        if self.since_probe >= self.probe_every:
+            return next(side for side in DRAFTER_SIDES if side != best)
+        return best
+
+    def observe(self, side: str, committed: int, seconds: float) -> None:
+        """A step of `side` committed `committed` tokens in `seconds` (its proposer's time included)."""
+        rate = committed / max(seconds, 1e-9)
+        old = self.rates[side]
+        self.rates[side] = rate if old is None else self.decay * old + (1.0 - self.decay) * rate
+        self.since_probe = 0 if side != self.best else self.since_probe + 1
