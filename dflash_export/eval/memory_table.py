@@ -65,9 +65,11 @@ def draft_config(target: dict) -> dict:
 INT4_BLOCK = 128  # build --quant int4 default: half a byte a weight plus one fp16 scale per 128
 
 
-def _layer_bytes(c: dict, int4: bool = False) -> int:
+def _layer_bytes(c: dict, int4: bool = False, gated: bool = False) -> int:
+    """One attention decoder layer; `gated`: Qwen3.5's q_proj also emits the output gate (twice the
+    query rows; o_proj reads the query width)."""
     h, q, kv = c["hidden"], c["heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
-    mats = h * q + 2 * h * kv + q * h + 3 * h * c["inter"]
+    mats = (2 if gated else 1) * h * q + 2 * h * kv + q * h + 3 * h * c["inter"]
     norms = 2 * h + 2 * c["head_dim"]  # input/post-attention norms, q_norm/k_norm (fp32)
     per_weight = 0.5 + FP16 / INT4_BLOCK if int4 else FP16
     return int(mats * per_weight) + norms * FP32
@@ -89,11 +91,19 @@ def hybrid_weight_bytes(t: dict, d: dict, int4: bool = False) -> tuple[int, int]
     """(target, draft) weight bytes of a Qwen3.5 hybrid: GDN layers, gated attention layers (q_proj emits
     query and gate: twice the query width), embedding/head fp16, norms and decay parameters fp32."""
     types = hybrid_types(t)
-    attn = dict(t, heads=2 * t["heads"])  # the output gate doubles q_proj's rows
-    target = (types.count("linear_attention") * _gdn_layer_bytes(t, int4) + types.count("full_attention") * _layer_bytes(attn, int4)
+    target = (types.count("linear_attention") * _gdn_layer_bytes(t, int4) + types.count("full_attention") * _layer_bytes(t, int4, gated=True)
               + t["vocab"] * t["hidden"] * FP16 * (1 if t["tie"] else 2) + t["hidden"] * FP32)
     draft = weight_bytes(t, d)[1] + (dflash2_extra_bytes(t, d) if t.get("draft") == "dflash2" else 0)
     return target, draft
+
+
+def mtp_head_bytes(t: dict, max_seq_len: int) -> tuple[int, int]:
+    """(weights, runtime buffers) of a hybrid's multi-token-prediction head (`mtp.onnx`, kept unquantized):
+    the fc [d, 2d], one gated attention layer with its MLP and three fp32 norms (embedding and LM head are
+    the target's, shared); its K/V cache [S, Hkv, D] x 2 and the target's final hidden rows [S, d], fp16."""
+    weights = 2 * t["hidden"] * t["hidden"] * FP16 + _layer_bytes(t, gated=True) + 3 * t["hidden"] * FP32
+    buffers = max_seq_len * (2 * t["kv_heads"] * t["head_dim"] + t["hidden"]) * FP16
+    return weights, buffers
 
 
 def dflash2_extra_bytes(t: dict, d: dict) -> int:
@@ -207,6 +217,7 @@ def rows(max_seq_len: int, block_size: int, reserve_gib: float, int4: bool = Fal
         out.append({
             "model": name, "target_weights": wt, "draft_weights": wd, "kv": kv, "other_buffers": buffers - kv,
             "activations": act, "total": total,
+            "mtp": sum(mtp_head_bytes(t, max_seq_len)) if "k_heads" in t else None,
             "fits": {dev: total <= (mem - reserve_gib) * GIB for dev, mem in DEVICES.items()},
         })
     return out
@@ -224,7 +235,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     table = rows(args.max_seq_len, args.block_size, args.reserve_gib, args.int4)
     g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     head = ["model (int4 W4A16)" if args.int4 else "model (fp16)", "target weights", "draft weights", "KV buffers", "other buffers", "activations (est.)", "total GiB",
-            *DEVICES]
+            "+ MTP head", *DEVICES]
     lines = []
     if args.markdown:
         lines.append("| " + " | ".join(head) + " |")
@@ -233,7 +244,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         lines.append("  ".join(head))
     for r in table:
         cells = [r["model"], g(r["target_weights"]), g(r["draft_weights"]), g(r["kv"]), g(r["other_buffers"]),
-                 g(r["activations"]), g(r["total"]), *("yes" if r["fits"][dev] else "no" for dev in DEVICES)]
+                 g(r["activations"]), g(r["total"]), "-" if r["mtp"] is None else g(r["mtp"]),
+                 *("yes" if r["fits"][dev] else "no" for dev in DEVICES)]
         lines.append(("| " + " | ".join(cells) + " |") if args.markdown else "  ".join(cells))
     print(f"max_seq_len {args.max_seq_len}, block {args.block_size}, reserve {args.reserve_gib} GiB (GiB = 2^30 bytes)")
     print("\n".join(lines))

@@ -14,12 +14,16 @@ from dflash_export.export.graphs import _trace, pack_and_rewrite, save_graph
 from dflash_export.nn.mtp import MTPHead, mtp_export_inputs
 
 
-def export_mtp(module: MTPHead, path: Path, weights_of: Path | None = None, rewrite=None) -> list[str]:
-    """Trace `module` (holding its weights) and write it to `path`; with `weights_of` (the target graph),
-    the tensors it shares with the target refer to the target's data file. Returns those names."""
+def export_mtp(module: MTPHead, path: Path, weights_of: Path | None = None, readers: dict | None = None,
+               rewrite=None) -> list[str]:
+    """Trace `module` and write it to `path`, its placeholder weights read from `readers`
+    (`weights.bind_weights`) one at a time as they are written; with `weights_of` (the target graph),
+    the tensors it shares with the target refer to the target's data file instead (never read).
+    Returns those names."""
+    readers = readers or {}
     args, names, dyn = mtp_export_inputs(module)
-    model = _trace(module, args, names, dyn, {})
-    pack_and_rewrite(model, {}, rewrite)
+    model = _trace(module, args, names, dyn, readers)
+    pack_and_rewrite(model, readers, rewrite)
     shared = _link_shared_weights(model, Path(weights_of)) if weights_of is not None else []
     if not shared:
         save_graph(model, Path(path))

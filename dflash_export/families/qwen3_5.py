@@ -40,6 +40,7 @@ from dflash_export.checkpoint.target import (
     safetensors_files,
 )
 from dflash_export.checkpoint.weights import (
+    bind_weights,
     check_weight_names,
     empty_module,
     load_module_weights,
@@ -377,11 +378,14 @@ def mtp_source(tspec: TargetSpec, source):
 
 
 def export_mtp_for_build(tspec: TargetSpec, heads, path: Path, dtype: torch.dtype, weights_of: Path | None) -> list[str]:
-    """`build`'s MTP step (family hook): the head of `mtp_source` at `path` in `dtype` (its weights loaded:
-    one decoder layer, the fc and the target's embedding and LM head, which link to the target graph's
-    data file where it has one). Returns the names linked."""
+    """`build`'s MTP step (family hook): the head of `mtp_source` at `path` in `dtype` (norms, the fc and
+    the RoPE frequencies fp32), each weight read from its shard when its initializer is written (the
+    target's embedding and LM head not at all where they link to the target graph's data file).
+    Returns the names linked."""
     from dflash_export.export.mtp import export_mtp
+    from dflash_export.nn.layers import cast_for_export
     from dflash_export.nn.mtp import MTPHead
 
-    module = load_module_weights(empty_module(lambda: MTPHead(tspec.hybrid, dtype)), heads, "the MTP head")
-    return export_mtp(module.to(dtype).eval(), Path(path), weights_of)
+    module = cast_for_export(empty_module(lambda: MTPHead(tspec.hybrid, dtype)).eval(), dtype)
+    readers = bind_weights(module, heads, f"the MTP head of {tspec.path}")
+    return export_mtp(module, Path(path), weights_of, readers)

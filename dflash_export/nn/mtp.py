@@ -74,7 +74,7 @@ class MTPHead(nn.Module):
         rope = rope_cos_sin(torch.arange(s, dtype=torch.int64) + p, self.inv_freq, 1.0)
         causal = causal_bias(s, spec.num_heads // spec.num_kv_heads)
         e = self.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))
-        x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
+        x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1).to(self.fc.weight.dtype)).to(e.dtype)
         h, (key, value) = self.layers[0](x, (past_key, past_value), rope, causal)
         out = self.norm(h[-1:])
         logits = nn.functional.linear(out, self.head_weight()).to(torch.float32)
