@@ -5,10 +5,13 @@ rolled-back calls; the graph on the TensorRT 10 list; the checkpoint checks (`fa
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
 from hybrid_fixtures import CONFIG
+from trt_doubles import doubles  # noqa: F401 (a fixture)
 from tolerances import assert_fp32_close
 
 from dflash_export.checkpoint.hybrid import HybridSpec
@@ -385,3 +388,27 @@ def test_the_drafter_choice_follows_the_measured_rates():
     for _ in range(6):  # the head stops paying (the text changed): the policy's side takes over
         choice.observe("mtp", 1, 0.2)
     assert choice.choose() == "policy"
+
+
+@pytest.mark.slow  # the hybrid MTP build (shared with the tests above)
+def test_the_head_runs_through_the_tensorrt_double_as_on_onnxruntime(mtp_pair, tmp_path, doubles):  # noqa: F811
+    """`engine` builds `mtp.plan` with its profile (1-64 new entries, 0..S-1 cached ones), and MTP drafting
+    through the TensorRT backend (the test double) equals onnxruntime's step by step."""
+    from trt_doubles import GPU, FakeTensorRT
+
+    import runtime
+    from dflash_export.trt.engine import build_engines
+
+    _, art, _, _ = mtp_pair
+    out = tmp_path / "engines"
+    shutil.copytree(art, out)
+    manifest = build_engines(out, precision="fp32", trt=FakeTensorRT("10.3.0.30"), gpu=GPU, quiet=True)
+    assert manifest["trt"]["plans"]["mtp"] == "mtp.plan"
+    profile = manifest["trt"]["profiles"]["mtp"][0]
+    assert profile["name"] == "mtp" and profile["shapes"]["input_ids"] == [[1], [1], [64]]
+    prompt = [9, 80, 4, 41, 17, 3]
+    kw = dict(max_new_tokens=24, drafter="mtp", verify_len=3, stop_token_ids=[], record_steps=True)
+    with runtime.load(out) as ort_sess, runtime.load(out, backend="trt") as trt_sess:
+        assert trt_sess.has_mtp
+        a, b = ort_sess.generate(prompt, **kw), trt_sess.generate(prompt, **kw)
+        assert b.output_ids == a.output_ids and b.steps == a.steps

@@ -42,6 +42,7 @@ from runtime.manifest import (
     DEFAULT_MAX_BATCH,
     DEFAULT_PREFILL_CHUNK,
     has_batched_draft,
+    has_mtp,
     is_hybrid,
 )
 
@@ -204,6 +205,14 @@ def batched_dim_ranges(manifest: dict, max_batch: int = DEFAULT_MAX_BATCH,
     ]
 
 
+def mtp_dim_ranges(manifest: dict) -> list[tuple[str, dict[str, Range]]]:
+    """(min, opt, max) of the MTP head's graph (`runtime.graphs.calls.GraphCalls.mtp_propose`), S =
+    max_seq_len: E new entries in [1, 64] (a prompt is entered in calls of 64; a step enters the
+    accepted rows, then one chained entry at a time: opt 1) after P cached entries in [0, S - 1]."""
+    S = int(manifest["max_seq_len"])
+    return [("mtp", {"new_entries": _clamp(1, 1, 64), "past_entries": _clamp(0, S // 2, max(S - 1, 0))})]
+
+
 def draft_pending_rows(manifest: dict, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
     """Tap rows a batched engine's slot keeps for its draft before the draft must read them: one
     prefill chunk and two blocks (`runtime.batching.drafts`)."""
@@ -245,6 +254,8 @@ def shape_ranges(manifest: dict, max_block_size: int | None = None, max_batch: i
         ranges[BATCHED_GRAPH] = batched_dim_ranges(manifest, max_batch, prefill_chunk)
     if has_batched_draft(manifest):
         ranges[BATCHED_DRAFT_GRAPH] = batched_draft_dim_ranges(manifest, max_batch, prefill_chunk)
+    if has_mtp(manifest) and "mtp" in io:
+        ranges["mtp"] = mtp_dim_ranges(manifest)
     for graph, profiles in ranges.items():
         out[graph] = []
         for name, dims in profiles:

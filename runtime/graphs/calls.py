@@ -104,7 +104,8 @@ class GraphCalls:
         """The MTP head's buffers where its graph is loaded: the target's final hidden state of every
         context row (the head's input), the head's own K/V cache `[max_seq_len, Hkv, D]`, its entry ids
         and two rows for its output state (a chained call reads one and writes the other)."""
-        self.has_mtp = "mtp" in getattr(self.backend, "sessions", {})  # (loaded by the Session where the artifact has it)
+        # (loaded by the Session where the artifact has it: an onnxruntime session or a TensorRT engine)
+        self.has_mtp = "mtp" in getattr(self.backend, "sessions", {}) or "mtp" in getattr(self.backend, "engines", {})
         self.mtp_len = 0  # head cache rows entered with the target's states (chained rows past it are scratch)
         if not self.has_mtp:
             return
