@@ -6,6 +6,14 @@ decoding (`block_size` 1) on one artifact, in alternating order, and the grammar
 --tools asks for tool calls instead (`tool_choice: "required"`, one call, the schemas as the
 functions' parameters).
 
+    PEER_PYTHON scripts/constrained_bench.py --llama GGUF [--rounds 3] [--max-new-tokens 96]
+
+runs the same schema requests through llama.cpp (llama-cpp-python's `create_chat_completion` with
+`response_format: {"type": "json_object", "schema": ...}`, its GBNF grammar), greedy, in a Python
+that has llama-cpp-python (it needs neither this package nor torch), and prints tok/s (completion
+tokens over wall time, prompt included) and validity per prompt, for a side-by-side table with
+`--wall` runs of ours.
+
 Prints, per prompt, the median tok/s of each mode over the rounds and their ratio, the median ratio,
 whether every pair of replies was equal (they must be) and valid JSON for the schema, and the mask
 cost per masked row against a plain step's time.
@@ -17,8 +25,6 @@ import argparse
 import json
 import statistics
 import time
-
-import runtime
 
 # four schemas of the kinds applications send: a record, a tool-call-like object, a list, an enum
 SCHEMAS = [
@@ -47,12 +53,19 @@ PROMPTS = [
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("artifact")
+    ap.add_argument("artifact", nargs="?")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tools", action="store_true", help="forced tool calls instead of response_format")
+    ap.add_argument("--llama", metavar="GGUF", help="run the requests through llama.cpp instead (no ARTIFACT)")
+    ap.add_argument("--wall", action="store_true", help="ours: default decoding's tok/s over wall time per request, "
+                                                         "as --llama reports it")
     args = ap.parse_args()
+    if args.llama or args.wall:
+        return wall_rates(args)
+    import runtime
+
     sess = runtime.load(args.artifact, threads=args.threads)
     ratios, equal, valid, finished = [], True, 0, 0
     mask_s = masks = 0
@@ -110,6 +123,47 @@ def main() -> None:
           f"{valid}/{len(PROMPTS)} (a reply cut by the token limit stops inside a value)")
     print(f"mask: {per_mask * 1e3:.3f} ms per row (vocabulary {sess.manifest['target']['vocab_size']}), "
           f"{per_mask / step:.1%} of a plain step's target call ({step * 1e3:.1f} ms)")
+
+
+def wall_rates(args) -> None:
+    """Per prompt: the median over rounds of completion tokens / wall seconds of one schema request
+    (greedy, chat), and whether the reply parses with the schema's required keys; through llama.cpp
+    (`--llama GGUF`) or our default decoding (`--wall ARTIFACT`)."""
+    if args.llama:
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=args.llama, n_ctx=2048, n_threads=args.threads or 2, verbose=False, seed=0)
+
+        def ask(messages, schema):
+            r = llm.create_chat_completion(messages=messages, temperature=0.0, max_tokens=args.max_new_tokens,
+                                           response_format={"type": "json_object", "schema": schema})
+            return r["choices"][0]["message"]["content"], r["usage"]["completion_tokens"]
+    else:
+        import runtime
+
+        sess = runtime.load(args.artifact, threads=args.threads)
+
+        def ask(messages, schema):
+            r = sess.chat(messages, max_new_tokens=args.max_new_tokens, response_format={
+                "type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+            return r.text, len(r.output_ids)
+    rates, valid = [], 0
+    for i, prompt in enumerate(PROMPTS):
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        runs = []
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            text, n = ask([{"role": "user", "content": prompt}], schema)
+            runs.append(n / (time.perf_counter() - t0))
+        try:
+            ok = all(k in json.loads(text) for k in schema["required"])
+        except (ValueError, TypeError):
+            ok = False
+        valid += ok
+        rates.append(statistics.median(runs))
+        print(f"prompt {i}: {rates[-1]:6.1f} tok/s  {'valid' if ok else 'INVALID'}  {text[:60]!r}")
+    print(f"median {statistics.median(rates):.1f} tok/s over {len(PROMPTS)} prompts x {args.rounds} rounds; "
+          f"valid with the required keys: {valid}/{len(PROMPTS)}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import runtime
 from runtime.batching import BatchEngine
 
 pytest.importorskip("llguidance")
+pytestmark = pytest.mark.slow  # a copy of the batched build with its own engine runs (`make test`)
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13], [40, 41], [70, 3, 9, 22, 31], [15, 16, 17], [60, 61, 62]]
 REQUESTS = [

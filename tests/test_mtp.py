@@ -90,6 +90,7 @@ def exported(tmp_path_factory):
     return ckpt, path, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
+@pytest.mark.slow  # an export (torch.export: 10-15 s on AVX2)
 def test_catch_up_chained_and_rolled_back_calls_equal_the_reference(exported):
     """The runtime's call pattern: catch-up entries for a prompt, proposals chained on the head's own
     output, then a rollback to the verified length and the accepted entries entered again with the
@@ -124,6 +125,7 @@ def test_catch_up_chained_and_rolled_back_calls_equal_the_reference(exported):
     call([chained[0], 7], list(target_states[6:8]))  # the accepted token and the bonus, with the target's states
 
 
+@pytest.mark.slow  # the export above
 def test_the_graph_is_standard_and_its_io_is_static(exported):
     from dflash_export.export.checks import check_graph
 
