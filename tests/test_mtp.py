@@ -209,9 +209,9 @@ def _fitted_head(model, steps: int = 150) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def mtp_pair(tmp_path_factory):
-    """A 3-layer hybrid checkpoint carrying a random `mtp.*` head, built (untrained DFlash draft, fp32,
-    max_seq_len 64) with the target's weights in a data file: (checkpoint dir, artifact, the head's
-    reference tensors, the Hugging Face target)."""
+    """A 3-layer hybrid checkpoint carrying a fitted `mtp.*` head, built (untrained DFlash draft, fp32,
+    max_seq_len 64, `--batched`) with the target's weights in a data file: (checkpoint dir, artifact, the
+    head's reference tensors, the Hugging Face target)."""
     from unittest import mock
 
     import transformers
@@ -229,7 +229,7 @@ def mtp_pair(tmp_path_factory):
         head = _fitted_head(model)
         save_file({**state, **head}, str(root / "target" / "model.safetensors"), metadata={"format": "pt"})
         with mock.patch.object(graphs, "EXTERNAL_DATA_THRESHOLD", 0):
-            build(BuildOptions(str(root / "target"), None, root / "art", max_seq_len=64, quiet=True))
+            build(BuildOptions(str(root / "target"), None, root / "art", max_seq_len=64, batched=True, quiet=True))
 
     root = shared_dir(tmp_path_factory, "mtp_hybrid", make)
     from safetensors.torch import load_file
@@ -414,3 +414,31 @@ def test_the_head_runs_through_the_tensorrt_double_as_on_onnxruntime(mtp_pair, t
         assert trt_sess.has_mtp
         a, b = ort_sess.generate(prompt, **kw), trt_sess.generate(prompt, **kw)
         assert b.output_ids == a.output_ids and b.steps == a.steps
+
+
+@pytest.mark.slow  # the hybrid MTP build (shared with the tests above)
+def test_batched_serving_of_an_artifact_with_a_head_stays_exact(mtp_pair):
+    """The batched engine serves an artifact with an MTP head (its batched graphs ignore the head): each
+    greedy stream equals its one-sequence plain reply, each seeded one its reply alone in the engine (as
+    `test_batched_hybrid_engine`: the batched graph samples with its own rounding); `drafter="mtp"` is
+    refused by name."""
+    import runtime
+    from runtime.batching import BatchEngine
+
+    _, art, _, _ = mtp_pair
+    prompts = [[9, 80, 4, 41, 17, 3], [5, 17, 33], [120, 7, 7, 64, 1, 90, 2], [33, 34]]
+    kw = dict(max_new_tokens=16, stop_token_ids=[])
+    sampled = dict(temperature=0.8, seed=4)
+    with runtime.load(art) as sess:
+        greedy = [sess.generate(p, block_size=1, **kw).output_ids for p in prompts]
+    with BatchEngine(art, max_batch=1, speculation=False) as engine:
+        alone = [engine.generate([p], **kw, **sampled)[0].output_ids for p in prompts]
+    with BatchEngine(art, max_batch=4) as engine:
+        for case, expected in ((dict(), greedy), (sampled, alone)):
+            handles = [engine.stream(p, **kw, **case) for p in prompts]
+            for h in handles:
+                for _ in h:
+                    pass
+            assert [h.result.output_ids for h in handles] == expected
+        with pytest.raises(DFlashError, match='drafter "mtp" is not supported by the BatchEngine'):
+            engine.stream(prompts[0], max_new_tokens=4, drafter="mtp")
