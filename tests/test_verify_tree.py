@@ -151,8 +151,10 @@ def test_a_tree_near_the_end_of_the_caches_runs_as_its_chain(smollm2_artifact):
     import runtime
 
     sess = runtime.load(smollm2_artifact)
-    prompt = sess.encode("Count from one to fifty in words.", chat=True)
+    # a long prompt, so the request fills the buffers in about 50 tokens (the steps near the end matter)
+    prompt = sess.encode("Count from one to fifty in words. " * 22 + "Go.", chat=True)
     n = sess.max_seq_len - len(prompt)
+    assert 20 <= n <= 80, n
     plain = sess.generate(prompt, max_new_tokens=n, block_size=1, stop_token_ids=[])
     tree = sess.generate(prompt, max_new_tokens=n, verify_len="1+3", stop_token_ids=[], record_steps=True)
     assert tree.output_ids == plain.output_ids and len(tree.output_ids) == n
@@ -168,6 +170,6 @@ def test_a_tree_larger_than_the_scratch_buffers_runs_as_its_chain(smollm2_artifa
     sess = runtime.load(smollm2_artifact)
     prompt = sess.encode("Write a Python function that reverses a linked list.", chat=True)
     plain = sess.generate(prompt, max_new_tokens=66, block_size=1, stop_token_ids=[])
-    for tree in ("63+3", "61+3"):  # the token budget (66) allows the whole chain at the first step
+    for tree in ("63+3",):  # the token budget (66) allows the whole chain at the first step
         res = sess.generate(prompt, max_new_tokens=66, block_size=64, verify_len=tree, stop_token_ids=[])
         assert res.output_ids == plain.output_ids, tree
