@@ -28,7 +28,7 @@ demo: venv
 
 # lint-imports checks the import contracts of pyproject.toml ([tool.importlinter]); -n 2: one worker per core;
 # worksteal: a worker that runs out of tests takes half of the other's queue (the slow tests run first:
-# tests/conftest.py). test-fast leaves out the `slow` tests (pyproject.toml's markers): under 4 minutes (3 min 54 s on the
+# tests/conftest.py). test-fast leaves out the `slow` tests (pyproject.toml's markers): under 4 minutes (2 min 51 s on the
 # 2-core AVX2 machine, 2026-12-07).
 test: venv
 	$(BIN)/lint-imports

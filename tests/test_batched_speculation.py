@@ -17,6 +17,9 @@ import runtime
 from runtime.batching import BatchEngine
 from tolerances import assert_fp32_close
 
+# the batched build (40 s on AVX2): `make test` runs these, `make test-fast` leaves them out
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def per_sequence_art(art, tmp_path_factory):  # noqa: F811 (the imported fixture)

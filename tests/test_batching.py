@@ -24,6 +24,9 @@ from runtime.batching import BatchEngine
 from runtime.batching.calls import SequenceRows
 from runtime.errors import DFlashError
 
+# the batched build (40 s on AVX2): `make test` runs these, `make test-fast` leaves them out
+pytestmark = pytest.mark.slow
+
 PROMPT_LENGTHS = (3, 5, 9, 17, 40, 2, 7)
 
 

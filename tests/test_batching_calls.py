@@ -4,10 +4,14 @@ token."""
 
 from __future__ import annotations
 
+import pytest
 import runtime_fixtures as rf
 from test_batching import _batch1, _prompts, art  # noqa: F401 (art: a fixture)
 
 from runtime.batching import BatchEngine
+
+# the batched build (40 s on AVX2): `make test` runs these, `make test-fast` leaves them out
+pytestmark = pytest.mark.slow
 
 _drain = rf.drain
 

@@ -118,6 +118,7 @@ def test_int4_graph_form_and_parity_with_dequantized_modules(int4_art, tmp_path,
         assert max(r.max_abs for r in rep.results if r.max_abs is not None) < 1e-4
 
 
+@pytest.mark.slow  # INT4 builds (15 s on AVX2); fast: test_runtime_defaults_to_int8_activations_only_where_rows_are_exact
 def test_onnxruntime_fuses_int4_weights_into_matmulnbits(int4_art, tmp_path):
     import onnxruntime as ort
 
@@ -365,6 +366,7 @@ def test_opset_21_without_int4_weights_is_refused(tmp_path):
         check_graph(tmp_path / "g.onnx")
 
 
+@pytest.mark.slow  # an INT4-head build (18 s on AVX2); fast: test_runtime_defaults_to_int8_activations_only_where_rows_are_exact
 def test_a_head_that_rounds_by_row_count_is_not_amplified(int4_art):
     """An INT4 LM head shared by the logits and the proposals stays DequantizeLinear + MatMul (onnxruntime
     fuses a DequantizeLinear with one consumer only), and that MatMul may round one row differently from
