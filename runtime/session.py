@@ -337,8 +337,8 @@ class Session(PromptEncoding, GraphCalls):
         if opts.drafter == "mtp":
             if not self.has_mtp:
                 raise DFlashError('drafter "mtp" needs the target\'s multi-token-prediction head, and this artifact has '
-                                  "none (mtp.onnx: built from a Qwen3.5 / Qwen3.6 checkpoint carrying mtp.* tensors, "
-                                  'without --no-mtp; the TensorRT backend does not run it yet); use drafter "dflash"')
+                                  "none. Only Qwen3.5 / Qwen3.6 checkpoints ship one (mtp.* tensors), and build "
+                                  'exports it as mtp.onnx unless --no-mtp. Use drafter "dflash" or "auto"')
             if isinstance(opts.verify_len, str) and "+" in opts.verify_len:
                 raise DFlashError(f'verify_len "{opts.verify_len}" is a verify tree, which the DFlash draft proposes; '
                                   'the MTP head chains one proposal after another: pass a number of proposals')
