@@ -84,7 +84,6 @@ class DecodeLoop:
         both = opts.drafter == "auto" and getattr(session, "has_mtp", False) and block_size > 1
         self.chooser = DrafterChoice() if both else None
         self.mtp = MTPProposer(session) if opts.drafter == "mtp" or both else None
-        self.mtp_length = MTP_DEFAULT_LENGTH if both else getattr(policy, "n", MTP_DEFAULT_LENGTH)
         self.lookup: LookupProposer | None = None  # the request's text, indexed for lookups (built in run)
         self.result: GenerationResult | None = None
 
@@ -115,8 +114,8 @@ class DecodeLoop:
         """This step's choice: with `mtp`, the MTP head's chain; else the policy's, from the lookup's offer
         (where it keeps one) and its own estimates; a tree it cannot verify here runs as its chain
         (`_verifiable`)."""
-        if mtp:  # the MTP chain, `mtp_length` long (what the limit allows)
-            n = min(self.mtp_length, limit) if limit > 0 else 0
+        if mtp:  # the MTP chain: MTP_DEFAULT_LENGTH beside the policy's steps, else the fixed policy's length
+            n = min(MTP_DEFAULT_LENGTH if self.chooser is not None else self.policy.proposals(limit), limit)
             if n == 0:
                 return Choice(0)
             t0 = time.perf_counter()

@@ -28,7 +28,8 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 DRAFTERS = ("auto", "dflash", "mtp")
 MTP_DEFAULT_LENGTH = 3  # chained MTP proposals a step when verify_len does not say (vLLM's and SGLang's usual 1-3)
-TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # (matched whole: `fullmatch`)  # OpenAI's function-name rule (and "." as some clients send)
+# OpenAI's function-name rule (and "." as some clients send); matched whole (`fullmatch`)
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,6 @@ import numpy as np
 
 from runtime.backends.base import View
 from runtime.backends.profiles import MAX_BLOCK_SIZE
-
-MTP_CALL_ROWS = 64  # entries per MTP head call (its graph's bound, as a hybrid target's rows per call)
 from runtime.errors import DFlashError
 from runtime.graphs.recurrent import RecurrentState
 from runtime.graphs.tree import VerifyTree, verify_tree
@@ -33,10 +31,14 @@ from runtime.manifest import (
 )
 
 
+MTP_CALL_ROWS = 64  # entries per MTP head call (its graph's bound, as a hybrid target's rows per call)
+
 class GraphCalls:
     """The buffers and graph calls of a Session (see the module docstring). Expects `manifest`,
     `backend`, `dtype`, `max_seq_len`, `block_size`, `artifact_dir`, `closed` and `context` set by the
-    Session before :meth:`_allocate`."""
+    Session before :meth:`_allocate`, and `graphs`, the graphs the backend loaded."""
+
+    graphs: tuple[str, ...] = ("target", "draft")
 
     def _allocate(self) -> None:
         m, be, S = self.manifest, self.backend, self.max_seq_len
@@ -104,8 +106,7 @@ class GraphCalls:
         """The MTP head's buffers where its graph is loaded: the target's final hidden state of every
         context row (the head's input), the head's own K/V cache `[max_seq_len, Hkv, D]`, its entry ids
         and two rows for its output state (a chained call reads one and writes the other)."""
-        # (loaded by the Session where the artifact has it: an onnxruntime session or a TensorRT engine)
-        self.has_mtp = "mtp" in getattr(self.backend, "sessions", {}) or "mtp" in getattr(self.backend, "engines", {})
+        self.has_mtp = "mtp" in self.graphs  # (the Session loads it where the artifact and backend have it)
         self.mtp_len = 0  # head cache rows entered with the target's states (chained rows past it are scratch)
         if not self.has_mtp:
             return

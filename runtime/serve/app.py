@@ -45,7 +45,6 @@ from runtime.errors import DFlashError
 from runtime.options import DEFAULT_MAX_TOKENS, GenerationOptions
 from runtime.serve.params import ApiError, ParsedRequest, parse_request
 from runtime.serve.replies import Reply, as_api_error, sse
-from runtime.text.tools import ToolCallReader
 from runtime.serve.worker import (
     BatchWorker,
     Job,
@@ -54,6 +53,7 @@ from runtime.serve.worker import (
     Worker,
     stopped_error,
 )
+from runtime.text.tools import ToolCallReader
 
 log = logging.getLogger("runtime.serve.app")
 
@@ -174,9 +174,8 @@ class OpenAIApi:
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         loop = asyncio.get_running_loop()
         job = await loop.run_in_executor(self._prepare, self._prepare_job, req, loop)
-        tools = _offered_tools(req)
-        forced = req.options.get("tool_choice") not in ("none", "auto", None)
-        reader = ToolCallReader(self.session.tool_format, tools, forced) if tools else None
+        tools = _tool_options(req)
+        reader = ToolCallReader(self.session.tool_format, tools.tools, tools.forces_tool_call) if tools.uses_tools else None
         reply = Reply(req, self.model_name, self.session.tokenizer.decode, reader)
         handed_over = False
         try:
@@ -211,7 +210,9 @@ class OpenAIApi:
     def _encode(self, req: ParsedRequest) -> list[int]:
         try:
             if req.kind == "chat":
-                return self.session.encode_messages(req.messages, req.enable_thinking, _offered_tools(req))
+                tools = _tool_options(req)
+                return self.session.encode_messages(req.messages, req.enable_thinking,
+                                                    tools.tools if tools.uses_tools else None)
             return self.session.encode(req.prompt)
         except DFlashError as exc:
             raise ApiError(400, str(exc), param="messages" if req.kind == "chat" else "prompt") from None
@@ -434,10 +435,11 @@ class _EventStream(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
-def _offered_tools(req: ParsedRequest) -> tuple[dict, ...] | None:
-    """The request's tools when they are offered to the model (tool_choice other than "none")."""
-    tools = req.options.get("tools")
-    return tools if tools and req.options.get("tool_choice") != "none" else None
+def _tool_options(req: ParsedRequest) -> GenerationOptions:
+    """The request's tool fields alone as GenerationOptions (checked when the body was parsed; the other
+    options are checked against the artifact later, by `_fit`)."""
+    return GenerationOptions(**{k: req.options[k] for k in ("tools", "tool_choice", "parallel_tool_calls")
+                                if k in req.options})
 
 
 def _error_response(err: ApiError) -> JSONResponse:
