@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_export import __version__
-from dflash_export.checkpoint.draft import DraftSpec
+from dflash_export.checkpoint.draft import DraftSpec, no_draft_spec
 from dflash_export.checkpoint.outputs import check_output_dir, staged_directory
 from dflash_export.checkpoint.sources import SourceHashes, resolve_draft, resolve_target
 from dflash_export.checkpoint.target import TargetSpec, head_name, safetensors_files
@@ -39,6 +39,7 @@ from dflash_export.quant.int4 import (
 )
 from runtime.errors import DFlashError
 from runtime.manifest import MANIFEST_FORMAT, MANIFEST_VERSION
+from runtime.options import MTP_DEFAULT_LENGTH
 
 
 @dataclass
@@ -76,22 +77,29 @@ class _StageTimer:
             print(f"{self.title}: done in {time.perf_counter() - self.t0:.1f}s", file=sys.stderr, flush=True)
 
 
-def prepare_pair(target: str | None, draft: str | None) -> tuple[TargetSpec, DraftSpec, WeightSource, dict, str | None]:
+def prepare_pair(target: str | None, draft: str | None,
+                 mtp: bool = True) -> tuple[TargetSpec, DraftSpec, WeightSource, dict | None, str | None]:
     """Resolve and validate the target and draft before anything is exported.
 
     The target's weights are not loaded: its :class:`WeightSource` knows every tensor's name, shape
     and dtype (from the safetensors headers) and reads a tensor when asked. The draft (small, and
-    checked for non-finite values) is loaded.
+    checked for non-finite values) is loaded. `draft` "none", or None for a target without a known
+    draft whose checkpoint has an MTP head (`mtp`: the head is exported), means no DFlash draft: the
+    draft spec is then `no_draft_spec`'s and the state dict None.
 
     Returns:
-        (target spec, draft spec, target weight source, draft state dict, known target name).
+        (target spec, draft spec, target weight source, draft state dict or None, known target name).
 
     Raises:
         DFlashError: any validation failure (see checkpoint/target.py).
     """
     target_dir, name = resolve_target(target)
     tspec = load_target_spec(target_dir)
-    _, dspec, dstate = load_draft(resolve_draft(draft, name), tspec)
+    draft_dir = None if draft == "none" else resolve_draft(draft, name)
+    if draft == "none" or (draft is None and draft_dir is None and mtp and _has_mtp_tensors(tspec)):
+        dspec, dstate = no_draft_spec(tspec, MTP_DEFAULT_LENGTH + 1), None
+    else:
+        _, dspec, dstate = load_draft(draft_dir, tspec)
 
     for arch, family, what in ((tspec.arch, tspec.family, "target"), (dspec.arch, "qwen3", "draft")):
         try:
@@ -103,14 +111,22 @@ def prepare_pair(target: str | None, draft: str | None) -> tuple[TargetSpec, Dra
     return tspec, dspec, tsource, dstate, name
 
 
+def _has_mtp_tensors(tspec: TargetSpec) -> bool:
+    """Whether the target checkpoint stores a multi-token-prediction head (`mtp.*`, Qwen3.5 / Qwen3.6)."""
+    names = WeightSource(f"target {tspec.path}", files=safetensors_files(tspec.path)).names()
+    return hasattr(target_family(tspec.family), "mtp_source") and any(n.startswith("mtp.") for n in names)
+
+
 @dataclass(frozen=True)
 class BuildOptions:
     """What `build` exports and how (the flags of `python -m dflash_export build`).
 
     Attributes:
         target: target directory or known name; None for the embedded SmolLM2-135M-Instruct.
-        draft: draft directory or hub id; None for the target's released/shipped draft, or an
-            untrained deterministic draft when there is none (reported in the manifest).
+        draft: draft directory or hub id; None for the target's released/shipped draft, or where there
+            is none an untrained deterministic draft (reported in the manifest), or no draft when the
+            checkpoint has an MTP head (exported); "none": no DFlash draft (the MTP head drafts, or the
+            artifact decodes plain).
         out: artifact directory (replaced atomically).
         max_seq_len: KV buffer capacity in tokens (prompt + new tokens), >= 2.
         dtype: "fp32" or "fp16" graph precision (norms, fc and softmax stay fp32).
@@ -214,41 +230,49 @@ def build(options: BuildOptions) -> dict:
     check_output_dir(out, o.overwrite)
     t_start = time.perf_counter()
     # Validation prints nothing, so bad input gives exactly one error line.
-    tspec, dspec, tsource, dstate, name = prepare_pair(o.target, o.draft)
+    tspec, dspec, tsource, dstate, name = prepare_pair(o.target, o.draft, o.mtp)
     family = target_family(tspec.family)
     draft_kind = family_of(dspec.path) if dspec.path is not None else draft_family(DEFAULT_DRAFT_FAMILY)
-    qconfig = _checked_quant_config(o, family, tspec, dspec, tsource)
     # the target's MTP head (checked now: a malformed one fails before any output exists)
     heads = family.mtp_source(tspec, tsource) if o.mtp and hasattr(family, "mtp_source") else None
+    if dstate is None and o.draft is None and not o.quiet:
+        print("no released DFlash draft is known for this target and its checkpoint has an MTP head: building "
+              "without a draft (the MTP head drafts; --draft DIR adds one)", file=sys.stderr)
+    qconfig = _checked_quant_config(o, family, tspec, dspec, tsource)
     if o.batched and not getattr(family, "BATCHES", False):
         raise DFlashError(f"--batched needs a Qwen3, Llama or Qwen3.5 target; {tspec.family} targets have no batched "
                           "graph: serve them one request at a time (drop --batched)")
+    if o.batched and dstate is None:
+        raise DFlashError("--batched needs a DFlash draft (the batched graphs serve the draft's features); build "
+                          "without --draft none, or without --batched to serve one request at a time")
     dtype, quiet, proposal_head, max_seq_len = o.dtype, o.quiet, o.proposal_head, o.max_seq_len
     if o.draft_vocab == "full":
         dspec = replace(dspec, draft_vocab=None)
-    if heads is not None and dspec.draft_vocab is None:
+    if heads is not None and dstate is not None and dspec.draft_vocab is None:
         # both drafters' proposals reach the target as ids: the DFlash draft ends in the proposal head
         # (over the whole vocabulary where it names none), and the target takes ids
         dspec = replace(dspec, draft_vocab=tuple(range(tspec.vocab_size)))
     # the manifest's source hashes read every shard once more: done on a thread while the draft and
     # the target template trace (CPU-bound, the disk idle), not after the weights are written
     hashes = SourceHashes(tspec, dspec)
-    stage = Stage(total=5 + (heads is not None), quiet=quiet)
-    stage.report(f"validated target and draft in {time.perf_counter() - t_start:.1f}s")
+    stage = Stage(total=5 + (heads is not None) - (dstate is None), quiet=quiet)
+    stage.report(f"validated target{' and draft' if dstate is not None else ''} in {time.perf_counter() - t_start:.1f}s")
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype]
     with staged_directory(out, "an artifact") as tmp:
-        # the draft first: its weights (held in memory) are freed before the target streams
-        with stage(f"exporting draft.onnx{' and draft_batched.onnx' if o.batched else ''}"):
-            batched_draft = {"batched_path": tmp / "draft_batched.onnx"} if o.batched and getattr(draft_kind, "BATCHES", False) else {}
-            drafted = draft_kind.export_for_build(tspec, dspec, dstate, tsource, tmp / "draft.onnx", torch_dtype, qconfig,
-                                                  proposal_head, family.DRAFT_PROPOSES or o.batched or heads is not None,
-                                                  quiet, **batched_draft)
-            head_config, dquant = drafted.head_config, drafted.quant_plan
-            del dstate
+        drafted = None
+        if dstate is not None:  # the draft first: its weights (held in memory) are freed before the target streams
+            with stage(f"exporting draft.onnx{' and draft_batched.onnx' if o.batched else ''}"):
+                batched_draft = {"batched_path": tmp / "draft_batched.onnx"} if o.batched and getattr(draft_kind, "BATCHES", False) else {}
+                drafted = draft_kind.export_for_build(tspec, dspec, dstate, tsource, tmp / "draft.onnx", torch_dtype,
+                                                      qconfig, proposal_head,
+                                                      family.DRAFT_PROPOSES or o.batched or heads is not None,
+                                                      quiet, **batched_draft)
+                del dstate
+        head_config, dquant = (drafted.head_config, drafted.quant_plan) if drafted is not None else (None, None)
         with stage(f"exporting target.onnx{' and target_batched.onnx' if o.batched else ''} ({family.EXPORT_TITLE})"):
             extra = {"batched_path": tmp / "target_batched.onnx"} if o.batched else {}
-            if heads is not None:
-                extra["final_hidden"] = True  # the rows the MTP head reads
+            if heads is not None and drafted is not None:
+                extra["final_hidden"] = True  # the rows the MTP head reads (without a draft: the one tap)
             exported = family.export_for_build(tspec, dspec, tsource, tmp / "target.onnx", torch_dtype, qconfig,
                                                proposal_head, quiet, **extra)
         shared = None
@@ -257,14 +281,16 @@ def build(options: BuildOptions) -> dict:
                 shared = family.export_mtp_for_build(tspec, heads, tmp / "mtp.onnx", torch_dtype, tmp / "target.onnx")
                 del heads
         with stage("checking graphs (TensorRT 10 operators, duplicate weights)"):
-            graphs = ("target", "draft", "target_batched") if o.batched else ("target", "draft")
+            graphs = ("target",) + (("draft",) if drafted is not None else ()) + (("target_batched",) if o.batched else ())
             graphs += ("mtp",) if shared is not None else ()
-            graphs += ("draft_batched",) if drafted.batched else ()
+            graphs += ("draft_batched",) if drafted is not None and drafted.batched else ()
             checks = {g: check_graph(tmp / f"{g}.onnx") for g in graphs}
         with stage("writing tokenizer and manifest"):
-            np.save(tmp / "mask_embedding.npy", exported.mask_row.astype(np.float32), allow_pickle=False)
+            if drafted is not None:  # (the draft's block rows; nothing reads it without a draft)
+                np.save(tmp / "mask_embedding.npy", exported.mask_row.astype(np.float32), allow_pickle=False)
             tok_info = _save_tokenizer(tspec.path, tmp / "tokenizer")
-            manifest = _manifest(tspec, dspec, name, max_seq_len, dtype, checks, tok_info, tmp, hashes.result())
+            manifest = _manifest(tspec, dspec, drafted is not None, name, max_seq_len, dtype, checks, tok_info, tmp,
+                                 hashes.result())
             if qconfig is not None:
                 manifest["quantization"] = {**quantization_record(qconfig, exported.quantized, dtype, head_name(tspec)),
                                             **exported.quant_extra, **({"draft": dquant} if dquant else {})}
@@ -350,8 +376,15 @@ def _shared_weights(tmp: Path, graph: str) -> str:
     return f"{graph}.onnx's data file" if (tmp / f"{graph}.onnx.data").exists() else "inline, a copy of the one-sequence graph's"
 
 
-def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, checks, tok_info, tmp: Path,
-              hashes: dict[str, dict[str, str]]) -> dict:
+def _no_draft_section(dspec: DraftSpec) -> dict:
+    """The manifest's draft section of an artifact without a DFlash draft (`--draft none`): no graph; the
+    target graph's taps (its final hidden state) and the rows a step verifies by default."""
+    return {"graph": None, "block_size": dspec.block_size, "target_layer_ids": list(dspec.target_layer_ids),
+            "trained": False, "draft_vocab_size": None}
+
+
+def _manifest(tspec: TargetSpec, dspec: DraftSpec, has_draft: bool, name, max_seq_len, dtype, checks, tok_info,
+              tmp: Path, hashes: dict[str, dict[str, str]]) -> dict:
     a, da = tspec.arch, dspec.arch
     stop = list(dict.fromkeys([*tspec.eos_token_ids, *tok_info["eos"]]))
     trained = dspec.path is not None
@@ -390,8 +423,8 @@ def _manifest(tspec: TargetSpec, dspec: DraftSpec, name, max_seq_len, dtype, che
             "draft_vocab_size": None if dspec.draft_vocab is None else len(dspec.draft_vocab),
             "rope": da.rope,
             **dspec.manifest_fields(),  # layer_types + sliding_window, only for drafts with sliding layers
-        },
-        "mask_embedding": "mask_embedding.npy",
+        } if has_draft else _no_draft_section(dspec),
+        "mask_embedding": "mask_embedding.npy" if has_draft else None,
         "stop_token_ids": stop,
         "chat_template": tok_info["chat_template"],
         "special_tokens": tok_info["special_tokens"],

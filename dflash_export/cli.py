@@ -14,6 +14,7 @@ from pathlib import Path
 
 from runtime.cli.generate import add_generate_arguments
 from runtime.errors import DFlashError
+from runtime.manifest import has_draft
 
 # Each module has `register(subparsers)` adding its subcommand(s) with `set_defaults(func=...)`,
 # where func(args) returns an exit status and raises DFlashError for user errors.
@@ -44,7 +45,10 @@ def cmd_build(args) -> int:
     if not (Path(args.out) / "tokenizer" / "tokenizer.json").is_file():
         print("note: the target has no tokenizer files: the artifact takes token ids (`generate --prompt-ids`, "
               "Python), and `serve` needs a tokenizer", file=sys.stderr)
-    if not manifest["draft"]["trained"]:
+    if not has_draft(manifest):
+        print("note: no DFlash draft: " + ("the target's MTP head drafts" if "mtp" in manifest else
+              "the artifact decodes plain (no speculation)"), file=sys.stderr)
+    elif not manifest["draft"]["trained"]:
         print("note: the draft is UNTRAINED (deterministic random init): output is exact but few proposals are "
               "accepted; pass --draft DIR for a trained draft", file=sys.stderr)
     return 0
@@ -66,7 +70,8 @@ def build_summary(manifest: dict, out: Path) -> str:
     quant = f", int4 {q['method']} block {q['block']}{' + LM head' if q.get('lm_head') else ''}" if q else ""
     quant += (", batched graphs" if "draft_batched" in manifest else ", batched graph") if "target_batched" in manifest else ""
     return (f"wrote {out.resolve()} ({manifest['family']}, {manifest['dtype']}{quant}, max_seq_len "
-            f"{manifest['max_seq_len']}, block {d['block_size']}, taps {d['target_layer_ids']}, "
+            f"{manifest['max_seq_len']}, " + (f"block {d['block_size']}, taps {d['target_layer_ids']}, " if has_draft(manifest)
+                                              else "no draft, ") + ("MTP head, " if "mtp" in manifest else "") +
             f"export {manifest['export_seconds']}s)")
 
 
@@ -77,7 +82,8 @@ def make_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("build", help="export target + DFlash draft to an ONNX artifact directory")
     b.add_argument("--target", help="target directory or known name (default: embedded SmolLM2-135M-Instruct)")
-    b.add_argument("--draft", help="draft directory (default: the target's released or shipped draft)")
+    b.add_argument("--draft", help="draft directory, or none: no DFlash draft (default: the target's released or "
+                                   "shipped draft; none where there is no such draft and the checkpoint has an MTP head)")
     b.add_argument("--out", default="artifacts/default", help="artifact directory (default: artifacts/default)")
     b.add_argument("--max-seq-len", type=int, default=2048, help="KV buffer capacity in tokens (default 2048)")
     b.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")

@@ -30,6 +30,14 @@ _REQUIRED = {
     "target": ("graph", "num_layers", "hidden_size", "num_kv_heads", "head_dim", "vocab_size"),
     "draft": ("graph", "num_layers", "num_kv_heads", "head_dim", "block_size", "mask_token_id", "target_layer_ids"),
 }
+# an artifact without a DFlash draft (`build --draft none`): its draft section names no graph, only the
+# target graph's taps and the rows a step verifies by default
+_REQUIRED_NO_DRAFT = ("graph", "block_size", "target_layer_ids")
+
+
+def has_draft(manifest: dict[str, Any]) -> bool:
+    """Whether the artifact has a DFlash draft graph (not built with `--draft none`)."""
+    return manifest["draft"].get("graph", "draft.onnx") is not None  # (None: built without; absent: older manifests)
 
 
 def load_manifest(artifact_dir: str | Path) -> dict[str, Any]:
@@ -60,11 +68,14 @@ def load_manifest(artifact_dir: str | Path) -> dict[str, Any]:
             f"{path} has manifest version {version}, this runtime reads version {MANIFEST_VERSION}; "
             "rebuild the artifact with the matching dflash_export (`python -m dflash_export build`)"
         )
-    for section, keys in _REQUIRED.items():
-        missing = [k for k in keys if k not in manifest.get(section, {})]
+    draft = manifest.get("draft")
+    drafted = not isinstance(draft, dict) or draft.get("graph") is not None
+    for section, keys in {**_REQUIRED, **({} if drafted else {"draft": _REQUIRED_NO_DRAFT})}.items():
+        missing = [k for k in keys if not isinstance(manifest.get(section), dict) or k not in manifest[section]]
         if missing:
             raise DFlashError(f"{path}: section {section!r} lacks {missing}; rebuild the artifact")
-    ints = [("max_seq_len",)] + [(sec, k) for sec, keys in _INT_FIELDS.items() for k in keys]
+    int_fields = _INT_FIELDS if drafted else {**_INT_FIELDS, "draft": ("block_size",)}
+    ints = [("max_seq_len",)] + [(sec, k) for sec, keys in int_fields.items() for k in keys]
     for key in ints:
         value = manifest
         for part in key:
@@ -79,15 +90,17 @@ def load_manifest(artifact_dir: str | Path) -> dict[str, Any]:
     stops = manifest.get("stop_token_ids", [])
     if not isinstance(stops, list) or not all(isinstance(t, int) for t in stops):
         raise DFlashError(f"{path}: stop_token_ids is {stops!r}, expected a list of token ids; rebuild the artifact")
-    for section in ("target", "draft"):
+    graphs = ("target", "draft") if drafted else ("target",)
+    for section in graphs:
         graph = manifest[section]["graph"]
         if not isinstance(graph, str) or Path(graph).name != graph:
             raise DFlashError(f"{path}: {section}.graph must be a file name inside the artifact (got {graph!r})")
-    if not isinstance(manifest.get("mask_embedding"), str) or Path(manifest["mask_embedding"]).name != manifest["mask_embedding"]:
+    mask = manifest.get("mask_embedding")
+    if drafted and (not isinstance(mask, str) or Path(mask).name != mask):
         raise DFlashError(f"{path}: mask_embedding must be a file name inside the artifact; rebuild the artifact")
     if manifest.get("dtype") not in DTYPES:
         raise DFlashError(f"{path}: unknown dtype {manifest.get('dtype')!r}; rebuild the artifact")
-    for section in ("target", "draft"):
+    for section in graphs:
         graph = artifact_dir / manifest[section]["graph"]
         if not graph.is_file():
             raise DFlashError(f"{artifact_dir}: {graph.name} is missing; the artifact is incomplete, rebuild it")
@@ -144,6 +157,14 @@ def draft_proposes(manifest: dict[str, Any]) -> bool:
     and the target's proposal head ranks them."""
     outputs = manifest.get("io", {}).get("draft", {}).get("outputs", [])
     return any(o["name"] == DRAFT_PROPOSAL_OUTPUTS[0] for o in outputs)
+
+
+def target_takes_ids(manifest: dict[str, Any]) -> bool:
+    """Whether the target graph takes its proposals as ids (`proposal_ids`): where the draft graph ranks
+    them itself (`draft_proposes`), and in an artifact without a DFlash draft (the MTP head's chain and
+    lookups are ids); else it takes the draft's hidden rows (`draft_hidden`) and ranks them itself."""
+    inputs = manifest.get("io", {}).get("target", {}).get("inputs", [])
+    return any(i["name"] == "proposal_ids" for i in inputs)
 
 
 def draft_takes_anchor(manifest: dict[str, Any]) -> bool:

@@ -9,6 +9,7 @@ plain autoregressive decoding on the same target graph.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -22,7 +23,7 @@ from runtime.graphs.calls import CachedContext, GraphCalls
 from runtime.graphs.row_exact import needs_row_padding
 from runtime.graphs.tree import TREE_RANKS, VerifyTree, parse_tree, verify_tree
 from runtime.loop import DecodeLoop
-from runtime.manifest import DTYPES, has_mtp, load_manifest
+from runtime.manifest import DTYPES, has_draft, has_mtp, load_manifest
 from runtime.options import (
     MTP_DEFAULT_LENGTH,
     GenerationOptions,
@@ -85,12 +86,13 @@ class Session(PromptEncoding, GraphCalls):
         self.manifest = m = load_manifest(self.artifact_dir)
         # the MTP head's graph where the artifact has one (onnxruntime backends: no TensorRT engine for it yet)
         engines = (m.get("trt") or {}).get("plans", {})
-        self.graphs = ("target", "draft") + (("mtp",) if has_mtp(m) and (backend != "trt" or "mtp" in engines) else ())
+        self.graphs = ("target",) + (("draft",) if has_draft(m) else ()) + \
+            (("mtp",) if has_mtp(m) and (backend != "trt" or "mtp" in engines) else ())
         self.backend = make_backend(backend, self.artifact_dir, m, threads, int4_accuracy_level, self.graphs)
         self.dtype = np.dtype(DTYPES[m["dtype"]])
         self.max_seq_len = int(m["max_seq_len"])
         self.block_size = int(m["draft"]["block_size"])
-        self.mask_token_id = int(m["draft"]["mask_token_id"])
+        self.mask_token_id = m["draft"].get("mask_token_id")  # (None without a draft: `build --draft none`)
         self.stop_token_ids = tuple(int(t) for t in m.get("stop_token_ids", []))
         # the default policy's state: call costs (measured or cached on first use) and acceptance
         # by block position, a running estimate over this session's generations
@@ -114,7 +116,7 @@ class Session(PromptEncoding, GraphCalls):
         cached) step costs on first use of the adaptive policy, so costs are timed as steps will run.
         """
         self._decide_row_padding()
-        if block_size == 1:
+        if block_size == 1 or "draft" not in self.graphs:  # (without a draft: the MTP head's chain, beside plain steps)
             return FixedLength(0)
         if verify_len == "all":
             return FixedLength(block_size - 1)
@@ -150,6 +152,9 @@ class Session(PromptEncoding, GraphCalls):
             raise DFlashError(f'verify_len "{verify_len}" needs a target graph that verifies trees; this one '
                               "verifies chains only (a hybrid target, or built before verify trees: rebuild it)")
         tree = parse_tree(verify_len)
+        if "draft" not in self.graphs:
+            raise DFlashError(f'verify_len "{verify_len}" is a verify tree, which the DFlash draft proposes, and this '
+                              "artifact has none (--draft none): pass a number of proposals")
         if self.draft_proposes and tree.alternatives >= self.proposal_ranks:
             k = self.proposal_ranks
             raise DFlashError(f'verify_len "{verify_len}" asks for {tree.alternatives} alternatives, but this draft ranks '
@@ -203,7 +208,7 @@ class Session(PromptEncoding, GraphCalls):
         """
         refuse_unknown_options(options, frozenset({"policy"}))
         chosen, options = _policy_argument(policy, options)
-        opts = GenerationOptions(**options)
+        opts = self._drafter_of(GenerationOptions(**options), chosen)
         if (prompt is None) == (messages is None):
             raise DFlashError("pass either a prompt or messages (exactly one)")
         tools = opts.tools if opts.uses_tools else None
@@ -298,6 +303,26 @@ class Session(PromptEncoding, GraphCalls):
         """`generate(messages=messages, **options)`: one assistant turn after OpenAI-style messages."""
         return self.generate(messages=messages, **options)
 
+    def _drafter_of(self, opts: GenerationOptions, chosen: Policy | None) -> GenerationOptions:
+        """`opts`, where the artifact has no DFlash draft (`build --draft none`): a fixed verify_len (or
+        a FixedLength policy) under drafter "auto" fixes the MTP head's chain, as drafter "mtp" does (auto
+        alone weighs the head's chain against plain steps).
+
+        Raises:
+            DFlashError: a policy other than FixedLength, or speculation asked of an artifact with
+                neither a draft nor an MTP head.
+        """
+        if "draft" in self.graphs:
+            return opts
+        if chosen is not None and not isinstance(chosen, FixedLength):
+            raise DFlashError(f"policy {chosen.name!r} steers a DFlash draft, and this artifact has none (--draft none): "
+                              "pass verify_len (the MTP head's chain length) or a FixedLength policy")
+        fixed = opts.verify_len not in (None, "auto") or (chosen is not None and chosen.n > 0)
+        if fixed and not self.has_mtp and opts.verify_len != 0 and (chosen is None or chosen.n > 0):
+            raise DFlashError("this artifact has neither a DFlash draft nor an MTP head (built with --draft none): it "
+                              "decodes plain; leave verify_len unset")
+        return replace(opts, drafter="mtp") if opts.drafter == "auto" and self.has_mtp and fixed else opts
+
     def reset(self) -> None:
         """Forget the cached context: the next request prefills from position 0.
 
@@ -334,6 +359,10 @@ class Session(PromptEncoding, GraphCalls):
                 f"{total} exceeds the KV buffers' max_seq_len {self.max_seq_len}; {fix}"
             )
         check_vocabulary_options(opts, int(self.manifest["target"]["vocab_size"]), self.tokenizer is not None)
+        if opts.drafter == "dflash" and "draft" not in self.graphs:
+            raise DFlashError('drafter "dflash" needs a DFlash draft, and this artifact was built without one (--draft '
+                              'none): use drafter "mtp" or "auto"' if self.has_mtp else 'drafter "dflash" needs a DFlash '
+                              'draft, and this artifact was built without one (--draft none): it decodes plain')
         if opts.drafter == "mtp":
             if not self.has_mtp:
                 raise DFlashError('drafter "mtp" needs the target\'s multi-token-prediction head, and this artifact has '

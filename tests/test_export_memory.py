@@ -41,3 +41,25 @@ def test_a_child_is_measured_alone_whatever_its_parent_holds(tmp_path):
     status, _, peak = export_memory.run_measured([sys.executable, "-m", "json.tool", "--help"], tmp_path / "step.log")
     assert ballast[-1] == 1.0
     assert status == 0 and peak < 300 * 2**20, peak
+
+
+def test_a_hybrid_checkpoint_with_mtp_carries_the_head_that_build_reads():
+    """`--mtp`: the `mtp.*` tensors, named after transformers' full-attention layer, are exactly
+    `nn.mtp.MTPHead`'s own weights (~0.42 B parameters at the 27B shape, in the bound's weight bytes)."""
+    import torch
+
+    from dflash_export.checkpoint.hybrid import HybridSpec
+    from dflash_export.eval import export_memory
+    from dflash_export.nn.mtp import MTPHead
+
+    plain, _ = export_memory.checkpoint_spec("qwen3.8-27b", layers=4)
+    shapes, config = export_memory.checkpoint_spec("qwen3.8-27b", layers=4, mtp=True)
+    head = {k: v for k, v in shapes.items() if k.startswith("mtp.")}
+    with torch.device("meta"):
+        module = MTPHead(HybridSpec.from_config(config))
+    assert head == {f"mtp.{k}": tuple(p.shape) for k, p in module.named_parameters()
+                    if not k.startswith(("model.", "lm_head."))}
+    assert config["mtp_num_hidden_layers"] == 1 and shapes == {**plain, **head}
+    assert 0.42e9 < export_memory.weight_count(head) < 0.43e9
+    with pytest.raises(ValueError, match="hybrid"):
+        export_memory.checkpoint_spec("ci", mtp=True)

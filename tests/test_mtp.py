@@ -207,11 +207,30 @@ def _fitted_head(model, steps: int = 150) -> dict[str, torch.Tensor]:
     return {f"mtp.{k}": v.detach().clone() for k, v in head.state_dict().items() if not k.startswith("model.")}
 
 
+def _untrained_draft_dir(target_dir, out) -> None:
+    """Write the deterministic untrained DFlash draft of `target_dir` as a draft directory (a checkpoint
+    with an MTP head gets no draft unless one is named)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dflash_export.checkpoint.sources import random_draft_config
+    from dflash_export.drafts import dflash
+    from dflash_export.families.registry import load_target_spec
+
+    tspec = load_target_spec(target_dir)
+    _, state = dflash.untrained_draft(tspec)
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(random_draft_config(tspec)))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+
+
 @pytest.fixture(scope="module")
 def mtp_pair(tmp_path_factory):
-    """A 3-layer hybrid checkpoint carrying a fitted `mtp.*` head, built (untrained DFlash draft, fp32,
-    max_seq_len 64, `--batched`) with the target's weights in a data file: (checkpoint dir, artifact, the
-    head's reference tensors, the Hugging Face target)."""
+    """A 3-layer hybrid checkpoint carrying a fitted `mtp.*` head, built (the untrained DFlash draft named
+    as a directory, fp32, max_seq_len 64, `--batched`) with the target's weights in a data file, and built
+    again with `--draft none` (the head alone): (checkpoint dir, artifact, the head's reference tensors,
+    the Hugging Face target, the artifact without a draft)."""
     from unittest import mock
 
     import transformers
@@ -228,8 +247,11 @@ def mtp_pair(tmp_path_factory):
         state = {k: v.clone().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # (tied)
         head = _fitted_head(model)
         save_file({**state, **head}, str(root / "target" / "model.safetensors"), metadata={"format": "pt"})
+        _untrained_draft_dir(root / "target", root / "draft")
         with mock.patch.object(graphs, "EXTERNAL_DATA_THRESHOLD", 0):
-            build(BuildOptions(str(root / "target"), None, root / "art", max_seq_len=64, batched=True, quiet=True))
+            build(BuildOptions(str(root / "target"), str(root / "draft"), root / "art", max_seq_len=64, batched=True,
+                               quiet=True))
+            build(BuildOptions(str(root / "target"), "none", root / "alone", max_seq_len=64, quiet=True))
 
     root = shared_dir(tmp_path_factory, "mtp_hybrid", make)
     from safetensors.torch import load_file
@@ -238,7 +260,7 @@ def mtp_pair(tmp_path_factory):
     ckpt = {k: v for k, v in stored.items() if k.startswith("mtp.") or k == "model.embed_tokens.weight"}
     model = transformers.Qwen3_5ForCausalLM.from_pretrained(root / "target", dtype=torch.float32,
                                                             attn_implementation="eager").eval()
-    return root / "target", root / "art", ckpt, model
+    return root / "target", root / "art", ckpt, model, root / "alone"
 
 
 @pytest.mark.slow  # a hybrid build (a minute on AVX2)
@@ -253,7 +275,7 @@ def test_build_exports_the_head_beside_the_target_reading_its_weights_file(mtp_p
 
     from dflash_export.cli import make_parser
 
-    _, art, ckpt, _ = mtp_pair
+    _, art, ckpt, _, _ = mtp_pair
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["mtp"]["graph"] == "mtp.onnx" and manifest["io"]["mtp"]["inputs"][0]["name"] == "input_ids"
     assert manifest["mtp"]["weights_shared_with_target"] == ["model.embed_tokens.weight"]
@@ -315,7 +337,7 @@ def test_mtp_drafting_equals_plain_and_a_from_scratch_reference(mtp_pair):
     default drafter still equals plain."""
     import runtime
 
-    _, art, ckpt, model = mtp_pair
+    _, _, ckpt, model, art = mtp_pair
     prompt = [int(t) for t in torch.randint(0, CONFIG["vocab_size"], (6,), generator=torch.Generator().manual_seed(11))]
     with runtime.load(art) as sess:
         plain = sess.generate(prompt, max_new_tokens=20, block_size=1, stop_token_ids=[])
@@ -358,7 +380,7 @@ def test_auto_chooses_the_head_where_it_pays_and_leaves_it_where_it_does_not(mtp
     side keeps most steps.) With a head whose proposals are always wrong, only probes are MTP steps."""
     import runtime
 
-    _, art, _, _ = mtp_pair
+    _, art, _, _, _ = mtp_pair
     prompt = [9, 80, 4, 41, 17, 3]
     with runtime.load(art) as sess:
         plain = sess.generate(prompt, max_new_tokens=40, block_size=1, stop_token_ids=[])
@@ -401,7 +423,7 @@ def test_the_head_runs_through_the_tensorrt_double_as_on_onnxruntime(mtp_pair, t
     import runtime
     from dflash_export.trt.engine import build_engines
 
-    _, art, _, _ = mtp_pair
+    _, art, _, _, _ = mtp_pair
     out = tmp_path / "engines"
     shutil.copytree(art, out)
     manifest = build_engines(out, precision="fp32", trt=FakeTensorRT("10.3.0.30"), gpu=GPU, quiet=True)
@@ -425,7 +447,7 @@ def test_batched_serving_of_an_artifact_with_a_head_stays_exact(mtp_pair):
     import runtime
     from runtime.batching import BatchEngine
 
-    _, art, _, _ = mtp_pair
+    _, art, _, _, _ = mtp_pair
     prompts = [[9, 80, 4, 41, 17, 3], [5, 17, 33], [120, 7, 7, 64, 1, 90, 2], [33, 34]]
     kw = dict(max_new_tokens=16, stop_token_ids=[])
     sampled = dict(temperature=0.8, seed=4)
@@ -442,3 +464,52 @@ def test_batched_serving_of_an_artifact_with_a_head_stays_exact(mtp_pair):
             assert [h.result.output_ids for h in handles] == expected
         with pytest.raises(DFlashError, match='drafter "mtp" is not supported by the BatchEngine'):
             engine.stream(prompts[0], max_new_tokens=4, drafter="mtp")
+
+
+@pytest.mark.slow  # the hybrid MTP build (shared with the tests above)
+def test_draft_none_builds_the_target_and_its_head_alone(mtp_pair):
+    """`build --draft none`: no draft graph or mask row, the target's one tap its final hidden state (no
+    second output), proposals as ids; `check` compares the target alone with the reference; auto equals
+    plain and drafts with the head; what needs a DFlash draft is refused by name."""
+    import json
+
+    import runtime
+    from dflash_export.check.parity import run_check
+
+    target, _, _, _, alone = mtp_pair
+    manifest = json.loads((alone / "manifest.json").read_text())
+    layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    assert manifest["draft"]["graph"] is None and manifest["mask_embedding"] is None
+    assert manifest["draft"]["target_layer_ids"] == [layers - 1]
+    assert not (alone / "draft.onnx").exists() and not (alone / "mask_embedding.npy").exists()
+    target_io = manifest["io"]["target"]
+    assert "proposal_ids" in [i["name"] for i in target_io["inputs"]]
+    assert "final_hidden" not in [o["name"] for o in target_io["outputs"]] and "draft" not in manifest["io"]
+    report = run_check(alone)
+    assert report.passed and {r.case for r in report.results} == {"prefill", "verify"}, report
+    prompt = [9, 80, 4, 41, 17, 3]
+    with runtime.load(alone) as sess:
+        assert sess.graphs == ("target", "mtp")
+        plain = sess.generate(prompt, max_new_tokens=24, block_size=1, stop_token_ids=[])
+        auto = sess.generate(prompt, max_new_tokens=24, stop_token_ids=[], record_steps=True, reuse_prefix=False)
+        assert auto.output_ids == plain.output_ids and "mtp" in [s["source"] for s in auto.steps]
+        fixed = sess.generate(prompt, max_new_tokens=24, verify_len=2, stop_token_ids=[], record_steps=True)
+        assert fixed.output_ids == plain.output_ids and {s["source"] for s in fixed.steps if s["proposed"]} == {"mtp"}
+        with pytest.raises(DFlashError, match='drafter "dflash" needs a DFlash draft'):
+            sess.generate(prompt, max_new_tokens=4, drafter="dflash")
+        with pytest.raises(DFlashError, match="verify tree"):
+            sess.generate(prompt, max_new_tokens=4, verify_len="2x2")
+
+
+@pytest.mark.slow  # the hybrid MTP build's checkpoint
+def test_without_a_known_draft_a_checkpoint_with_a_head_gets_none_and_batched_needs_one(mtp_pair, tmp_path):
+    """A checkpoint carrying `mtp.*` and no known DFlash draft gets no draft by default (not an untrained
+    one); `--batched --draft none` is one error, before any output exists."""
+    from dflash_export.build import BuildOptions, build, prepare_pair
+
+    target = str(mtp_pair[0])
+    assert prepare_pair(target, None)[3] is None
+    assert prepare_pair(target, None, mtp=False)[3] is not None  # (--no-mtp: the untrained draft, as before)
+    with pytest.raises(DFlashError, match="--batched needs a DFlash draft"):
+        build(BuildOptions(target, "none", tmp_path / "art", batched=True, quiet=True))
+    assert not (tmp_path / "art").exists()

@@ -3,7 +3,8 @@ fp32 PyTorch outputs, and their storage for a device without torch.
 
 Cases: target PREFILL (a prompt, empty past), DRAFT_PREFILL (its taps as context), target VERIFY (last
 token + the draft's block hidden states, on the prefill's caches) and DRAFT_STEP (a few verified rows
-on the first draft call's K/V). A hybrid target's caches follow `runtime.graphs.recurrent`: the verify call
+on the first draft call's K/V); without a DFlash draft (`build --draft none`) PREFILL and a VERIFY of
+random proposal ids. A hybrid target's caches follow `runtime.graphs.recurrent`: the verify call
 gets the prefill's returned states and its rows as pending rows.
 """
 
@@ -140,8 +141,6 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
                 arrays[f"past_{kind}_{i}"] = src[:rows] if src is not None else np.zeros((0, kvh, hd), np.float32)
         return arrays
 
-    dl, dkv, dhd = int(d["num_layers"]), int(d["num_kv_heads"]), int(d["head_dim"])
-    mask_row = np.load(Path(artifact_dir) / manifest["mask_embedding"]).astype(np.float32)
     ids = rng.integers(0, vocab, size=T).astype(np.int64)
     # the verify case is greedy as the runtime binds it: no uniforms where the graph allows it (the
     # prefill case keeps one, so both forms are compared; BackendRunner adds them for engines that need them)
@@ -151,6 +150,10 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
     prefill = run("target", "prefill", feed(
         "target", input_ids=ids, draft_hidden=np.zeros((0, hidden)), proposal_ids=np.zeros(0, np.int64),
         temperature=np.zeros(1), uniform=np.zeros(1), **chain_inputs(0), **target_caches(t, None, 0)), tmod)
+    if dmod is None:
+        return _target_cases(prefill, rng, vocab, B, T, t, greedy_rows, feed, run, tmod)
+    dl, dkv, dhd = int(d["num_layers"]), int(d["num_kv_heads"]), int(d["head_dim"])
+    mask_row = np.load(Path(artifact_dir) / manifest["mask_embedding"]).astype(np.float32)
     block = np.concatenate([prefill.ref["next_embeddings"][:1], np.broadcast_to(mask_row, (B - 1, hidden))])
     dprefill = run("draft", "draft_prefill", feed(
         "draft", context_hidden=prefill.ref["taps"], block_embeddings=block, proposal_rows=np.arange(B - 1),
@@ -181,6 +184,18 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
             case.margins["draft_top_ids"] = (_selector_margins(dmod, case.feed, ranks) if "anchor_ids" in case.feed
                                              else _rank_margins(dmod, case.feed, ranks))
     return [prefill, dprefill, verify, dstep]
+
+
+def _target_cases(prefill: Case, rng, vocab: int, B: int, T: int, t: dict, greedy_rows: int, feed, run, tmod) -> list[Case]:
+    """The cases of an artifact without a DFlash draft (`build --draft none`): the prefill, then a verify
+    call of B - 1 random proposal ids (as the MTP head's chain reaches the target) on its caches."""
+    verify = run("target", "verify", feed(
+        "target", input_ids=prefill.ref["next_ids"][:1], proposal_ids=rng.integers(0, vocab, size=B - 1),
+        temperature=np.zeros(1), uniform=np.zeros(greedy_rows), **chain_inputs(B - 1),
+        **target_caches(t, prefill.ref, T)), tmod)
+    for case in (prefill, verify):
+        case.margins["next_ids"] = _margins(case.ref["logits"])
+    return [prefill, verify]
 
 
 def save_reference(path: Path, cases: list[Case], manifest: dict) -> None:

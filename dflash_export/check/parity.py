@@ -70,7 +70,7 @@ from runtime.backends.ort import OrtBackend
 from runtime.backends.profiles import output_shapes
 from runtime.backends.select import make_backend as runtime_backend
 from runtime.errors import DFlashError
-from runtime.manifest import load_manifest
+from runtime.manifest import has_draft, load_manifest
 
 # (a proposing draft's candidate ids too: compared where their rank is clear, `check_cases._rank_margins`)
 ID_OUTPUTS = ("next_ids", "proposal_ids", "draft_top_ids")
@@ -396,7 +396,8 @@ def run_check(
             save_reference(Path(save_reference_to), cases, manifest)
         gc.collect()
     # onnxruntime loads one graph at a time (the other engines need both for their shared buffers)
-    parts = [("target",), ("draft",)] if backend == "ort" else [("target", "draft")]
+    graphs = ("target", "draft") if has_draft(manifest) else ("target",)
+    parts = [(g,) for g in graphs] if backend == "ort" else [graphs]
     results = []
     for graphs in parts:
         be = make_backend(backend, artifact_dir, manifest, graphs)

@@ -22,7 +22,7 @@ from dflash_export.nn.dflash2 import DFlash2Draft
 from dflash_export.nn.draft import DFlashDraft, DraftWithRows, ProposingDraft
 from dflash_export.quant.int4 import rtn_round_trip
 from runtime.errors import DFlashError
-from runtime.manifest import draft_proposes, draft_rows_exported
+from runtime.manifest import draft_proposes, draft_rows_exported, has_draft
 
 
 def verify_sources(manifest: dict) -> tuple[str, str | None]:
@@ -56,15 +56,17 @@ def verify_sources(manifest: dict) -> tuple[str, str | None]:
 
 
 def reference_modules(manifest: dict, artifact_dir: Path | None = None):
-    """The fp32 reference modules, rebuilt from the recorded source checkpoints (and, for an AWQ
-    artifact, the scales stored in `artifact_dir`).
+    """The fp32 reference modules (target, draft), rebuilt from the recorded source checkpoints (and,
+    for an AWQ artifact, the scales stored in `artifact_dir`); the draft is None in an artifact built
+    with `--draft none`.
 
     The target keeps its weights as stored (bf16 for most checkpoints: the model's size once, not
     twice) and computes in fp32: each weight is upcast when it is used (exact for bf16 and fp16).
     """
 
     target, draft = verify_sources(manifest)
-    tspec, dspec, tsource, dstate, _ = prepare_pair(target, draft)
+    drafted = has_draft(manifest)
+    tspec, dspec, tsource, dstate, _ = prepare_pair(target, draft if drafted else "none")
     if list(dspec.target_layer_ids) != list(manifest["draft"]["target_layer_ids"]):
         raise DFlashError("the source checkpoints no longer describe this artifact (draft taps differ); rebuild it")
     vocab = dspec.draft_vocab if manifest["draft"].get("draft_vocab_size") else None
@@ -76,6 +78,8 @@ def reference_modules(manifest: dict, artifact_dir: Path | None = None):
             raise DFlashError("an AWQ artifact's reference needs its directory (the scales are stored there)")
         manifest = {**manifest, "quantization": {**quant, "awq_scales": str(Path(artifact_dir) / quant["awq_scales"])}}
     tmod = target_family(tspec.family).reference_target(tspec, dspec, tsource, manifest, vocab)
+    if not drafted:
+        return tmod, None
     if isinstance(dspec, DFlash2Spec):
         return tmod, _selector_reference(dspec, dstate, tmod)
     dmod = _reference_draft(dspec, dstate, draft_rows_exported(manifest), manifest)

@@ -159,6 +159,22 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+class NoDraftSpec(DraftSpec):
+    """The draft spec of an artifact without a DFlash draft (`no_draft_spec`): proposals (the MTP head's
+    chain, lookups) reach the target graph as ids, over the whole vocabulary."""
+
+    proposes_itself = True
+
+
+def no_draft_spec(target: TargetSpec, block_size: int) -> DraftSpec:
+    """What the target graph serves when the artifact has no DFlash draft (`build --draft none`): its one
+    tap is the last layer's output (the post-norm final hidden state, which the MTP head reads), and
+    proposals reach it as ids. `block_size` is the rows a step verifies at most by default (the anchor
+    and the chain). No draft weights exist."""
+    return NoDraftSpec(path=None, arch=target.arch, block_size=block_size, mask_token_id=0,
+                       target_layer_ids=(target.arch.num_layers - 1,), taps_declared=True)
+
+
 def parse_draft_config(cfg: dict[str, Any], target: TargetSpec, where: str, fc_in_features: int | None,
                        architecture: str = "DFlashDraftModel") -> DraftSpec:
     """Validate a draft config dict against its target.

@@ -234,7 +234,9 @@ class SourceHashes:
         self.files = {"target": [], "draft": []}
         for key, path in (("target", tspec.path), ("draft", dspec.path)):
             if path is not None:
-                extra = [Path(path) / DRAFT_VOCAB_FILE] if key == "draft" and dspec.draft_vocab is not None else []
+                # (the vocabulary file where the draft has one: a build may widen a draft without one)
+                vocab_file = Path(path) / DRAFT_VOCAB_FILE
+                extra = [vocab_file] if key == "draft" and dspec.draft_vocab is not None and vocab_file.is_file() else []
                 self.files[key] = [*safetensors_files(path), Path(path) / "config.json", *extra]
         self._hashes, self._error = None, None
         self._thread = threading.Thread(target=self._run, name="source-hashes", daemon=True)

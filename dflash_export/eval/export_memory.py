@@ -10,6 +10,7 @@ or exceeds it.
     python scripts/export_memory.py --shapes ci --check          # the small shape the test suite uses
     python scripts/export_memory.py --shapes qwen3.5-4b --check  # a Qwen3.5 Gated DeltaNet hybrid
     python scripts/export_memory.py --shapes qwen3.8-27b --draft dflash2 [--layers 24] [--quant int4]
+    python scripts/export_memory.py --shapes qwen3.8-27b --layers 12 --mtp  # + the multi-token-prediction head
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ _GDN_LAYOUT = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_ke
                    linear_value_head_dim=128, linear_conv_kernel_dim=4)
 
 
-def hybrid_checkpoint(name: str, layers: int | None = None) -> tuple[dict, dict]:
+def hybrid_checkpoint(name: str, layers: int | None = None, mtp: bool = False) -> tuple[dict, dict]:
     """(tensor shapes, config.json) of a Qwen3.5 hybrid shape (`layers`: another depth, every 4th layer
-    still full attention): transformers' own module, built on the meta device (no memory), names the
-    tensors, so the checkpoint is what `build` reads from a real one."""
+    still full attention; `mtp`: with a multi-token-prediction head): transformers' own module, built on
+    the meta device (no memory), names the tensors, so the checkpoint is what `build` reads from a real one."""
     import torch
     import transformers
 
@@ -70,13 +71,30 @@ def hybrid_checkpoint(name: str, layers: int | None = None) -> tuple[dict, dict]
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()
               if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     config = {**cfg.to_dict(), "architectures": ["Qwen3_5ForCausalLM"], "torch_dtype": "bfloat16"}
+    if mtp:
+        shapes.update(mtp_head_shapes(shapes, cfg.layer_types.index("full_attention"), cfg.hidden_size))
+        config["mtp_num_hidden_layers"] = 1
     return shapes, config
 
 
-def checkpoint_spec(name: str, layers: int | None = None) -> tuple[dict, dict]:
-    """(tensor shapes, config.json) of a named shape (`layers`: at another depth)."""
+def mtp_head_shapes(shapes: dict, full_layer: int, hidden: int) -> dict:
+    """The `mtp.*` tensors of a released Qwen3.5 head (vLLM's `qwen3_5_mtp.py` names): `fc [d, 2d]`, three
+    norms and one full-attention decoder layer, named after transformers' layer `full_layer` of `shapes`
+    rather than `nn.mtp`'s module, so the checkpoint does not merely agree with the code that reads it."""
+    prefix = f"model.layers.{full_layer}."
+    head = {"mtp.fc.weight": (hidden, 2 * hidden), "mtp.pre_fc_norm_embedding.weight": (hidden,),
+            "mtp.pre_fc_norm_hidden.weight": (hidden,), "mtp.norm.weight": (hidden,)}
+    head.update({"mtp.layers.0." + k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)})
+    return head
+
+
+def checkpoint_spec(name: str, layers: int | None = None, mtp: bool = False) -> tuple[dict, dict]:
+    """(tensor shapes, config.json) of a named shape (`layers`: at another depth; `mtp`: a hybrid's with
+    its multi-token-prediction head)."""
     if name in HYBRID_SHAPES:
-        return hybrid_checkpoint(name, layers)
+        return hybrid_checkpoint(name, layers, mtp)
+    if mtp:
+        raise ValueError(f"{name} is no Qwen3.5 hybrid: only those carry a multi-token-prediction head")
     dims = {**shape_dims(name), **({"layers": layers} if layers else {})}
     return tensor_shapes(**dims), qwen3_config(**dims, dtype="bf16")
 
@@ -152,23 +170,26 @@ def ensure_checkpoint(work: Path, name: str, shapes: dict, config: dict) -> Path
 
 
 def measure_shape(work: Path, name: str, dtype: str, check: bool, max_seq_len: int, quant: str = "none",
-                  quant_method: str = "rtn", layers: int | None = None, dflash2: bool = False) -> list[dict]:
+                  quant_method: str = "rtn", layers: int | None = None, dflash2: bool = False,
+                  mtp: bool = False) -> list[dict]:
     """Build (and check) one shape; returns one row per step. The bound stays that of the unquantized
     graph dtype for `quant="int4"` (the weights are quantized one tensor at a time). `layers`: the shape
-    at another depth; `dflash2`: with a random DFlash 2 draft of the released layout (its weights count)."""
-    shapes, config = checkpoint_spec(name, layers)
-    depth = f"-{layers}l" if layers else ""
-    ckpt = ensure_checkpoint(work, name + depth, shapes, config)
+    at another depth; `dflash2`: with a random DFlash 2 draft of the released layout (its weights count);
+    `mtp`: a hybrid with its multi-token-prediction head, which `build` exports as `mtp.onnx` (its
+    weights count; `mtp_bytes`: that graph and its data file)."""
+    shapes, config = checkpoint_spec(name, layers, mtp)
+    tag = (f"-{layers}l" if layers else "") + ("-mtp" if mtp else "")
+    ckpt = ensure_checkpoint(work, name + tag, shapes, config)
     draft_args = []
     if dflash2:
         dshapes, dconfig = dflash2_draft(config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
                                          config["vocab_size"])
-        draft_dir = ensure_checkpoint(work, name + depth + "-dflash2-draft", dshapes, dconfig)
+        draft_dir = ensure_checkpoint(work, name + tag + "-dflash2-draft", dshapes, dconfig)
         draft_args = ["--draft", str(draft_dir)]
         shapes = {**shapes, **{f"draft.{k}": v for k, v in dshapes.items()}}
     weight_bytes = weight_count(shapes) * (2 if dtype == "fp16" else 4)
     label = f"{dtype}{'-int4' if quant == 'int4' else ''}{'-awq' if quant == 'int4' and quant_method == 'awq' else ''}"
-    art = work / f"{name}{depth}-{label}-artifact"
+    art = work / f"{name}{tag}-{label}-artifact"
     py = sys.executable
     steps = [("build", [py, "-m", "dflash_export", "build", "--target", str(ckpt), "--out", str(art), *draft_args,
                         "--dtype", dtype, "--max-seq-len", str(max_seq_len), "--quant", quant]
@@ -177,13 +198,14 @@ def measure_shape(work: Path, name: str, dtype: str, check: bool, max_seq_len: i
         steps.append(("check", [py, "-m", "dflash_export", "check", str(art)]))
     rows = []
     for step, cmd in steps:
-        log = work / f"{name}-{label}-{step}.log"
+        log = work / f"{name}{tag}-{label}-{step}.log"
         status, seconds, rss = run_measured(cmd, log)
         rows.append({
-            "shape": name + depth, "step": step, "dtype": label, "status": status, "weight_bytes": weight_bytes,
+            "shape": name + tag, "step": step, "dtype": label, "status": status, "weight_bytes": weight_bytes,
             "peak_rss_bytes": rss, "ratio": rss / weight_bytes, "bound_bytes": bound_bytes(weight_bytes),
             "within_bound": rss <= bound_bytes(weight_bytes), "seconds": round(seconds, 1),
             "artifact_bytes": dir_bytes(art) if art.is_dir() else None, "log": str(log),
+            "mtp_bytes": sum(f.stat().st_size for f in art.glob("mtp.onnx*")) if mtp and art.is_dir() else None,
         })
         if status != 0:
             break
@@ -191,13 +213,14 @@ def measure_shape(work: Path, name: str, dtype: str, check: bool, max_seq_len: i
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = f"{'shape':<16}{'dtype':<15}{'step':<7}{'weights':>10}{'peak RSS':>10}{'ratio':>7}{'bound':>9}  {'ok':<4}{'wall s':>8}{'artifact':>10}"
+    head = f"{'shape':<20}{'dtype':<15}{'step':<7}{'weights':>10}{'peak RSS':>10}{'ratio':>7}{'bound':>9}  {'ok':<4}{'wall s':>8}{'artifact':>10}"
     lines = [head]
     for r in rows:
         art = f"{r['artifact_bytes'] / GIB:.2f}G" if r["artifact_bytes"] else "-"
         ok = "yes" if r["within_bound"] and r["status"] == 0 else ("FAIL" if r["status"] == 0 else f"rc{r['status']}")
-        lines.append(f"{r['shape']:<16}{r['dtype']:<15}{r['step']:<7}{r['weight_bytes'] / GIB:>9.2f}G{r['peak_rss_bytes'] / GIB:>9.2f}G"
-                     f"{r['ratio']:>7.2f}{r['bound_bytes'] / GIB:>8.2f}G  {ok:<4}{r['seconds']:>8.1f}{art:>10}")
+        lines.append(f"{r['shape']:<20}{r['dtype']:<15}{r['step']:<7}{r['weight_bytes'] / GIB:>9.2f}G{r['peak_rss_bytes'] / GIB:>9.2f}G"
+                     f"{r['ratio']:>7.2f}{r['bound_bytes'] / GIB:>8.2f}G  {ok:<4}{r['seconds']:>8.1f}{art:>10}"
+                     + (f"  mtp.onnx {r['mtp_bytes'] / GIB:.2f}G" if r.get("mtp_bytes") else ""))
     return "\n".join(lines)
 
 
@@ -216,14 +239,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                    help="build the shapes at this depth (a disk too small for the whole checkpoint and artifact)")
     p.add_argument("--draft", choices=["untrained", "dflash2"], default="untrained",
                    help="the draft: build's untrained DFlash one (default) or a random DFlash 2 of the released layout")
+    p.add_argument("--mtp", action="store_true",
+                   help="Qwen3.5 hybrids: the checkpoint carries a multi-token-prediction head (mtp.*), built as mtp.onnx")
     args = p.parse_args(argv)
     if args.layers is not None and args.layers < 1:
         p.error(f"--layers {args.layers} must be positive")
+    if args.mtp and set(args.shapes) - set(HYBRID_SHAPES):
+        p.error(f"--mtp needs Qwen3.5 hybrid shapes ({', '.join(HYBRID_SHAPES)})")
     args.work.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.shapes:
         rows += measure_shape(args.work, name, args.dtype, args.check, args.max_seq_len, args.quant, args.quant_method,
-                              args.layers, args.draft == "dflash2")
+                              args.layers, args.draft == "dflash2", args.mtp)
         print(format_rows(rows), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

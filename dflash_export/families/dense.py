@@ -42,7 +42,7 @@ from dflash_export.quant.int4 import (
 )
 from dflash_export.quant.streaming import proposal_head_config, streaming_rewrite
 from runtime.errors import DFlashError
-from runtime.manifest import draft_proposes as graph_proposes
+from runtime.manifest import target_takes_ids
 
 ARCHITECTURES = tuple(SUPPORTED_TARGETS)  # what read_target takes (the unsupported-target error lists them)
 EXPORT_TITLE = "weights are read as they are written"  # build's progress line for the target step
@@ -214,7 +214,7 @@ def reference_target(tspec: TargetSpec, dspec: DraftSpec, source: WeightSource, 
     graph_dtype = {"fp32": torch.float32, "fp16": torch.float16}[manifest["dtype"]]
     if manifest.get("quantization"):  # the model the INT4 graph computes: its dequantized weights
         source = dequantized_source(source, manifest["quantization"], graph_dtype)
-    proposes = graph_proposes(manifest)
+    proposes = target_takes_ids(manifest)
     tmod = empty_module(lambda: ReferenceTarget(tspec, dspec.target_layer_ids, torch.float32, vocab, proposes)).eval()
     set_head_transforms(tmod, manifest, graph_dtype)
     load_module_weights(tmod, source, f"target {tspec.path}")

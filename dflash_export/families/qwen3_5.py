@@ -68,7 +68,7 @@ from dflash_export.nn.qwen3_5 import (
 from dflash_export.quant.int4 import dequantized_source, quantized_names
 from dflash_export.quant.streaming import proposal_head_config, streaming_rewrite
 from runtime.errors import DFlashError
-from runtime.manifest import draft_proposes as graph_proposes
+from runtime.manifest import target_takes_ids
 
 ARCHITECTURES = tuple(HYBRID_ARCHITECTURES)  # what read_target takes (the unsupported-target error lists them)
 EXPORT_TITLE = "weights are read as they are written"  # build's progress line for the target step
@@ -327,7 +327,7 @@ def reference_target(tspec: TargetSpec, dspec, source, manifest: dict, vocab) ->
     if manifest.get("quantization"):  # the model the INT4 graph computes: its dequantized weights
         text = dequantized_source(text, manifest["quantization"], graph_dtype)
 
-    proposes = graph_proposes(manifest)
+    proposes = target_takes_ids(manifest)
     tmod = empty_module(lambda: HybridReference(tspec, tuple(dspec.target_layer_ids), torch.float32,
                                                 None if proposes else vocab, proposes)).eval()
     set_head_transforms(tmod, manifest, graph_dtype)  # an INT4 LM head / proposal rows as the graph has them

@@ -24,11 +24,11 @@ from runtime.manifest import (
     MTP_INPUTS,
     TREE_INPUTS,
     TREE_SHAPE_INPUTS,
-    draft_proposes,
     draft_rows_exported,
     draft_takes_anchor,
     gdn_io_names,
     layer_types,
+    target_takes_ids,
     tree_inputs_exported,
 )
 
@@ -110,7 +110,7 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
                               "damaged, rebuild it")
         return None
     n = int(manifest[graph]["num_layers"])
-    proposes = draft_proposes(manifest)
+    proposes = target_takes_ids(manifest)
     proposals = "proposal_ids" if proposes else "draft_hidden"
     lead = ["input_ids", proposals, "temperature", "uniform"] if graph == "target" else ["context_hidden", "block_embeddings"]
     if graph == "target" and tree_inputs_exported(manifest):

@@ -42,6 +42,7 @@ from runtime.manifest import (
     DEFAULT_MAX_BATCH,
     DEFAULT_PREFILL_CHUNK,
     has_batched_draft,
+    has_draft,
     has_mtp,
     is_hybrid,
 )
@@ -246,10 +247,12 @@ def shape_ranges(manifest: dict, max_block_size: int | None = None, max_batch: i
         DFlashError: the manifest lacks graph IO or uses a dimension this runtime does not know.
     """
     io = manifest.get("io")
-    if not io or "target" not in io or "draft" not in io:
+    if not io or "target" not in io or ("draft" not in io and has_draft(manifest)):
         raise DFlashError("the manifest has no graph IO description ('io'); rebuild the artifact")
     out: dict[str, list[Profile]] = {}
     ranges = dim_ranges(manifest, max_block_size)
+    if not has_draft(manifest):  # (`build --draft none`)
+        del ranges["draft"]
     if BATCHED_GRAPH in manifest and BATCHED_GRAPH in io:
         ranges[BATCHED_GRAPH] = batched_dim_ranges(manifest, max_batch, prefill_chunk)
     if has_batched_draft(manifest):

@@ -88,6 +88,7 @@ def cmd_generate(args) -> int:
                             block_size=args.block_size, chat=args.chat, seed=args.seed, record_steps=args.steps,
                             verify_len=None if args.verify_len == "auto" else args.verify_len,
                             top_p=args.top_p, top_k=args.top_k, stop=args.stop, drafter=args.drafter)
+        drafted = "draft" in sess.graphs
         trained = sess.manifest["draft"]["trained"]
     if args.json:
         print(json.dumps(res.to_dict(with_steps=args.steps)))
@@ -96,7 +97,7 @@ def cmd_generate(args) -> int:
     steps = len(res.acceptance_lengths)
     lookups = f" ({res.lookup_steps} of {steps} speculative steps were lookups)" if steps else ""
     print(f"\n[{len(res.output_ids)} tokens, finish={res.finish_reason}, tau={res.tau:.2f}{lookups}, "
-          f"{res.tokens_per_s:.1f} tok/s, draft {'trained' if trained else 'UNTRAINED'}]", file=sys.stderr)
+          f"{res.tokens_per_s:.1f} tok/s, " + (f"draft {'trained' if trained else 'UNTRAINED'}]" if drafted else "no draft]"), file=sys.stderr)
     if args.steps:
         for i, s in enumerate(res.steps):
             source = " (lookup)" if s["lookup"] else ""

@@ -27,6 +27,7 @@ from runtime.manifest import (
     layer_types,
     load_mask_embedding,
     proposal_ranks,
+    target_takes_ids,
     tree_inputs_exported,
 )
 
@@ -53,7 +54,9 @@ class GraphCalls:
 
         # (layer index, K, V) of the target's attention layers; a hybrid's other layers keep a recurrent state
         self.t_kv = [(i, kv(t), kv(t)) for i, kind in enumerate(types) if kind == "full_attention"]
-        self.d_kv = [(i, kv(d), kv(d)) for i in range(int(d["num_layers"]))]
+        # (an artifact built with --draft none has no draft graph: its taps are the target's final hidden state)
+        self.has_draft = "draft" in self.graphs
+        self.d_kv = [(i, kv(d), kv(d)) for i in range(int(d["num_layers"]))] if self.has_draft else []
         # rows one target call may take (a hybrid's chunked Gated DeltaNet form bounds it)
         self.target_call_rows = t.get("max_call_rows")
         self.recurrent = None
@@ -73,17 +76,20 @@ class GraphCalls:
         self.token_ids = be.alloc(np.int64, 2 * mb)
         self.next_embeddings = be.alloc(self.dtype, mb, (hidden,))
         self.logits = be.alloc(np.float32, mb, (int(t["vocab_size"]),)) if self.keep_logits else None
-        self.block = be.alloc(self.dtype, mb, (hidden,))
+        self.block = be.alloc(self.dtype, mb, (hidden,)) if self.has_draft else None
         # the draft's output: its top candidates and their probabilities per row where its graph ends in
         # the proposal head (read to the host to choose the verify length), else its hidden rows, which
         # the target's proposal head ranks
         self.draft_proposes = draft_proposes(m)
+        # the target verifies proposal ids the host wrote (a proposing draft's, a lookup's, the MTP head's);
+        # else it ranks the draft's hidden rows with its proposal head
+        self.target_takes_ids = target_takes_ids(m)
         self.draft_hidden = self.draft_top_ids = self.draft_top_probs = None
         self.proposal_ranks = proposal_ranks(m) if self.draft_proposes else None  # candidates per draft row
         if self.draft_proposes:
             ranks = self.proposal_ranks
             self.draft_top_ids, self.draft_top_probs = be.alloc(np.int64, mb, (ranks,)), be.alloc(np.float32, mb, (ranks,))
-        else:
+        elif not self.target_takes_ids:
             self.draft_hidden = be.alloc(self.dtype, mb, (hidden,))
         # the draft returns draft_hidden rows 0..R-1 only (its last layer cut to them), written once
         self.proposal_rows = be.alloc(np.int64, mb) if draft_rows_exported(m) else None
@@ -97,21 +103,28 @@ class GraphCalls:
         self.tree_depth = self.tree_rank = self.tree_bias = self._tree_written = None
         if tree_inputs_exported(m):  # a target taking proposal ids needs no ranks (the host picked the ids)
             self.tree_depth, self.tree_bias = be.alloc(np.int64, mb), be.alloc(np.float32, mb * mb)
-            self.tree_rank = None if self.draft_proposes else be.alloc(np.int64, mb)
+            self.tree_rank = None if self.target_takes_ids else be.alloc(np.int64, mb)
         self._allocate_mtp(m, hidden)
-        mask_row = load_mask_embedding(self.artifact_dir / m["mask_embedding"], hidden).astype(self.dtype)
-        be.write(self.block.rows(0, mb), np.broadcast_to(mask_row, (mb, hidden)))
+        if self.has_draft:
+            mask_row = load_mask_embedding(self.artifact_dir / m["mask_embedding"], hidden).astype(self.dtype)
+            be.write(self.block.rows(0, mb), np.broadcast_to(mask_row, (mb, hidden)))
 
     def _allocate_mtp(self, m: dict, hidden: int) -> None:
         """The MTP head's buffers where its graph is loaded: the target's final hidden state of every
         context row (the head's input), the head's own K/V cache `[max_seq_len, Hkv, D]`, its entry ids
-        and two rows for its output state (a chained call reads one and writes the other)."""
+        and two rows for its output state (a chained call reads one and writes the other). Without a draft
+        the taps are that state, at their cache rows (nothing consumes them: `CachedContext.draft_len` stays 0)."""
         self.has_mtp = "mtp" in self.graphs  # (the Session loads it where the artifact and backend have it)
         self.mtp_len = 0  # head cache rows entered with the target's states (chained rows past it are scratch)
+        outputs = m.get("io", {}).get("target", {}).get("outputs", [])
+        self.final_hidden_output = self.has_mtp and any(o["name"] == "final_hidden" for o in outputs)
         if not self.has_mtp:
             return
         be, S, mtp = self.backend, self.max_seq_len, m["mtp"]
-        self.final_hidden = be.alloc(self.dtype, S, (hidden,))
+        if not self.final_hidden_output and self.has_draft:
+            raise DFlashError(f"{self.artifact_dir}: the target graph does not output final_hidden, which the MTP head "
+                              "reads; rebuild the artifact")
+        self.final_hidden = be.alloc(self.dtype, S, (hidden,)) if self.final_hidden_output else self.taps
         self.mtp_k = be.alloc(self.dtype, S, (mtp["num_kv_heads"], mtp["head_dim"]))
         self.mtp_v = be.alloc(self.dtype, S, (mtp["num_kv_heads"], mtp["head_dim"]))
         self.mtp_ids = be.alloc(np.int64, MTP_CALL_ROWS)
@@ -277,9 +290,9 @@ class GraphCalls:
             "next_embeddings": self.next_embeddings.rows(0, n_proposals + 1),
             "taps": self.taps.rows(taps_row, rows),
         }
-        if self.has_mtp:  # the final hidden state of every row, at its cache row (the MTP head's input)
+        if self.final_hidden_output:  # the final hidden state of every row, at its cache row (the MTP head's input)
             outputs["final_hidden"] = self.final_hidden.rows(past, rows)
-        if self.draft_proposes:  # the ids the host wrote sit right after the posterior: read_ids reads both
+        if self.target_takes_ids:  # the ids the host wrote sit right after the posterior: read_ids reads both
             inputs["proposal_ids"] = proposals
         else:
             inputs["draft_hidden"], outputs["proposal_ids"] = self.draft_hidden.rows(0, n_proposals), proposals
