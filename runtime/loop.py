@@ -82,7 +82,8 @@ class DecodeLoop:
         # the MTP head: always with drafter "mtp"; with "auto" where the artifact has one, chosen per step
         # against the policy's step by measured rate (`runtime.speculation.drafters`)
         both = opts.drafter == "auto" and getattr(session, "has_mtp", False) and block_size > 1
-        self.chooser = DrafterChoice() if both else None
+        self.chooser = session.drafter_choices.setdefault((block_size, str(opts.verify_len)), DrafterChoice()) \
+            if both else None
         self.mtp = MTPProposer(session) if opts.drafter == "mtp" or both else None
         self.lookup: LookupProposer | None = None  # the request's text, indexed for lookups (built in run)
         self.result: GenerationResult | None = None

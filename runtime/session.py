@@ -32,6 +32,7 @@ from runtime.options import (
     refuse_unknown_options,
 )
 from runtime.results import GenerationResult, StreamChunk
+from runtime.speculation.drafters import DrafterChoice
 from runtime.speculation.policy import (
     TRAINED_ALTERNATIVE_PRIOR,
     TRAINED_DRAFT_PRIOR,
@@ -99,6 +100,9 @@ class Session(PromptEncoding, GraphCalls):
         self.call_costs = None
         self.acceptance_prior = TRAINED_DRAFT_PRIOR if m["draft"].get("trained") else UNTRAINED_DRAFT_PRIOR
         self.auto: dict[int, AdaptiveLength] = {}  # by block size: what the policy learned lasts the session
+        # drafter "auto" with an MTP head: each side's measured rate, by (block size, verify_len), lasts the
+        # session too, so a short reply starts with the side that has been winning
+        self.drafter_choices: dict[tuple, DrafterChoice] = {}
         self.closed = False
         # Whether one-row target calls run as two rows (decided by the first `policy()`: `runtime.graphs.row_exact`)
         self.pad_single_rows: bool | None = None

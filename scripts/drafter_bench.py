@@ -3,7 +3,7 @@
 in alternating order.
 
     python scripts/drafter_bench.py ARTIFACT [--prompts FILE.jsonl] [--ids 5,17,33 ...] [--rounds 3]
-                                    [--max-new-tokens 64] [--limit N]
+                                    [--max-new-tokens 64] [--limit N] [--raw]
 
 Prompts: a JSONL file with a "prompt" and a "category" per line (chat prompts through the template),
 or token-id prompts (`--ids`, for an artifact without a tokenizer). Prints per category each mode's
@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--limit", type=int, default=None, help="prompts per category")
+    ap.add_argument("--raw", action="store_true", help="text prompts as they are (a base model: no chat template)")
     args = ap.parse_args()
     prompts = [("ids", [int(t) for t in p.split(",")]) for p in args.ids]
     if args.prompts:
@@ -46,7 +47,7 @@ def main() -> None:
     sess = runtime.load(args.artifact)
     speed, tau, equal = defaultdict(list), defaultdict(list), True
     for cat, prompt in prompts:
-        kw = dict(chat=isinstance(prompt, str), max_new_tokens=args.max_new_tokens, reuse_prefix=False)
+        kw = dict(chat=isinstance(prompt, str) and not args.raw, max_new_tokens=args.max_new_tokens, reuse_prefix=False)
         rates, outs = defaultdict(list), {}
         for r in range(args.rounds):
             order = list(MODES) if r % 2 == 0 else list(reversed(MODES))

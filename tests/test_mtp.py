@@ -166,10 +166,11 @@ def test_two_layer_heads_and_heads_absent():
     assert qwen3_5.mtp_source(tspec, WeightSource("tiny", tensors=plain)) is None
 
 
-def _fitted_head(model, steps: int = 150) -> dict[str, torch.Tensor]:
-    """A head fitted to `model` (a tiny random target): trained on its own greedy continuations of random
-    prompts to predict the token after next from (next token, final hidden state), so its proposals
-    are accepted often, though not always. Returns the `mtp.*` tensors."""
+def _fitted_head(model, steps: int = 150, prompts: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """A head fitted to `model` (a tiny random target): trained on its own greedy continuations of
+    `prompts` (int64 `[n, 6]`; default 48 random ones) to predict the token after next from (next token,
+    final hidden state), so its proposals are accepted often, though not always. Returns the `mtp.*`
+    tensors (also used by `scripts/drafter_fixture.py`)."""
     from dflash_export.nn.layers import causal_bias, rope_cos_sin
 
     torch.manual_seed(0)
@@ -187,7 +188,7 @@ def _fitted_head(model, steps: int = 150) -> dict[str, torch.Tensor]:
         head.layers[0].mlp.down_proj.weight.mul_(0.1)
         head.norm.weight.zero_()
     with torch.no_grad():
-        prompts = torch.randint(0, CONFIG["vocab_size"], (48, 6))
+        prompts = torch.randint(0, CONFIG["vocab_size"], (48, 6)) if prompts is None else prompts
         seqs = model.generate(prompts, max_new_tokens=40, do_sample=False, min_new_tokens=40, pad_token_id=0)
         hidden = model(seqs, output_hidden_states=True).hidden_states[-1]
     n, kv = seqs.shape[1], torch.zeros(0, spec.num_kv_heads, spec.head_dim)
@@ -387,12 +388,19 @@ def test_auto_chooses_the_head_where_it_pays_and_leaves_it_where_it_does_not(mtp
         auto = sess.generate(prompt, max_new_tokens=40, stop_token_ids=[], record_steps=True, reuse_prefix=False)
         assert auto.output_ids == plain.output_ids
         assert "mtp" in [s["source"] for s in auto.steps]
+    with runtime.load(art) as sess:  # (a new session: the measured rates last a session)
         real = sess.mtp_propose
         monkeypatch.setattr(sess, "mtp_propose", lambda n, last: [(t + 1) % CONFIG["vocab_size"] for t in real(n, last)])
         wrong = sess.generate(prompt, max_new_tokens=40, stop_token_ids=[], record_steps=True, reuse_prefix=False)
         assert wrong.output_ids == plain.output_ids
         sources = [s["source"] for s in wrong.steps]
         assert sources.count("mtp") <= 2 + len(sources) // 8, sources  # the first try, then a probe every 8 steps
+        # the next reply starts with the side that has been winning (not with another try of the head)
+        (choice,) = sess.drafter_choices.values()
+        assert choice.best == "policy"
+        choice.since_probe = 0  # (no probe due at its first step)
+        again = sess.generate(prompt, max_new_tokens=40, stop_token_ids=[], record_steps=True, reuse_prefix=False)
+        assert again.output_ids == plain.output_ids and again.steps[0]["source"] != "mtp", again.steps[:2]
 
 
 def test_the_drafter_choice_follows_the_measured_rates():

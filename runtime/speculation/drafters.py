@@ -5,7 +5,8 @@ Which one pays depends on the text (DFlash leads on code, MTP on prose, in other
 and on the device (on small parts MTP's chain of calls can lose). So neither is assumed: each step's
 committed tokens per second are measured for the drafter that ran it, as a running (exponentially
 weighted) rate, and the step asks the faster one. The other is tried again every `probe_every` steps,
-so a change in the text or the load is noticed. The policy behind the DFlash side still decides its
+so a change in the text or the load is noticed. The rates last the session (`Session.drafter_choices`):
+a reply of a few steps then starts with the side that has been winning instead of trying both. The policy behind the DFlash side still decides its
 own verify lengths, lookups and plain steps, and keeps its "never slower than plain" guard.
 """
 
