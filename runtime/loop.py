@@ -115,8 +115,10 @@ class DecodeLoop:
         """This step's choice: with `mtp`, the MTP head's chain; else the policy's, from the lookup's offer
         (where it keeps one) and its own estimates; a tree it cannot verify here runs as its chain
         (`_verifiable`)."""
-        if mtp:  # the MTP chain: MTP_DEFAULT_LENGTH beside the policy's steps, else the fixed policy's length
-            n = min(MTP_DEFAULT_LENGTH if self.chooser is not None else self.policy.proposals(limit), limit)
+        if mtp:  # the MTP chain: MTP_DEFAULT_LENGTH beside the policy's steps (a try of it: one proposal,
+            # the cheapest step that measures it), else the fixed policy's length
+            auto_n = 1 if self.chooser is not None and self.chooser.trying else MTP_DEFAULT_LENGTH
+            n = min(auto_n if self.chooser is not None else self.policy.proposals(limit), limit)
             if n == 0:
                 return Choice(0)
             t0 = time.perf_counter()

@@ -1,9 +1,9 @@
 """Drafters side by side on one artifact with the target's MTP head: plain decoding, the DFlash draft
-(`drafter="dflash"`), the MTP chain (`drafter="mtp"`) and the per-step choice (`drafter="auto"`), greedy,
-in alternating order.
+(`drafter="dflash"`), the MTP chain (`drafter="mtp"`) and the per-step choice (`drafter="auto"`), greedy (or sampled,
+`--temperature`), in alternating order.
 
     python scripts/drafter_bench.py ARTIFACT [--prompts FILE.jsonl] [--ids 5,17,33 ...] [--rounds 3]
-                                    [--max-new-tokens 64] [--limit N] [--raw]
+                                    [--max-new-tokens 64] [--limit N] [--raw] [--temperature T]
 
 Prompts: a JSONL file with a "prompt" and a "category" per line (chat prompts through the template),
 or token-id prompts (`--ids`, for an artifact without a tokenizer). Prints per category each mode's
@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--limit", type=int, default=None, help="prompts per category")
     ap.add_argument("--raw", action="store_true", help="text prompts as they are (a base model: no chat template)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampled decoding at this temperature (seed 0)")
     args = ap.parse_args()
     prompts = [("ids", [int(t) for t in p.split(",")]) for p in args.ids]
     if args.prompts:
@@ -47,7 +48,8 @@ def main() -> None:
     sess = runtime.load(args.artifact)
     speed, tau, equal = defaultdict(list), defaultdict(list), True
     for cat, prompt in prompts:
-        kw = dict(chat=isinstance(prompt, str) and not args.raw, max_new_tokens=args.max_new_tokens, reuse_prefix=False)
+        kw = dict(chat=isinstance(prompt, str) and not args.raw, max_new_tokens=args.max_new_tokens, reuse_prefix=False,
+                  temperature=args.temperature, seed=0)
         rates, outs = defaultdict(list), {}
         for r in range(args.rounds):
             order = list(MODES) if r % 2 == 0 else list(reversed(MODES))

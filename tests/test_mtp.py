@@ -416,10 +416,15 @@ def test_the_drafter_choice_follows_the_measured_rates():
         side = choice.choose()
         picks.append(side)
         choice.observe(side, 4 if side == "mtp" else 1, 0.1 if side == "mtp" else 0.05)
-    assert picks == ["mtp", "mtp", "mtp", "policy", "mtp", "mtp", "mtp", "policy"]
+    # a probe every 3 steps, then every 6 after it lost (the interval doubles while probes lose)
+    assert picks == ["mtp", "mtp", "mtp", "policy", "mtp", "mtp", "mtp", "mtp"] and choice.interval == 6
     for _ in range(6):  # the head stops paying (the text changed): the policy's side takes over
         choice.observe("mtp", 1, 0.2)
     assert choice.choose() == "policy"
+    choice.since_probe = choice.interval
+    assert choice.choose() == "mtp"
+    choice.observe("mtp", 40, 0.1)  # a probe that wins: short intervals again
+    assert choice.best == "mtp" and choice.interval == 3
 
 
 @pytest.mark.slow  # the hybrid MTP build (shared with the tests above)

@@ -87,9 +87,12 @@ class CallCosts:
 
 def _affine_fit(points_ms: dict[int, float], n: np.ndarray) -> np.ndarray:
     """The least-squares line through the n > 0 points, evaluated at `n` (ms; a slope below 0 is
-    taken as 0; one point: constant)."""
+    taken as 0; one point: constant). A call verifying more proposals does not cost less than one
+    verifying fewer, so a point above a later one was slowed by other load: it counts as the least
+    later value (one such point measured beside another job kept a whole table from ever
+    speculating)."""
     xs = np.array(sorted(k for k in points_ms if k > 0), np.float64)
-    ys = np.array([points_ms[int(k)] for k in xs])
+    ys = np.minimum.accumulate(np.array([points_ms[int(k)] for k in xs])[::-1])[::-1]
     if len(xs) >= 2:  # the line passes through the points' mean
         slope = max(float(np.polyfit(xs, ys, 1)[0]), 0.0)
         return ys.mean() + slope * (n - xs.mean())

@@ -4,8 +4,9 @@ and plain steps) and the target's own MTP head (`drafter="auto"`).
 Which one pays depends on the text (DFlash leads on code, MTP on prose, in other runtimes' measurements)
 and on the device (on small parts MTP's chain of calls can lose). So neither is assumed: each step's
 committed tokens per second are measured for the drafter that ran it, as a running (exponentially
-weighted) rate, and the step asks the faster one. The other is tried again every `probe_every` steps,
-so a change in the text or the load is noticed. The rates last the session (`Session.drafter_choices`):
+weighted) rate, and the step asks the faster one. The other is tried again every 8 steps, an interval
+that doubles (up to 64) while those tries keep losing, so a change in the text or the load is noticed
+without paying a losing try every few steps. The rates last the session (`Session.drafter_choices`):
 a reply of a few steps then starts with the side that has been winning instead of trying both. The policy behind the DFlash side still decides its
 own verify lengths, lookups and plain steps, and keeps its "never slower than plain" guard.
 """
@@ -19,14 +20,19 @@ class DrafterChoice:
     """The per-step choice between the MTP chain ("mtp") and the policy's step ("policy").
 
     Args:
-        probe_every: steps of the faster side between two tries of the other.
+        probe_every: steps of the faster side between two tries of the other, at first.
         decay: weight of a side's previous rate in its running rate (0: the last step only).
+        max_probe_every: the longest interval: each try of the other side that does not make it the
+            faster doubles the interval up to this; one that does resets it to `probe_every` (a probe
+            costs most where the sides differ most, and there it keeps losing).
     """
 
-    def __init__(self, probe_every: int = 8, decay: float = 0.7):
-        self.probe_every, self.decay = int(probe_every), float(decay)
+    def __init__(self, probe_every: int = 8, decay: float = 0.7, max_probe_every: int = 64):
+        self.probe_every, self.decay, self.max_probe_every = int(probe_every), float(decay), int(max_probe_every)
+        self.interval = self.probe_every
         self.rates: dict[str, float | None] = {side: None for side in DRAFTER_SIDES}
         self.since_probe = 0
+        self.trying = False  # whether the last choice tries a side that is not the faster (a first try, a probe)
 
     @property
     def best(self) -> str | None:
@@ -37,18 +43,24 @@ class DrafterChoice:
 
     def choose(self) -> str:
         """The side the next step runs: an untried one first, else the faster, the other every
-        `probe_every` steps."""
+        :attr:`interval` steps."""
+        self.trying = True
         for side in DRAFTER_SIDES:
             if self.rates[side] is None:
                 return side
         best = self.best
-        if self.since_probe >= self.probe_every:
+        if self.since_probe >= self.interval:
             return next(side for side in DRAFTER_SIDES if side != best)
+        self.trying = False
         return best
 
     def observe(self, side: str, committed: int, seconds: float) -> None:
         """A step of `side` committed `committed` tokens in `seconds` (its proposer's time included)."""
+        before = self.best
         rate = committed / max(seconds, 1e-9)
         old = self.rates[side]
         self.rates[side] = rate if old is None else self.decay * old + (1.0 - self.decay) * rate
-        self.since_probe = 0 if side != self.best else self.since_probe + 1
+        after = self.best
+        if before is not None and side != before:  # a probe: it won (back to short intervals) or lost (longer)
+            self.interval = self.probe_every if after == side else min(2 * self.interval, self.max_probe_every)
+        self.since_probe = 0 if side != after else self.since_probe + 1
