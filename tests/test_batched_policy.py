@@ -148,3 +148,16 @@ def test_the_plain_step_after_a_speculative_one_charges_its_excess_to_speculatio
     assert policy.plain[4][1] == pytest.approx(policy.decay * plain_before[1] + 0.020)
     policy.observe(4, 1, 0.025, [], [], 4, 0.025)  # a second plain step: its own
     assert policy.speculative[4][1] == pytest.approx(spec_before[1] + 0.005)
+
+
+def test_a_call_time_slowed_by_other_load_counts_as_the_least_later_one():
+    """Start-up measures the batched calls once: a time above that of a call of more rows or more
+    sequences was disturbed (another job), and counts as the least later one, so one slow point cannot
+    make the policy think speculation costs more than it does."""
+    rows = (1, 2, 4, 8, 16)
+    seconds = np.array([[0.010, 0.011, 0.050, 0.013, 0.015],   # 4 rows at batch 1 slowed 4x
+                        [0.020, 0.021, 0.022, 0.023, 0.030]])
+    costs = BatchedCallCosts((1, 8), rows, seconds, (1, 15), np.array([[0.009, 0.005]]))
+    assert costs.call_s(1, 4) == pytest.approx(0.013) and costs.call_s(1, 16) == pytest.approx(0.015)
+    assert costs.call_s(8, 4) == pytest.approx(0.022)
+    assert costs.draft_s(1) == pytest.approx(0.005)
