@@ -7,6 +7,12 @@ its continuations of one prompt group ("mtp-data": words t3..t48) and whose DFla
     python scripts/drafter_fixture.py --out /tmp/drafters
     python scripts/drafter_bench.py /tmp/drafters/art --prompts /tmp/drafters/eval.jsonl --raw --rounds 3 --max-new-tokens 48
 
+`--neither` builds instead a wider random target (hidden 512, 6 layers: steps of milliseconds, not of a
+tenth of one) with a random head and build's untrained draft, where neither drafter pays on sampled text:
+
+    python scripts/drafter_fixture.py --out /tmp/neither --neither
+    python scripts/drafter_bench.py /tmp/neither/art --prompts /tmp/neither/eval.jsonl --raw --temperature 0.7
+
 It reuses the test suite's fixtures (`tests/hybrid_fixtures.py`, `tests/runtime_fixtures.py`,
 `tests/test_mtp.py`'s head fitting): run it from the repository root with the test extra installed.
 """
@@ -34,7 +40,10 @@ def main() -> int:
     ap.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts per group")
     ap.add_argument("--head-steps", type=int, default=300)
     ap.add_argument("--draft-steps", type=int, default=300)
+    ap.add_argument("--neither", action="store_true", help="a wider target, a random head, the untrained draft")
     args = ap.parse_args()
+    if args.neither:
+        return neither(args.out, args.eval_prompts)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import torch
     from hybrid_fixtures import THREE_LAYER_TYPES, six_layer_model
@@ -70,6 +79,44 @@ def main() -> int:
         return 1
     build(BuildOptions(str(target), str(draft), out / "art", max_seq_len=128, overwrite=True, quiet=True))
     print(f"wrote {out / 'art'}; held-out prompts {out / 'eval.jsonl'}")
+    return 0
+
+
+WIDE = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+            linear_num_key_heads=4, linear_key_head_dim=64, linear_num_value_heads=8, linear_value_head_dim=64,
+            layer_types=["linear_attention", "linear_attention", "full_attention"] * 2, num_hidden_layers=6)
+
+
+def neither(out: Path, eval_prompts: int) -> int:
+    """The wider random target with a random `mtp.*` head and no draft named (build's untrained one)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import torch
+    import transformers
+    from hybrid_fixtures import CONFIG, untrained_draft_dir
+    from runtime_fixtures import add_word_tokenizer
+    from safetensors.torch import save_file
+
+    from dflash_export.build import BuildOptions, build
+    from dflash_export.checkpoint.hybrid import HybridSpec
+    from dflash_export.nn.mtp import MTPHead
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    config = {**CONFIG, **WIDE}
+    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**config)).eval()
+    target = out / "target"
+    model.save_pretrained(target, safe_serialization=True)
+    add_word_tokenizer(target)
+    head = MTPHead(HybridSpec.from_config(config))
+    mtp = {f"mtp.{k}": v.detach().clone().contiguous() for k, v in head.state_dict().items() if not k.startswith("model.")}
+    state = {k: v.clone().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # (tied)
+    save_file({**state, **mtp}, str(target / "model.safetensors"), metadata={"format": "pt"})
+    text = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731
+    (out / "eval.jsonl").write_text("".join(json.dumps({"id": f"n{i}", "category": "random", "prompt": text(p)}) + "\n"
+                                            for i, p in enumerate(prompts(range(3, 96), eval_prompts, 3))))
+    untrained_draft_dir(target, out / "draft")
+    build(BuildOptions(str(target), str(out / "draft"), out / "art", max_seq_len=128, overwrite=True, quiet=True))
+    print(f"wrote {out / 'art'}; prompts {out / 'eval.jsonl'}")
     return 0
 
 

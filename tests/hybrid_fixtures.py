@@ -41,6 +41,41 @@ def six_layer_model(layer_types=SIX_LAYER_TYPES):
     return model
 
 
+def untrained_draft_dir(target_dir, out) -> None:
+    """Write the deterministic untrained DFlash draft of `target_dir` as a draft directory (a checkpoint
+    with an MTP head gets no draft unless one is named)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dflash_export.checkpoint.sources import random_draft_config
+    from dflash_export.drafts import dflash
+    from dflash_export.families.registry import load_target_spec
+
+    tspec = load_target_spec(target_dir)
+    _, state = dflash.untrained_draft(tspec)
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(random_draft_config(tspec)))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+
+
+def save_with_random_mtp_head(model, target_dir) -> None:
+    """Save `model` (a Qwen3_5ForCausalLM with tied embeddings) to `target_dir` with a seeded random
+    `mtp.*` head of its shape in the checkpoint."""
+    import torch
+    from safetensors.torch import save_file
+
+    from dflash_export.checkpoint.hybrid import HybridSpec
+    from dflash_export.nn.mtp import MTPHead
+
+    model.save_pretrained(target_dir, safe_serialization=True)
+    torch.manual_seed(2)
+    head = MTPHead(HybridSpec.from_config(model.config.to_dict()))
+    mtp = {f"mtp.{k}": v.detach().clone().contiguous() for k, v in head.state_dict().items() if not k.startswith("model.")}
+    state = {k: v.clone().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # (tied)
+    save_file({**state, **mtp}, str(target_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
 @dataclass
 class HybridPair:
     model: object  # the transformers Qwen3_5ForCausalLM (eager attention), the numerical reference

@@ -12,7 +12,7 @@ import onnx
 import pytest
 import tiny_models
 from graph_compare import assert_same_graph, run_both
-from hybrid_fixtures import VOCAB, six_layer_model
+from hybrid_fixtures import VOCAB, save_with_random_mtp_head, six_layer_model, untrained_draft_dir
 from int4_fusion import assert_int4_fused
 
 from dflash_export.build import BuildOptions, build
@@ -27,11 +27,14 @@ MATRICES = {"in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj"
 
 @pytest.fixture(scope="module")
 def six_layer_hybrid(tmp_path_factory):
-    """A random 6-layer Qwen3_5ForCausalLM checkpoint with distinct norms, conv kernels and decays per layer."""
+    """A random 6-layer Qwen3_5ForCausalLM checkpoint with distinct norms, conv kernels and decays per layer,
+    carrying a random `mtp.*` head, and the untrained DFlash draft as a directory: (target, draft). With
+    both drafters the target graph also returns `final_hidden`, an output after the layers' caches."""
     model = six_layer_model()
     root = tmp_path_factory.mktemp("hybrid_replication")
-    model.save_pretrained(root / "target", safe_serialization=True)
-    return root / "target"
+    save_with_random_mtp_head(model, root / "target")
+    untrained_draft_dir(root / "target", root / "draft")
+    return root / "target", root / "draft"
 
 
 @pytest.mark.slow  # two fp16 INT4 builds of a 6-layer hybrid: the only check of hybrid layer replication in `make test`
@@ -41,10 +44,11 @@ def test_replicated_hybrid_build_is_the_full_trace(six_layer_hybrid, tmp_path, m
     test_qwen3_5_runtime.py's nightly test_fp16_int4_hybrid_passes_check_and_speculates_losslessly)."""
     monkeypatch.setattr(weights_mod, "STREAM_MIN_ELEMENTS", 1000)
     monkeypatch.setattr(export_mod, "EXTERNAL_DATA_THRESHOLD", 0)
+    target, draft = six_layer_hybrid
     opts = dict(max_seq_len=64, dtype="fp16", quiet=True, quant="int4", quant_block=32)
     with monkeypatch.context() as m:
         m.setattr(layer_replication, "replicable", lambda module, layout: False)
-        build(BuildOptions(str(six_layer_hybrid), None, tmp_path / "full", **opts))
+        build(BuildOptions(str(target), str(draft), tmp_path / "full", **opts))
 
     reads = tiny_models.record_weight_reads(monkeypatch)
     templates = []
@@ -57,7 +61,7 @@ def test_replicated_hybrid_build_is_the_full_trace(six_layer_hybrid, tmp_path, m
     monkeypatch.setattr(layer_replication, "template_target", recording_template)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReplicationWarning)
-        build(BuildOptions(str(six_layer_hybrid), None, tmp_path / "replicated", **opts))
+        build(BuildOptions(str(target), str(draft), tmp_path / "replicated", **opts))
     assert templates == [("linear_attention", "full_attention") * 2]
     assert ("model.layers.4.linear_attn.out_proj.weight", True) in reads
     early = {name.split(".")[-2] for name, inside in reads if not inside and name.startswith("model.layers.")}

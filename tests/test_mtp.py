@@ -208,24 +208,6 @@ def _fitted_head(model, steps: int = 150, prompts: torch.Tensor | None = None) -
     return {f"mtp.{k}": v.detach().clone() for k, v in head.state_dict().items() if not k.startswith("model.")}
 
 
-def _untrained_draft_dir(target_dir, out) -> None:
-    """Write the deterministic untrained DFlash draft of `target_dir` as a draft directory (a checkpoint
-    with an MTP head gets no draft unless one is named)."""
-    import json
-
-    from safetensors.torch import save_file
-
-    from dflash_export.checkpoint.sources import random_draft_config
-    from dflash_export.drafts import dflash
-    from dflash_export.families.registry import load_target_spec
-
-    tspec = load_target_spec(target_dir)
-    _, state = dflash.untrained_draft(tspec)
-    out.mkdir()
-    (out / "config.json").write_text(json.dumps(random_draft_config(tspec)))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
-
-
 @pytest.fixture(scope="module")
 def mtp_pair(tmp_path_factory):
     """A 3-layer hybrid checkpoint carrying a fitted `mtp.*` head, built (the untrained DFlash draft named
@@ -235,7 +217,7 @@ def mtp_pair(tmp_path_factory):
     from unittest import mock
 
     import transformers
-    from hybrid_fixtures import THREE_LAYER_TYPES, six_layer_model
+    from hybrid_fixtures import THREE_LAYER_TYPES, six_layer_model, untrained_draft_dir
     from safetensors.torch import save_file
     from shared_cache import shared_dir
 
@@ -248,7 +230,7 @@ def mtp_pair(tmp_path_factory):
         state = {k: v.clone().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # (tied)
         head = _fitted_head(model)
         save_file({**state, **head}, str(root / "target" / "model.safetensors"), metadata={"format": "pt"})
-        _untrained_draft_dir(root / "target", root / "draft")
+        untrained_draft_dir(root / "target", root / "draft")
         with mock.patch.object(graphs, "EXTERNAL_DATA_THRESHOLD", 0):
             build(BuildOptions(str(root / "target"), str(root / "draft"), root / "art", max_seq_len=64, batched=True,
                                quiet=True))

@@ -205,8 +205,12 @@ def replicate_layers(model, module, readers: dict, layout: Layout, template) -> 
         res = copies[-1][1]
     rg.rewire(layers, owner, taps, [c[1] for c in copies], module.tap_layers)
     ins, outs = layout.io_names(module)
-    heads_in, heads_out = len(ins) - sum(map(len, caches)), len(outs) - sum(len(c[2]) for c in copies)
-    graph.outputs[:] = [*graph.outputs[:heads_out], *[v for c in copies for v in c[2]]]
+    heads_in = len(ins) - sum(map(len, caches))
+    # outputs by name, in the module's order: the copies' cache outputs replace the template layers', and
+    # the head's outputs keep their places before and after them (an MTP target's `final_hidden` is last)
+    new_caches = {v.name: v for c in copies for v in c[2]}
+    kept = {v.name: v for v in graph.outputs if v.name not in new_caches}
+    graph.outputs[:] = [new_caches[name] if name in new_caches else kept[name] for name in outs]
     graph.inputs[:] = [*graph.inputs[:heads_in], *[v for c in caches for v in c]]
     graph.remove([node for layer in layers for node in layer.nodes], safe=True)
     graph.insert_before(after, [node for c in copies for node in c[0]])
