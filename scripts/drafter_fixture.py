@@ -92,25 +92,17 @@ def neither(out: Path, eval_prompts: int) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import torch
     import transformers
-    from hybrid_fixtures import CONFIG, untrained_draft_dir
+    from hybrid_fixtures import CONFIG, save_with_random_mtp_head, untrained_draft_dir
     from runtime_fixtures import add_word_tokenizer
-    from safetensors.torch import save_file
 
     from dflash_export.build import BuildOptions, build
-    from dflash_export.checkpoint.hybrid import HybridSpec
-    from dflash_export.nn.mtp import MTPHead
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    config = {**CONFIG, **WIDE}
-    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**config)).eval()
+    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{**CONFIG, **WIDE})).eval()
     target = out / "target"
-    model.save_pretrained(target, safe_serialization=True)
+    save_with_random_mtp_head(model, target)
     add_word_tokenizer(target)
-    head = MTPHead(HybridSpec.from_config(config))
-    mtp = {f"mtp.{k}": v.detach().clone().contiguous() for k, v in head.state_dict().items() if not k.startswith("model.")}
-    state = {k: v.clone().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # (tied)
-    save_file({**state, **mtp}, str(target / "model.safetensors"), metadata={"format": "pt"})
     text = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731
     (out / "eval.jsonl").write_text("".join(json.dumps({"id": f"n{i}", "category": "random", "prompt": text(p)}) + "\n"
                                             for i, p in enumerate(prompts(range(3, 96), eval_prompts, 3))))
