@@ -481,7 +481,9 @@ def test_draft_none_builds_the_target_and_its_head_alone(mtp_pair):
     assert "proposal_ids" in [i["name"] for i in target_io["inputs"]]
     assert "final_hidden" not in [o["name"] for o in target_io["outputs"]] and "draft" not in manifest["io"]
     report = run_check(alone)
-    assert report.passed and {r.case for r in report.results} == {"prefill", "verify"}, report
+    assert report.passed and {r.case for r in report.results} == {"prefill", "verify", "mtp_prefill", "mtp_step"}, report
+    mtp_rows = [r for r in report.results if r.case.startswith("mtp_")]
+    assert {r.output for r in mtp_rows} == {"next_ids", "mtp_hidden", "key", "value"}
     prompt = [9, 80, 4, 41, 17, 3]
     with runtime.load(alone) as sess:
         assert sess.graphs == ("target", "mtp")

@@ -4,7 +4,7 @@ fp32 PyTorch outputs, and their storage for a device without torch.
 Cases: target PREFILL (a prompt, empty past), DRAFT_PREFILL (its taps as context), target VERIFY (last
 token + the draft's block hidden states, on the prefill's caches) and DRAFT_STEP (a few verified rows
 on the first draft call's K/V); without a DFlash draft (`build --draft none`) PREFILL and a VERIFY of
-random proposal ids. A hybrid target's caches follow `runtime.graphs.recurrent`: the verify call
+random proposal ids; with the target's MTP head MTP_PREFILL and MTP_STEP. A hybrid target's caches follow `runtime.graphs.recurrent`: the verify call
 gets the prefill's returned states and its rows as pending rows.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_export.check.reference import reference_modules
+from dflash_export.check.reference import reference_modules, reference_mtp
 from dflash_export.nn.draft import DraftWithRows
 from runtime.errors import DFlashError
 from runtime.graphs.tree import chain_inputs
@@ -150,8 +150,9 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
     prefill = run("target", "prefill", feed(
         "target", input_ids=ids, draft_hidden=np.zeros((0, hidden)), proposal_ids=np.zeros(0, np.int64),
         temperature=np.zeros(1), uniform=np.zeros(1), **chain_inputs(0), **target_caches(t, None, 0)), tmod)
+    head = _mtp_cases(manifest, rng, T, hidden, vocab, feed, run) if "mtp" in io else []
     if dmod is None:
-        return _target_cases(prefill, rng, vocab, B, T, t, greedy_rows, feed, run, tmod)
+        return _target_cases(prefill, rng, vocab, B, T, t, greedy_rows, feed, run, tmod) + head
     dl, dkv, dhd = int(d["num_layers"]), int(d["num_kv_heads"]), int(d["head_dim"])
     mask_row = np.load(Path(artifact_dir) / manifest["mask_embedding"]).astype(np.float32)
     block = np.concatenate([prefill.ref["next_embeddings"][:1], np.broadcast_to(mask_row, (B - 1, hidden))])
@@ -183,7 +184,29 @@ def reference_cases(artifact_dir: Path, manifest: dict, prompt_len: int | None =
             ranks = case.ref["draft_top_ids"].shape[1]
             case.margins["draft_top_ids"] = (_selector_margins(dmod, case.feed, ranks) if "anchor_ids" in case.feed
                                              else _rank_margins(dmod, case.feed, ranks))
-    return [prefill, dprefill, verify, dstep]
+    return [prefill, dprefill, verify, dstep] + head
+
+
+def _mtp_cases(manifest: dict, rng, T: int, hidden: int, vocab: int, feed, run) -> list[Case]:
+    """The MTP head's cases: MTP_PREFILL (T entries of random ids and hidden states, no past) and MTP_STEP
+    (one chained entry, its own output state, on those entries' K/V)."""
+    import torch
+
+    module = reference_mtp(manifest)
+    t = manifest["target"]
+    kvh, hd = int(t["num_kv_heads"]), int(t["head_dim"])
+    empty = np.zeros((0, kvh, hd), np.float32)
+    first = run("mtp", "mtp_prefill", feed("mtp", input_ids=rng.integers(0, vocab, size=T),
+                                           hidden=rng.standard_normal((T, hidden)), past_key=empty, past_value=empty),
+                module)
+    step = run("mtp", "mtp_step", feed("mtp", input_ids=first.ref["next_ids"], hidden=first.ref["mtp_hidden"],
+                                       past_key=first.ref["key"], past_value=first.ref["value"]), module)
+    for case in (first, step):
+        with torch.no_grad():
+            logits = torch.nn.functional.linear(torch.from_numpy(case.ref["mtp_hidden"]), module.head_weight().float())
+        case.margins["next_ids"] = _margins(logits.numpy())
+    del module
+    return [first, step]
 
 
 def _target_cases(prefill: Case, rng, vocab: int, B: int, T: int, t: dict, greedy_rows: int, feed, run, tmod) -> list[Case]:

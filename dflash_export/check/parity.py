@@ -261,11 +261,11 @@ def compare(manifest: dict, cases: list[Case], backend, backend_name: str, tol: 
     RecordedRunner, TorchRunner, BackendRunner = _runner_classes()
     quiet = contextlib.nullcontext() if verbose or not hasattr(G_LOGGER, "verbosity") else G_LOGGER.verbosity(G_LOGGER.CRITICAL)
     results: list[OutputResult] = []
-    for graph in ("target", "draft"):
+    for graph in ("target", "draft", "mtp"):
         gcases = [c for c in cases if c.graph == graph]
         if not gcases:
             continue
-        if modules is not None:
+        if modules is not None and graph != "mtp":  # (the head's reference is recorded with the cases)
             ref_runner = TorchRunner(manifest, graph, modules[0] if graph == "target" else modules[1], f"pytorch-fp32-{graph}")
         else:
             ref_runner = RecordedRunner(manifest, graph, gcases, f"reference-fp32-{graph}")
@@ -396,7 +396,7 @@ def run_check(
             save_reference(Path(save_reference_to), cases, manifest)
         gc.collect()
     # onnxruntime loads one graph at a time (the other engines need both for their shared buffers)
-    graphs = ("target", "draft") if has_draft(manifest) else ("target",)
+    graphs = (("target", "draft") if has_draft(manifest) else ("target",)) + (("mtp",) if "mtp" in manifest else ())
     parts = [(g,) for g in graphs] if backend == "ort" else [graphs]
     results = []
     for graphs in parts:

@@ -88,6 +88,23 @@ def reference_modules(manifest: dict, artifact_dir: Path | None = None):
     return tmod, dmod
 
 
+def reference_mtp(manifest: dict):
+    """The fp32 reference of the artifact's MTP head (`nn.mtp.MTPHead`, weights from the recorded target
+    checkpoint, upcast as they are used), or None for an artifact without one."""
+    import torch
+
+    from dflash_export.nn.mtp import MTPHead
+
+    if "mtp" not in manifest:
+        return None
+    target, _ = verify_sources(manifest)
+    tspec, _, tsource, _, _ = prepare_pair(target, "none")
+    heads = target_family(tspec.family).mtp_source(tspec, tsource)
+    module = empty_module(lambda: MTPHead(tspec.hybrid, torch.float32)).eval()
+    upcast_weights_on_use(load_module_weights(module, heads, heads.where))
+    return module
+
+
 def _proposing_reference(dmod, tmod):
     """`dmod` (the reference draft) ending in the proposal head as the artifact's draft graph does
     (`nn.draft.ProposingDraft`), its scores from the reference target's proposal rows (fp32; INT4
