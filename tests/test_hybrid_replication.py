@@ -78,7 +78,8 @@ def test_replicated_hybrid_build_is_the_full_trace(six_layer_hybrid, tmp_path, m
 
     import runtime
 
-    assert run_check(tmp_path / "replicated").passed
+    report = run_check(tmp_path / "replicated")
+    assert report.passed and {"final_hidden", "mtp_hidden"} <= {r.output for r in report.results}, report
     with runtime.load(tmp_path / "replicated") as sess:
         for prompt in ([5, 17, 33, 8], [61, 2, 9]):
             plain = sess.generate(prompt, max_new_tokens=16, block_size=1, stop_token_ids=[])

@@ -317,7 +317,11 @@ def reference_target(tspec: TargetSpec, dspec, source, manifest: dict, vocab) ->
     a block of rows at a time as for Qwen3, so the model is held once), an INT4 artifact's quantized
     weights as the graph computes with them."""
 
-    class HybridReference(HybridDFlashTarget):  # ReferenceTarget's row-blocked fp32 head on the hybrid stack
+    # (with both drafters the graph also returns `final_hidden`: the reference returns it too)
+    outputs = [o["name"] for o in manifest.get("io", {}).get("target", {}).get("outputs", [])]
+    base = HybridMTPTarget if "final_hidden" in outputs else HybridDFlashTarget
+
+    class HybridReference(base):  # ReferenceTarget's row-blocked fp32 head on the hybrid stack
         rows_per_block = ReferenceTarget.rows_per_block
         head_rows_fp32, logits_of = ReferenceTarget.head_rows_fp32, ReferenceTarget.logits_of
         proposal_scores = ReferenceTarget.proposal_scores
