@@ -7,6 +7,7 @@ import json
 import math
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -357,6 +358,18 @@ def test_train_draft_end_to_end_and_resume(tmp_path, capsys):
     _, state3 = load_draft_spec(out3, load_target_spec(embedded_target_dir()))
     for k, v in load_draft_spec(out, load_target_spec(embedded_target_dir()))[1].items():
         torch.testing.assert_close(state3[k], v, atol=1e-3, rtol=0)
+    # a fine-tune keeps every id its source proposes from, seen in its own data or not
+    source = tmp_path / "source"
+    shutil.copytree(out, source, ignore=shutil.ignore_patterns("train_state"))
+    kept = json.loads((source / "draft_vocab.json").read_text())
+    kept["token_ids"] = sorted(set(kept["token_ids"]) | {12345})
+    (source / "draft_vocab.json").write_text(json.dumps(kept))
+    out8 = tmp_path / "draft8"
+    cmd8 = [c if c != str(out3) else str(out8) for c in cmd3]
+    code, err = run(cmd8 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data3"), "--steps", "1",
+                            "--init-from", str(source)])
+    assert code == 0, err[-2000:]
+    assert set(kept["token_ids"]) <= set(json.loads((out8 / "draft_vocab.json").read_text())["token_ids"])
     cmd7 = [c if c != str(out3) else str(tmp_path / "draft7") for c in cmd3]  # (out3 holds a state now: refused)
     r7 = _Completed(*run(cmd7 + ["--data-cache", str(tmp_path / "data"), str(tmp_path / "data7"), "--steps", "1",
                                 "--init-from", str(out), "--layers", "1"]))

@@ -17,6 +17,7 @@ from dflash_export.checkpoint.draft import (
     build_target_layer_ids,
     load_draft_spec,
     parse_draft_config,
+    read_draft_vocab,
 )
 from dflash_export.checkpoint.sources import (
     EMBEDDED_MASK_TOKEN_ID,
@@ -202,7 +203,10 @@ def build_draft(args, plan: DraftPlan, sequences: list[dict], device, teacher_id
 
     family = target_family(plan.tspec.family)
     tstate = family.causal_lm_state_dict(load_state_dict(plan.target_dir))  # (the names training reads)
-    head = _loss_head(tstate, args.loss_vocab, sequences, device, teacher_ids)
+    keep = None  # a fine-tune keeps every id its source draft proposes from (its draft_vocab.json), so
+    if args.init_from:  # training on less data does not shrink the proposal vocabulary
+        keep = read_draft_vocab(Path(args.init_from), int(plan.tspec.vocab_size))
+    head = _loss_head(tstate, args.loss_vocab, sequences, device, teacher_ids, keep)
     draft = DFlashDraft(plan.dspec).to(device)
     gen = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
@@ -218,10 +222,16 @@ def build_draft(args, plan: DraftPlan, sequences: list[dict], device, teacher_id
     return draft, head
 
 
-def _loss_head(tstate: dict, loss_vocab: str, sequences: list[dict], device, teacher_ids=None) -> LossHead:
+def _loss_head(tstate: dict, loss_vocab: str, sequences: list[dict], device, teacher_ids=None,
+               keep_ids: tuple[int, ...] | None = None) -> LossHead:
     """The target's embeddings and LM head (the tied embeddings where it has none), restricted to the ids
-    of `sequences` (and of the target's distributions `teacher_ids`, with --distill) with `--loss-vocab seen`."""
+    of `sequences` (and of the target's distributions `teacher_ids`, with --distill, and `keep_ids`, the
+    --init-from draft's vocabulary) with `--loss-vocab seen`."""
     import torch
+
+    if keep_ids:
+        keep = torch.tensor(list(keep_ids), dtype=torch.int64)
+        teacher_ids = keep if teacher_ids is None else torch.cat([teacher_ids.reshape(-1).to(torch.int64), keep])
 
     embed_w = tstate["model.embed_tokens.weight"].float().to(device)
     head_w = (tstate.get("lm_head.weight", tstate["model.embed_tokens.weight"])).float()
