@@ -95,8 +95,9 @@ def prepare_pair(target: str | None, draft: str | None,
     """
     target_dir, name = resolve_target(target)
     tspec = load_target_spec(target_dir)
+    tsource = WeightSource(f"target {tspec.path}", files=safetensors_files(tspec.path))
     draft_dir = None if draft == "none" else resolve_draft(draft, name)
-    if draft == "none" or (draft is None and draft_dir is None and mtp and _has_mtp_tensors(tspec)):
+    if draft == "none" or (draft is None and draft_dir is None and mtp and _has_mtp_tensors(tspec, tsource)):
         dspec, dstate = no_draft_spec(tspec, MTP_DEFAULT_LENGTH + 1), None
     else:
         _, dspec, dstate = load_draft(draft_dir, tspec)
@@ -106,15 +107,13 @@ def prepare_pair(target: str | None, draft: str | None,
             rope_inv_freq(arch, family)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise DFlashError(f"{what}: RoPE parameters {arch.rope} are incomplete or invalid ({exc!r})") from None
-    tsource = WeightSource(f"target {tspec.path}", files=safetensors_files(tspec.path))
     target_family(tspec.family).check_weights(tspec, dspec.target_layer_ids, tsource)
     return tspec, dspec, tsource, dstate, name
 
 
-def _has_mtp_tensors(tspec: TargetSpec) -> bool:
+def _has_mtp_tensors(tspec: TargetSpec, tsource: WeightSource) -> bool:
     """Whether the target checkpoint stores a multi-token-prediction head (`mtp.*`, Qwen3.5 / Qwen3.6)."""
-    names = WeightSource(f"target {tspec.path}", files=safetensors_files(tspec.path)).names()
-    return hasattr(target_family(tspec.family), "mtp_source") and any(n.startswith("mtp.") for n in names)
+    return hasattr(target_family(tspec.family), "mtp_source") and any(n.startswith("mtp.") for n in tsource.names())
 
 
 @dataclass(frozen=True)

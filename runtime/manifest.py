@@ -69,7 +69,7 @@ def load_manifest(artifact_dir: str | Path) -> dict[str, Any]:
             "rebuild the artifact with the matching dflash_export (`python -m dflash_export build`)"
         )
     draft = manifest.get("draft")
-    drafted = not isinstance(draft, dict) or draft.get("graph") is not None
+    drafted = not isinstance(draft, dict) or has_draft(manifest)
     for section, keys in {**_REQUIRED, **({} if drafted else {"draft": _REQUIRED_NO_DRAFT})}.items():
         missing = [k for k in keys if not isinstance(manifest.get(section), dict) or k not in manifest[section]]
         if missing:

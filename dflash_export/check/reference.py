@@ -90,15 +90,15 @@ def reference_modules(manifest: dict, artifact_dir: Path | None = None):
 
 def reference_mtp(manifest: dict):
     """The fp32 reference of the artifact's MTP head (`nn.mtp.MTPHead`, weights from the recorded target
-    checkpoint, upcast as they are used), or None for an artifact without one."""
+    checkpoint, upcast as they are used), or None for an artifact without one. Call it after
+    :func:`reference_modules`, which verified the checkpoint's files (they are not hashed again)."""
     import torch
 
     from dflash_export.nn.mtp import MTPHead
 
     if "mtp" not in manifest:
         return None
-    target, _ = verify_sources(manifest)
-    tspec, _, tsource, _, _ = prepare_pair(target, "none")
+    tspec, _, tsource, _, _ = prepare_pair(manifest["sources"]["target"]["path"], "none")
     heads = target_family(tspec.family).mtp_source(tspec, tsource)
     module = empty_module(lambda: MTPHead(tspec.hybrid, torch.float32)).eval()
     upcast_weights_on_use(load_module_weights(module, heads, heads.where))

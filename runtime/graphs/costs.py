@@ -92,11 +92,18 @@ def _affine_fit(points_ms: dict[int, float], n: np.ndarray) -> np.ndarray:
     later value (one such point measured beside another job kept a whole table from ever
     speculating)."""
     xs = np.array(sorted(k for k in points_ms if k > 0), np.float64)
-    ys = np.minimum.accumulate(np.array([points_ms[int(k)] for k in xs])[::-1])[::-1]
+    ys = least_later(np.array([points_ms[int(k)] for k in xs]))
     if len(xs) >= 2:  # the line passes through the points' mean
         slope = max(float(np.polyfit(xs, ys, 1)[0]), 0.0)
         return ys.mean() + slope * (n - xs.mean())
     return np.full_like(n, ys[0])
+
+
+def least_later(a: np.ndarray, axis: int = 0) -> np.ndarray:
+    """Each entry of `a` replaced by the least of it and the entries after it along `axis`: measured
+    call times made monotone where a call of more rows (or sequences) cannot cost less, so a time that
+    other load slowed counts as the least later one."""
+    return np.flip(np.minimum.accumulate(np.flip(a, axis), axis=axis), axis)
 
 
 def measurement_points(block_size: int) -> list[int]:

@@ -36,6 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
+from runtime.graphs.costs import least_later
 from runtime.speculation.lookup import LOOKUP_PRIOR
 from runtime.speculation.policy import AcceptanceEstimate
 
@@ -66,11 +67,10 @@ class BatchedCallCosts:
     draft_batches: tuple[int, ...] = (1,)
 
     def __post_init__(self):
-        # a call of more rows or more sequences does not cost less, so a time above a later one was slowed
-        # by other load (as runtime.graphs.costs's points): it counts as the least later value
-        self.seconds = _least_later(_least_later(np.asarray(self.seconds, np.float64), axis=1), axis=0)
-        draft = _least_later(np.atleast_2d(np.asarray(self.draft_seconds, np.float64)), axis=1)
-        self.draft_seconds = _least_later(draft, axis=0)
+        # monotone in rows and in sequences (a time slowed by other load counts as the least later one)
+        self.seconds = least_later(least_later(np.asarray(self.seconds, np.float64), axis=1), axis=0)
+        draft = least_later(np.atleast_2d(np.asarray(self.draft_seconds, np.float64)), axis=1)
+        self.draft_seconds = least_later(draft, axis=0)
 
     def call_s(self, batch: int, rows: int) -> float:
         """Predicted seconds of a call of `batch` sequences x `rows` rows (linear interpolation, clamped
@@ -93,12 +93,6 @@ class BatchedCallCosts:
         if len(self.draft_batches) == 1:
             return sequences * per_batch[0]
         return _between(sequences, self.draft_batches, per_batch)
-
-
-def _least_later(a: np.ndarray, axis: int) -> np.ndarray:
-    """Each entry of `a` replaced by the least of it and the entries after it along `axis`."""
-    flipped = np.flip(a, axis)
-    return np.flip(np.minimum.accumulate(flipped, axis=axis), axis)
 
 
 def _between(batch: int, batches: tuple[int, ...], per_batch: np.ndarray) -> np.ndarray:
