@@ -83,7 +83,8 @@ def make_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="export target + DFlash draft to an ONNX artifact directory")
     b.add_argument("--target", help="target directory or known name (default: embedded SmolLM2-135M-Instruct)")
     b.add_argument("--draft", help="draft directory, or none: no DFlash draft (default: the target's released or "
-                                   "shipped draft; none where there is no such draft and the checkpoint has an MTP head)")
+                                   "shipped draft; where there is none, an untrained draft, or no draft when the "
+                                   "checkpoint has an MTP head)")
     b.add_argument("--out", default="artifacts/default", help="artifact directory (default: artifacts/default)")
     b.add_argument("--max-seq-len", type=int, default=2048, help="KV buffer capacity in tokens (default 2048)")
     b.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
