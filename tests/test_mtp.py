@@ -170,7 +170,7 @@ def _fitted_head(model, steps: int = 150, prompts: torch.Tensor | None = None) -
     """A head fitted to `model` (a tiny random target): trained on its own greedy continuations of
     `prompts` (int64 `[n, 6]`; default 48 random ones) to predict the token after next from (next token,
     final hidden state), so its proposals are accepted often, though not always. Returns the `mtp.*`
-    tensors (also used by `scripts/drafter_fixture.py`)."""
+    tensors."""
     from dflash_export.nn.layers import causal_bias, rope_cos_sin
 
     torch.manual_seed(0)
