@@ -411,3 +411,27 @@ def test_reset_while_a_stream_is_open_is_refused(qwen):
             sess.reset()
     sess.reset()  # closed: allowed
     assert sess.context.ids == []
+
+
+def test_the_drafter_choice_follows_the_measured_rates():
+    from runtime.speculation.drafters import DrafterChoice
+
+    choice = DrafterChoice(probe_every=3, decay=0.5)
+    assert choice.choose() == "mtp"
+    choice.observe("mtp", 4, 0.1)  # 40 tokens/s
+    assert choice.choose() == "policy"
+    choice.observe("policy", 1, 0.05)  # 20 tokens/s
+    picks = []
+    for _ in range(8):
+        side = choice.choose()
+        picks.append(side)
+        choice.observe(side, 4 if side == "mtp" else 1, 0.1 if side == "mtp" else 0.05)
+    # a probe every 3 steps, then every 6 after it lost (the interval doubles while probes lose)
+    assert picks == ["mtp", "mtp", "mtp", "policy", "mtp", "mtp", "mtp", "mtp"] and choice.interval == 6
+    for _ in range(6):  # the head stops paying (the text changed): the policy's side takes over
+        choice.observe("mtp", 1, 0.2)
+    assert choice.choose() == "policy"
+    choice.since_probe = choice.interval
+    assert choice.choose() == "mtp"
+    choice.observe("mtp", 40, 0.1)  # a probe that wins: short intervals again
+    assert choice.best == "mtp" and choice.interval == 3
