@@ -154,7 +154,8 @@ class Session(PromptEncoding, GraphCalls):
         """The verify tree `verify_len` ("L+A") names. Raises DFlashError where this artifact verifies chains only."""
         if not self.verifies_trees:
             raise DFlashError(f'verify_len "{verify_len}" needs a target graph that verifies trees; this one '
-                              "verifies chains only (a hybrid target, or built before verify trees: rebuild it)")
+                              "verifies chains only (a hybrid target: pass a number of proposals; a graph built before "
+                              "verify trees: rebuild it)")
         tree = parse_tree(verify_len)
         if "draft" not in self.graphs:
             raise DFlashError(f'verify_len "{verify_len}" is a verify tree, which the DFlash draft proposes, and this '
@@ -371,7 +372,8 @@ class Session(PromptEncoding, GraphCalls):
             if not self.has_mtp:
                 raise DFlashError('drafter "mtp" needs the target\'s multi-token-prediction head, and this artifact has '
                                   "none. Only Qwen3.5 / Qwen3.6 checkpoints ship one (mtp.* tensors), and build "
-                                  'exports it as mtp.onnx unless --no-mtp. Use drafter "dflash" or "auto"')
+                                  "exports it as mtp.onnx unless --no-mtp. Use drafter "
+                                  + ('"dflash" or "auto"' if "draft" in self.graphs else '"auto" (this artifact decodes plain)'))
             if isinstance(opts.verify_len, str) and "+" in opts.verify_len:
                 raise DFlashError(f'verify_len "{opts.verify_len}" is a verify tree, which the DFlash draft proposes; '
                                   'the MTP head chains one proposal after another: pass a number of proposals')

@@ -486,3 +486,15 @@ def test_without_a_known_draft_a_checkpoint_with_a_head_gets_none_and_batched_ne
     with pytest.raises(DFlashError, match="--batched needs a DFlash draft"):
         build(BuildOptions(target, "none", tmp_path / "art", batched=True, quiet=True))
     assert not (tmp_path / "art").exists()
+
+
+def test_an_mtp_graph_of_another_dtype_than_the_manifest_is_one_clear_error():
+    """An `mtp.onnx` swapped in from an fp16 build (a hand-assembled artifact): refused when loaded, as a
+    target graph of the wrong dtype is, instead of onnxruntime's type error at the first call."""
+    from runtime.backends.ort import check_graph_io
+
+    fp16 = [("input_ids", "tensor(int64)"), ("hidden", "tensor(float16)"), ("past_key", "tensor(float16)"),
+            ("past_value", "tensor(float16)")]
+    assert check_graph_io("mtp", [(n, t.replace("16", "")) for n, t in fp16], {"dtype": "fp32"}) is None
+    with pytest.raises(DFlashError, match=r"mtp graph stores K/V as tensor\(float16\) but the manifest says fp32"):
+        check_graph_io("mtp", fp16, {"dtype": "fp32"})

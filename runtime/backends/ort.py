@@ -108,6 +108,9 @@ def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) ->
         if tuple(name for name, _ in inputs) != MTP_INPUTS:
             raise DFlashError(f"mtp graph inputs {[n for n, _ in inputs]} are not {list(MTP_INPUTS)}; the artifact is "
                               "damaged, rebuild it")
+        kv_type = dict(inputs)["past_key"]
+        if kv_type != _ORT_TYPES[DTYPES[manifest["dtype"]]]:
+            raise DFlashError(f"mtp graph stores K/V as {kv_type} but the manifest says {manifest['dtype']}; rebuild the artifact")
         return None
     n = int(manifest[graph]["num_layers"])
     proposes = target_takes_ids(manifest)
