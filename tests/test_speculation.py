@@ -76,7 +76,7 @@ def test_a_cost_point_slowed_by_other_load_counts_as_the_least_later_one():
 
 def test_plain_steps_probe_with_a_doubling_gap():
     """A useless draft: plain steps, a probe after 4 of them, the gap doubling per failed probe up to 128,
-    and never shorter than what keeps the probes' net extra cost within 2% of the time."""
+    and never shorter than what keeps the probes' net extra cost within 1% of the time."""
     pol = _policy(0.2)
     probes = []
     for step in range(400):
@@ -85,9 +85,9 @@ def test_plain_steps_probe_with_a_doubling_gap():
             probes.append(step)
         pol.observe(StepRecord(n, 0, float(CPU_COSTS.step_s(np.array([n]))[0])))
     gaps = np.diff(probes).tolist()
-    # a probe costs 42 - 30 = 12 ms more than a plain step: at least 0.012 / (0.02 * 0.030) = 20 steps apart
+    # a probe costs 42 - 30 = 12 ms more than a plain step: at least 0.012 / (0.01 * 0.030) = 40 steps apart
     assert pol.probe_extra_s == pytest.approx(0.012)
-    assert probes[0] == 3 and gaps[:5] == [20, 20, 32, 64, 128] and set(gaps[4:]) == {128}
+    assert probes[0] == 3 and gaps[:5] == [40, 40, 40, 64, 128] and set(gaps[4:]) == {128}
     pol.start()  # a new prompt: half the gap reached, not the first gap
     assert pol.probe_gap == 64
     # a catch-up probe's full time counts as its cost, but not as a verify step's cost
@@ -113,6 +113,24 @@ def test_plain_steps_probe_with_a_doubling_gap():
     assert pol.probe_gap == 16 and pol.proposals(15) == 0
     pol.acceptance.prior = 0.9
     assert pol.proposals(15) > 0 and pol.probe_gap == 4
+
+
+def test_short_replies_keep_the_probe_budget():
+    """Plain steps since the last probe count across generate calls: 30 replies of 44 steps on a useless
+    draft whose probes cost 2.5 plain steps more probe every 128 steps (the longest gap; the 1% budget asks
+    255), not once per reply."""
+    costs = CallCosts({0: 30.0, 1: 105.0, 3: 110.0, 7: 115.0, 15: 125.0}, past_len=128)
+    pol = _policy(0.01, costs)
+    probes = 0
+    for reply in range(30):
+        pol.start()
+        for _ in range(44):
+            n = pol.proposals(15)
+            probes += n > 0
+            pol.observe(StepRecord(n, 0, float(costs.step_s(np.array([n]))[0])))
+    assert pol.probe_extra_s == pytest.approx(0.075, rel=0.05)
+    # the first probes find the cost; from then on one per 128 plain steps
+    assert 10 <= probes <= 14, probes
 
 
 def test_the_shape_search_runs_again_only_when_its_inputs_change(monkeypatch):
@@ -416,7 +434,7 @@ def test_reset_while_a_stream_is_open_is_refused(qwen):
 def test_the_drafter_choice_follows_the_measured_rates():
     from runtime.speculation.drafters import DrafterChoice
 
-    choice = DrafterChoice(probe_every=3, decay=0.5)
+    choice = DrafterChoice(probe_every=3, decay=0.5, budget=1.0)  # (the cost budget: the next test)
     assert choice.choose() == "mtp"
     choice.observe("mtp", 4, 0.1)  # 40 tokens/s
     assert choice.choose() == "policy"
@@ -435,3 +453,20 @@ def test_the_drafter_choice_follows_the_measured_rates():
     assert choice.choose() == "mtp"
     choice.observe("mtp", 40, 0.1)  # a probe that wins: short intervals again
     assert choice.best == "mtp" and choice.interval == 3
+
+
+def test_tries_of_the_slower_drafter_keep_within_their_budget():
+    """Where the head loses (a try: 1 token in 3 plain steps' time), its tries come at least 200 steps of
+    the faster side apart (2 steps' time extra each, 1% of the time) once the first try measured that, not
+    every 8 to 64."""
+    from runtime.speculation.drafters import DrafterChoice
+
+    choice = DrafterChoice()
+    picks = []
+    for _ in range(1500):
+        side = choice.choose()
+        picks.append(side)
+        choice.observe(side, 1, 0.003 if side == "mtp" else 0.001)
+    tries = [i for i, side in enumerate(picks) if side == "mtp"]
+    assert choice.try_extra_s == pytest.approx(0.002, rel=1e-6)
+    assert tries[:2] == [0, 9] and set(np.diff(tries[1:]).tolist()) == {201}

@@ -6,12 +6,16 @@ and on the device (on small parts MTP's chain of calls can lose). So neither is 
 committed tokens per second are measured for the drafter that ran it, as a running (exponentially
 weighted) rate, and the step asks the faster one. The other is tried again every 8 steps, an interval
 that doubles (up to 64) while those tries keep losing, so a change in the text or the load is noticed
-without paying a losing try every few steps. The rates last the session (`Session.drafter_choices`):
+without paying a losing try every few steps; and never more often than keeps what the tries cost beyond
+the faster side within 1% of the time (up to 256 steps apart), since the DFlash side's own probes
+already spend the rest of a 3% allowance where neither drafter pays. The rates last the session (`Session.drafter_choices`):
 a reply of a few steps then starts with the side that has been winning instead of trying both. The policy behind the DFlash side still decides its
 own verify lengths, lookups and plain steps, and keeps its "never slower than plain" guard.
 """
 
 from __future__ import annotations
+
+import math
 
 DRAFTER_SIDES = ("mtp", "policy")
 
@@ -25,12 +29,19 @@ class DrafterChoice:
         max_probe_every: the longest interval: each try of the other side that does not make it the
             faster doubles the interval up to this; one that does resets it to `probe_every` (a probe
             costs most where the sides differ most, and there it keeps losing).
+        budget: the share of the time the tries may cost beyond what the faster side would have taken
+            for the tokens they committed; the interval is at least what keeps them within it, up to
+            `max_budget_every` steps.
     """
 
-    def __init__(self, probe_every: int = 8, decay: float = 0.7, max_probe_every: int = 64):
+    def __init__(self, probe_every: int = 8, decay: float = 0.7, max_probe_every: int = 64, budget: float = 0.01,
+                 max_budget_every: int = 256):
         self.probe_every, self.decay, self.max_probe_every = int(probe_every), float(decay), int(max_probe_every)
+        self.budget, self.max_budget_every = float(budget), int(max_budget_every)
         self.interval = self.probe_every
         self.rates: dict[str, float | None] = {side: None for side in DRAFTER_SIDES}
+        self.step_s: dict[str, float | None] = {side: None for side in DRAFTER_SIDES}  # running mean per side
+        self.try_extra_s: float | None = None  # running mean of a try's time beyond the faster side's
         self.since_probe = 0
         self.trying = False  # whether the last choice tries a side that is not the faster (a first try, a probe)
 
@@ -49,17 +60,30 @@ class DrafterChoice:
             if self.rates[side] is None:
                 return side
         best = self.best
-        if self.since_probe >= self.interval:
+        if self.since_probe >= min(max(self.interval, self._budget_interval(best)), self.max_budget_every):
             return next(side for side in DRAFTER_SIDES if side != best)
         self.trying = False
         return best
 
+    def _budget_interval(self, best: str) -> int:
+        """Steps of the faster side between tries that keep their extra cost within `budget` (0 until known)."""
+        step = self.step_s[best]
+        if self.try_extra_s is None or not step or self.try_extra_s <= 0:
+            return 0
+        return int(math.ceil(self.try_extra_s / (self.budget * step) - 1e-6))
+
     def observe(self, side: str, committed: int, seconds: float) -> None:
         """A step of `side` committed `committed` tokens in `seconds` (its proposer's time included)."""
         before = self.best
+        if before is not None and side != before and self.rates[before]:  # a try: its time beyond the faster side's
+            extra = seconds - committed / self.rates[before]
+            last = extra if self.try_extra_s is None else self.try_extra_s
+            self.try_extra_s = last + 0.5 * (extra - last)
         rate = committed / max(seconds, 1e-9)
         old = self.rates[side]
         self.rates[side] = rate if old is None else self.decay * old + (1.0 - self.decay) * rate
+        old = self.step_s[side]
+        self.step_s[side] = seconds if old is None else self.decay * old + (1.0 - self.decay) * seconds
         after = self.best
         if before is not None and side != before:  # a probe: it won (back to short intervals) or lost (longer)
             self.interval = self.probe_every if after == side else min(2 * self.interval, self.max_probe_every)
