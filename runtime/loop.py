@@ -31,7 +31,7 @@ import numpy as np
 from runtime.graphs.tree import VerifyTree
 from runtime.options import MTP_DEFAULT_LENGTH, GenerationOptions
 from runtime.results import GenerationResult, StreamChunk
-from runtime.speculation.drafters import DrafterChoice
+from runtime.speculation.drafters import DrafterChoice, MTPChain
 from runtime.speculation.policy import Policy
 from runtime.speculation.proposals import Choice, Proposal, Shape, StepRecord
 from runtime.speculation.proposers import DraftProposer, LookupProposer, MTPProposer
@@ -84,7 +84,12 @@ class DecodeLoop:
         both = opts.drafter == "auto" and getattr(session, "has_mtp", False) and block_size > 1
         self.chooser = session.drafter_choices.setdefault((block_size, str(opts.verify_len)), DrafterChoice()) \
             if both else None
+        if self.chooser is not None:
+            self.chooser.start()
         self.mtp = MTPProposer(session) if opts.drafter == "mtp" or both else None
+        # its chain length: verify_len's where given, else following what the head's steps accept
+        self.mtp_chain = session.mtp_chains.setdefault(block_size, MTPChain(block_size - 1, MTP_DEFAULT_LENGTH)) \
+            if self.mtp is not None and opts.verify_len in (None, "auto") else None
         self.lookup: LookupProposer | None = None  # the request's text, indexed for lookups (built in run)
         self.result: GenerationResult | None = None
 
@@ -115,10 +120,16 @@ class DecodeLoop:
         """This step's choice: with `mtp`, the MTP head's chain; else the policy's, from the lookup's offer
         (where it keeps one) and its own estimates; a tree it cannot verify here runs as its chain
         (`_verifiable`)."""
-        if mtp:  # the MTP chain: MTP_DEFAULT_LENGTH beside the policy's steps (a try of it: one proposal,
-            # the cheapest step that measures it), else the fixed policy's length
-            auto_n = 1 if self.chooser is not None and self.chooser.trying else MTP_DEFAULT_LENGTH
-            n = min(auto_n if self.chooser is not None else self.policy.proposals(limit), limit)
+        if mtp and (over := self._lookup_over_mtp(limit)) is not None:
+            return over
+        if mtp:  # the MTP chain: the length verify_len fixes (the policy's), or the one that follows what the
+            # head's steps accepted (a try too: a chain of one would understate a head that chains well, and
+            # one that does not has its chain cut to one by its misses)
+            if self.mtp_chain is not None:
+                n = self.mtp_chain.length(limit)
+            else:
+                shape = self.policy.proposals(limit)
+                n = min(shape.length if isinstance(shape, VerifyTree) else shape, limit)
             if n == 0:
                 return Choice(0)
             t0 = time.perf_counter()
@@ -136,6 +147,16 @@ class DecodeLoop:
                 offers.append(offer)
         choice = self.policy.choose(limit, offers, draft_ready=self.anchor_valid)
         return choice if choice.offer is not None else Choice(self._verifiable(choice.shape))
+
+    def _lookup_over_mtp(self, limit: int) -> Choice | None:
+        """A lookup continuation where the policy's lookup part predicts it commits faster than the head's
+        measured rate: it needs no head call, so both sides take lookups where they pay."""
+        rate = self.chooser.rates["mtp"] if self.chooser is not None else None
+        if self.lookup is None or rate is None or limit <= 0 or not hasattr(self.policy, "take_lookup"):
+            return None
+        offer = self.lookup.propose(limit)
+        n = self.policy.take_lookup(limit, offer, rate) if offer is not None else 0
+        return Choice(n, offer) if n else None
 
     def _draft(self, shape: Shape) -> Shape:
         """The step's draft call for `shape`, then, where the draft returns probabilities, the shape the
@@ -264,8 +285,10 @@ class DecodeLoop:
                                 proposed=[int(t) for t in proposals], committed=chunk.token_ids)
             if self.chooser is not None:
                 self.chooser.observe(side, len(chunk.token_ids), clock() - t_choice)
-            if side == "policy" or self.chooser is None:  # (an auto policy learns from its own steps only)
-                self.policy.observe(record)
+            if side == "mtp" and self.mtp_chain is not None:
+                self.mtp_chain.observe(n_prop, acc)
+            if side == "policy" or self.chooser is None or record.lookup:  # (an auto policy learns from its own
+                self.policy.observe(record)  # steps, and from every lookup: its lookup part's acceptance)
             if n_prop > 0:
                 self.acceptance.append(acc + 1)
                 self.lookup_steps += record.lookup

@@ -70,7 +70,8 @@ class GenerationOptions:
         drafter: where proposals come from: "auto" (default: the DFlash draft and lookups as the policy
             chooses, and, where the artifact has the target's MTP head, that head's chain when it measures
             faster: `runtime.speculation.drafters`), "dflash" (the draft and lookups only), or "mtp" (the
-            head's chain of `verify_len` proposals a step, MTP_DEFAULT_LENGTH when it is "auto";
+            head's chain of `verify_len` proposals a step; unset or "auto": a length that starts at
+            MTP_DEFAULT_LENGTH and follows what the head's steps accept, `runtime.speculation.drafters.MTPChain`;
             artifacts with `mtp.onnx`).
     """
 

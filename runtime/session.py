@@ -32,7 +32,7 @@ from runtime.options import (
     refuse_unknown_options,
 )
 from runtime.results import GenerationResult, StreamChunk
-from runtime.speculation.drafters import DrafterChoice
+from runtime.speculation.drafters import DrafterChoice, MTPChain
 from runtime.speculation.policy import (
     TRAINED_ALTERNATIVE_PRIOR,
     TRAINED_DRAFT_PRIOR,
@@ -103,6 +103,7 @@ class Session(PromptEncoding, GraphCalls):
         # drafter "auto" with an MTP head: each side's measured rate, by (block size, verify_len), lasts the
         # session too, so a short reply starts with the side that has been winning
         self.drafter_choices: dict[tuple, DrafterChoice] = {}
+        self.mtp_chains: dict[int, MTPChain] = {}  # by block size: the head's chain length (verify_len unset)
         self.closed = False
         # Whether one-row target calls run as two rows (decided by the first `policy()`: `runtime.graphs.row_exact`)
         self.pad_single_rows: bool | None = None
@@ -236,7 +237,7 @@ class Session(PromptEncoding, GraphCalls):
             if chosen is not None and b > 1:
                 self._decide_row_padding()
                 policy = chosen
-            elif opts.drafter == "mtp" and b > 1:  # a fixed chain: verify_len's, or MTP_DEFAULT_LENGTH
+            elif opts.drafter == "mtp" and b > 1:  # verify_len's chain (unset: the loop's MTPChain decides)
                 self._decide_row_padding()
                 v = opts.verify_len
                 policy = FixedLength(b - 1 if v == "all" else MTP_DEFAULT_LENGTH if v in (None, "auto") else min(int(v), b - 1))

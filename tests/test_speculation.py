@@ -470,3 +470,24 @@ def test_tries_of_the_slower_drafter_keep_within_their_budget():
     tries = [i for i, side in enumerate(picks) if side == "mtp"]
     assert choice.try_extra_s == pytest.approx(0.002, rel=1e-6)
     assert tries[:2] == [0, 9] and set(np.diff(tries[1:]).tolist()) == {201}
+
+
+def test_the_head_chain_follows_what_it_accepts():
+    """verify_len unset: two more proposals after a step that accepted all it asked, one fewer after any
+    miss, within 1..block_size - 1; a chain the token budget cut grows nothing."""
+    from runtime.speculation.drafters import MTPChain
+
+    chain = MTPChain(longest=7, start=3)
+    assert chain.length(15) == 3 and chain.length(2) == 2
+    chain.observe(3, 3)
+    assert chain.n == 5
+    chain.observe(5, 5)
+    chain.observe(7, 7)
+    assert chain.n == 7  # capped at the block
+    chain.observe(7, 6)
+    assert chain.n == 6
+    chain.observe(2, 2)  # cut to 2 by the budget: no evidence about 6
+    assert chain.n == 6
+    for _ in range(8):
+        chain.observe(chain.n, 0)
+    assert chain.n == 1 and chain.length(0) == 0

@@ -20,6 +20,35 @@ import math
 DRAFTER_SIDES = ("mtp", "policy")
 
 
+class MTPChain:
+    """How many chained proposals of the MTP head a step verifies where `verify_len` does not fix it:
+    two more after a step that accepted all it asked, one fewer after any other (the "heuristic"
+    schedule of transformers' assisted generation), between 1 and `longest`. Each chained proposal
+    costs a head call and the head's acceptance follows the text, so the chain follows what is
+    accepted; whether the head pays at all is measured by :class:`DrafterChoice`.
+
+    Args:
+        longest: the most proposals a step verifies (the block's last position, block_size - 1).
+        start: the first length (MTP_DEFAULT_LENGTH).
+    """
+
+    def __init__(self, longest: int, start: int = 3):
+        self.longest = max(int(longest), 1)
+        self.n = min(max(int(start), 1), self.longest)
+
+    def length(self, limit: int) -> int:
+        """This step's chain length: the current one, cut to `limit` (what the token budget allows)."""
+        return max(min(self.n, limit), 0)
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """A step verified `verified` chained proposals and accepted `accepted` of them (a chain cut
+        by the token budget grows nothing)."""
+        if accepted >= verified >= self.n:
+            self.n = min(self.n + 2, self.longest)
+        elif accepted < verified:
+            self.n = max(self.n - 1, 1)
+
+
 class DrafterChoice:
     """The per-step choice between the MTP chain ("mtp") and the policy's step ("policy").
 
@@ -44,6 +73,13 @@ class DrafterChoice:
         self.try_extra_s: float | None = None  # running mean of a try's time beyond the faster side's
         self.since_probe = 0
         self.trying = False  # whether the last choice tries a side that is not the faster (a first try, a probe)
+        self.new_text = False  # a new prompt began: the other side is tried first where the budget allows
+
+    def start(self) -> None:
+        """A new prompt: its text may suit the other side (code after prose), so its first step tries that
+        side once `probe_every` steps passed since the last try and the budget allows (the doubled
+        interval is not waited for)."""
+        self.new_text = True
 
     @property
     def best(self) -> str | None:
@@ -60,7 +96,9 @@ class DrafterChoice:
             if self.rates[side] is None:
                 return side
         best = self.best
-        if self.since_probe >= min(max(self.interval, self._budget_interval(best)), self.max_budget_every):
+        interval = min(self.probe_every, self.interval) if self.new_text else self.interval
+        self.new_text = False
+        if self.since_probe >= min(max(interval, self._budget_interval(best)), self.max_budget_every):
             return next(side for side in DRAFTER_SIDES if side != best)
         self.trying = False
         return best

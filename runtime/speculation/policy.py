@@ -377,6 +377,13 @@ class AdaptiveLength(Policy):
             threshold = self.margin / self._plain_s()
         return self.lookups.choose(min(len(offer.ids), limit), self.plain_scale, threshold)
 
+    def take_lookup(self, limit: int, offer: Proposal, threshold: float) -> int:
+        """How many of a lookup `offer`'s ids to verify where they must beat `threshold` committed tokens
+        per second (another drafter's measured rate); 0: none (no lookup part, or a probe is due)."""
+        if self.lookups is None or self.probing:
+            return 0
+        return self.lookups.choose(min(len(offer.ids), limit), self.plain_scale, threshold)
+
     def refine(self, shape: Shape, proposal: Proposal) -> Shape:
         if self.confidence is None or proposal.probs is None:
             return shape
