@@ -5,7 +5,10 @@
     python scripts/drafter_bench.py ARTIFACT [--prompts FILE.jsonl] [--ids 5,17,33 ...] [--rounds 3]
                                     [--max-new-tokens 64] [--limit N] [--raw] [--temperature T]
 
-Prompts: a JSONL file with a "prompt" and a "category" per line (chat prompts through the template),
+Fixtures where each drafter wins, and where neither does: `python -m dflash_export.eval.drafter_fixture OUT
+--kind bigram|neither` (then `--prompts OUT/eval.jsonl`).
+
+Prompts: a JSONL file with a "prompt" (text, or a list of token ids) and a "category" per line (chat prompts through the template),
 or token-id prompts (`--ids`, for an artifact without a tokenizer). Prints per category each mode's
 median tok/s over the rounds, its ratio to plain and tau, and checks that every mode's reply equals
 plain's.
