@@ -141,6 +141,19 @@ def test_probes_stay_draft_steps():
     assert policy.take_offer(15, _lookup_offer(4), choices[-1]) == 0
 
 
+def test_a_lookup_beats_the_heads_chain_only_where_it_is_faster():
+    """Beside the MTP head (`drafter="auto"`), a lookup is verified instead of the head's chain where the
+    lookup part predicts more tokens per second than the head's measured rate, and never during a probe."""
+    policy = auto_policy(COSTS, AcceptanceEstimate(0.02, 15), draft_probabilities=True, lookups=True)
+    n = policy.take_lookup(15, _lookup_offer(6), threshold=40.0)  # the head at 40 tokens/s: 1.2 plain steps a token
+    assert 2 <= n <= 6 and policy.take_lookup(3, _lookup_offer(6), 40.0) <= 3
+    assert policy.take_lookup(15, _lookup_offer(6), threshold=500.0) == 0  # the head commits 15 per plain step
+    policy.probing = True
+    assert policy.take_lookup(15, _lookup_offer(6), threshold=1.0) == 0
+    policy.probing, policy.lookups = False, None
+    assert policy.take_lookup(15, _lookup_offer(6), threshold=1.0) == 0
+
+
 # ---- the loop ----------------------------------------------------------------------------------------
 def _fixed_costs(monkeypatch):
     monkeypatch.setattr(call_costs, "load_or_measure", lambda sess: (COSTS, "fixed"))
