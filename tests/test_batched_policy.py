@@ -161,3 +161,21 @@ def test_a_call_time_slowed_by_other_load_counts_as_the_least_later_one():
     assert costs.call_s(1, 4) == pytest.approx(0.013) and costs.call_s(1, 16) == pytest.approx(0.015)
     assert costs.call_s(8, 4) == pytest.approx(0.022)
     assert costs.draft_s(1) == pytest.approx(0.005)
+
+
+def test_lookup_only_steps_do_not_make_drafting_look_faster():
+    """A step that verified a lookup continuation (no draft call) counts its acceptance and its call cost,
+    not the rates that decide whether to draft: at one sequence, lookups' 3-4 tokens a step counted as
+    speculative had the draft run on nearly every other step, at 1.4 tokens a step (slower than plain)."""
+    policy = _policy(0.1)
+    for _ in range(20):
+        assert not policy.speculates([15]) or policy.probing
+        policy.observe(1, 1, 0.010, [], [], 1)  # plain steps: 100 tokens/s
+    spec_before, plain_before = dict(policy.speculative), {b: list(v) for b, v in policy.plain.items()}
+    trials = policy.lookup_acceptance.trials.copy()
+    for _ in range(10):  # lookups committing 5 tokens in 15 ms each
+        policy.observe(1, 5, 0.015, [], [(4, 4, None)], 5, counted=False)
+    assert policy.speculative == spec_before and policy.plain == plain_before
+    assert policy.lookup_acceptance.trials[0] > trials[0] and not policy.probing
+    assert policy.spec_scale != 1.0  # (the call's cost still scales the curve)
+    assert not policy.speculates([15])  # the draft's own rate (its prior: acceptance 0.1) still loses

@@ -58,9 +58,12 @@ class BatchSpeculation:
         chooses from their chances (or more, where a fixed one pads the call's rows anyway)."""
         policy = self.policy
         limits = [s.draft_limit() for s in seqs]
+        # lookups cost no draft call: offered every step, verified where they beat a plain call (as the
+        # one-sequence policy takes them); drafts only where the policy speculates
+        offers = [s.lookup.propose(lim) if s.lookup is not None and lim > 0 and s.fixed is None else []
+                  for s, lim in zip(seqs, limits)]
         if not policy.speculates([lim if s.fixed is None else 0 for s, lim in zip(seqs, limits)]):
             limits = [lim if s.fixed is not None else 0 for s, lim in zip(seqs, limits)]
-        offers = [s.lookup.propose(lim) if s.lookup is not None and lim > 0 else [] for s, lim in zip(seqs, limits)]
         rows = policy.draft_rows([lim if s.fixed is None and not o else 0 for s, lim, o in zip(seqs, limits, offers)])
         wanted = [lim if seq.fixed is not None else (0 if offer else min(rows, lim)) for seq, lim, offer in zip(seqs, limits, offers)]
         drafts: list[tuple[int, int, float]] = []
@@ -87,7 +90,12 @@ class BatchSpeculation:
         calls, the (verified, accepted, first probability) of each sequence that verified any, and the
         step's seconds from its proposals to its emitted tokens)."""
         committed = sum(1 + acc for _, acc, _ in outcomes) + batch - len(outcomes)
-        self.policy.observe(batch, self.calls.rows_per_sequence, call_s, drafts, outcomes, committed, step_s)
+        # a step that verified lookups only (no draft call) joins neither rate: the speculative rate decides
+        # whether to draft, and a lookup's 3-4 tokens a step counted there had the draft run on nearly
+        # every other step at one sequence (1.4 tokens a step, slower than plain)
+        lookups_only = not drafts and any(n > 0 for n, _, _ in outcomes)
+        self.policy.observe(batch, self.calls.rows_per_sequence, call_s, drafts, outcomes, committed, step_s,
+                            counted=not lookups_only)
 
     def _draft(self, seqs: list[BatchedSequence], wanted: list[int], drafts: list) -> dict[int, Proposed]:
         """The draft calls for sequence i's `wanted[i]` proposals (0: none), one per block size (one in

@@ -9,11 +9,13 @@ twice, as the one-sequence adaptive policy does with a proposing draft
 1. Before the draft calls (:meth:`BatchedLength.speculates`): whether the step verifies proposals at
    all. It does when the measured rate of speculative steps at this batch size (committed tokens per
    second, each step's whole time with its draft calls; a model's best drafted step is its prior) beats
-   the measured rate of plain steps at this batch size by `margin`; otherwise the step decodes plainly
-   (no lookup, no draft call), and a speculative step is still tried after a gap (per batch size) that
-   doubles while plain decoding keeps winning. Sequences with a lookup continuation take it (no draft
-   call); the others draft :meth:`BatchedLength.draft_rows` block rows, in one batched draft call where
-   the artifact has the batched draft graph.
+   the measured rate of plain steps at this batch size by `margin`; otherwise no draft call runs (a
+   sequence's lookup continuation is still verified where it beats a plain call, as the one-sequence
+   policy takes them), and a speculative step is still tried after a gap (per batch size) that doubles
+   while plain decoding keeps winning. Sequences with a lookup continuation take it (no draft call); the
+   others draft :meth:`BatchedLength.draft_rows` block rows, in one batched draft call where the
+   artifact has the batched draft graph. The speculative rate counts the steps that ran a draft call
+   only: a lookup-only step's tokens say nothing about what drafting earns.
 2. After them (:meth:`BatchedLength.verify_length`): the verify length n with the most expected
    committed tokens per second of the call, the draft calls being paid:
 
@@ -268,14 +270,17 @@ class BatchedLength:
         return scale + self.smoothing * (min(max(observed / predicted, 0.5 * scale), 2.0 * scale) - scale)
 
     def observe(self, batch: int, rows: int, call_s: float, drafts: Sequence[tuple[int, int, float]],
-                outcomes: Sequence[tuple[int, int, float | None]], committed: int, step_s: float | None = None) -> None:
+                outcomes: Sequence[tuple[int, int, float | None]], committed: int, step_s: float | None = None,
+                counted: bool = True) -> None:
         """Learn from one batched step: its call (`batch` x `rows`, `call_s` seconds), its draft calls'
         (sequences, block rows, seconds) (empty: no draft call), each verifying sequence's (proposals
         verified, accepted, the draft's probability of its first proposal, or None for a lookup
         continuation), the tokens the step committed in all, and the step's whole seconds (host work
         included; default: its call and draft calls), which the speculative and plain rates count (a plain
         step right after a speculative one at the same batch size passes its excess over the plain rate
-        to the speculative rate)."""
+        to the speculative rate). `counted` False: a step that verified lookups only (no draft call): its
+        call cost and the lookups' acceptance count, but it joins neither rate (the speculative rate is
+        the drafting steps', what `speculates` decides on), and a probe it ended tested nothing."""
         if rows == 1:
             self.plain_scale = self._moved(self.plain_scale, call_s, self.costs.call_s(batch, rows))
         else:
@@ -283,6 +288,12 @@ class BatchedLength:
         for sequences, draft_rows, seconds in drafts:
             self.draft_scale = self._moved(self.draft_scale, seconds, self.costs.draft_s(draft_rows, sequences))
         speculative = bool(drafts) or any(n > 0 for n, _, _ in outcomes)
+        if not counted:
+            for n, accepted, _ in outcomes:
+                if n > 0:
+                    self.lookup_acceptance.observe(n, accepted)
+            self._after_speculative, self.probing = None, False
+            return
         seconds = step_s if step_s is not None else call_s + sum(s for _, _, s in drafts)
         plain = self.plain.get(batch)
         if not speculative and self._after_speculative == batch and plain and plain[0] > 0 and batch in self.speculative:
