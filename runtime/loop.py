@@ -150,8 +150,9 @@ class DecodeLoop:
 
     def _lookup_over_mtp(self, limit: int) -> Choice | None:
         """A lookup continuation where the policy's lookup part predicts it commits faster than the head's
-        measured rate: it needs no head call, so both sides take lookups where they pay."""
-        rate = self.chooser.rates["mtp"] if self.chooser is not None else None
+        measured rate: it needs no head call, so both sides take lookups where they pay (not on a try of
+        the head, which measures the head)."""
+        rate = self.chooser.rates["mtp"] if self.chooser is not None and not self.chooser.trying else None
         if self.lookup is None or rate is None or limit <= 0 or not hasattr(self.policy, "take_lookup"):
             return None
         offer = self.lookup.propose(limit)
@@ -283,9 +284,10 @@ class DecodeLoop:
                                 draft_seconds=self.step_draft_s, catch_up=catch_up,
                                 tree=shape if isinstance(shape, VerifyTree) else None, first_rank=self.first_rank,
                                 proposed=[int(t) for t in proposals], committed=chunk.token_ids)
-            if self.chooser is not None:
+            head = side == "mtp" and not record.lookup  # (a lookup on the head's side says nothing of the head)
+            if self.chooser is not None and (head or side == "policy"):
                 self.chooser.observe(side, len(chunk.token_ids), clock() - t_choice)
-            if side == "mtp" and self.mtp_chain is not None:
+            if head and self.mtp_chain is not None:
                 self.mtp_chain.observe(n_prop, acc)
             if side == "policy" or self.chooser is None or record.lookup:  # (an auto policy learns from its own
                 self.policy.observe(record)  # steps, and from every lookup: its lookup part's acceptance)

@@ -319,7 +319,7 @@ class Session(PromptEncoding, GraphCalls):
                 neither a draft nor an MTP head.
         """
         if "draft" in self.graphs:
-            return opts
+            return _fixed_chain(opts, chosen)
         if chosen is not None and not isinstance(chosen, FixedLength):
             raise DFlashError(f"policy {chosen.name!r} steers a DFlash draft, and this artifact has none (--draft none): "
                               "pass verify_len (the MTP head's chain length) or a FixedLength policy")
@@ -327,7 +327,9 @@ class Session(PromptEncoding, GraphCalls):
         if fixed and not self.has_mtp and opts.verify_len != 0 and (chosen is None or chosen.n > 0):
             raise DFlashError("this artifact has neither a DFlash draft nor an MTP head (built with --draft none): it "
                               "decodes plain; leave verify_len unset")
-        return replace(opts, drafter="mtp") if opts.drafter == "auto" and self.has_mtp and fixed else opts
+        if opts.drafter == "auto" and self.has_mtp and fixed:
+            opts = replace(opts, drafter="mtp")
+        return _fixed_chain(opts, chosen)
 
     def reset(self) -> None:
         """Forget the cached context: the next request prefills from position 0.
@@ -379,6 +381,14 @@ class Session(PromptEncoding, GraphCalls):
                 raise DFlashError(f'verify_len "{opts.verify_len}" is a verify tree, which the DFlash draft proposes; '
                                   'the MTP head chains one proposal after another: pass a number of proposals')
         return b
+
+
+def _fixed_chain(opts: GenerationOptions, chosen: Policy | None) -> GenerationOptions:
+    """`opts` with a FixedLength policy's n as its verify_len where none is given: it fixes the MTP head's
+    chain as verify_len would (without it the chain follows acceptance, `runtime.speculation.drafters.MTPChain`)."""
+    if isinstance(chosen, FixedLength) and opts.verify_len in (None, "auto"):
+        return replace(opts, verify_len=chosen.n) if chosen.n > 0 else replace(opts, block_size=1)  # (0: plain)
+    return opts
 
 
 def _policy_argument(policy, options: dict) -> tuple[Policy | None, dict]:

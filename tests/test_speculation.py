@@ -491,3 +491,19 @@ def test_the_head_chain_follows_what_it_accepts():
     for _ in range(8):
         chain.observe(chain.n, 0)
     assert chain.n == 1 and chain.length(0) == 0
+
+
+def test_a_fixed_length_policy_fixes_the_heads_chain_as_verify_len_does():
+    """`policy=FixedLength(n)` fixes the MTP head's chain at n as `verify_len=n` would (without either, the
+    chain follows acceptance), and `policy="plain"` (FixedLength(0)) decodes plainly."""
+    from runtime.options import GenerationOptions
+    from runtime.session import _fixed_chain
+
+    opts = GenerationOptions(drafter="mtp")
+    assert _fixed_chain(opts, FixedLength(2)).verify_len == 2
+    assert _fixed_chain(opts, FixedLength(0)).block_size == 1
+    assert _fixed_chain(GenerationOptions(drafter="mtp", verify_len=5), FixedLength(2)).verify_len == 5
+    from runtime.graphs.tree import verify_tree
+    from runtime.speculation.policy import FixedTree
+
+    assert _fixed_chain(opts, None) is opts and _fixed_chain(opts, FixedTree(verify_tree(3, 1))) is opts

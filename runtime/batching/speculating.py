@@ -64,6 +64,8 @@ class BatchSpeculation:
                   for s, lim in zip(seqs, limits)]
         if not policy.speculates([lim if s.fixed is None else 0 for s, lim in zip(seqs, limits)]):
             limits = [lim if s.fixed is not None else 0 for s, lim in zip(seqs, limits)]
+        elif policy.probing:  # a probe measures the draft: its sequences draft rather than look up
+            offers = [[] for _ in seqs]
         rows = policy.draft_rows([lim if s.fixed is None and not o else 0 for s, lim, o in zip(seqs, limits, offers)])
         wanted = [lim if seq.fixed is not None else (0 if offer else min(rows, lim)) for seq, lim, offer in zip(seqs, limits, offers)]
         drafts: list[tuple[int, int, float]] = []
@@ -92,8 +94,11 @@ class BatchSpeculation:
         committed = sum(1 + acc for _, acc, _ in outcomes) + batch - len(outcomes)
         # a step that verified lookups only (no draft call) joins neither rate: the speculative rate decides
         # whether to draft, and a lookup's 3-4 tokens a step counted there had the draft run on nearly
-        # every other step at one sequence (1.4 tokens a step, slower than plain)
+        # every other step at one sequence (1.4 tokens a step, slower than plain); beside drafts in a
+        # step, a lookup's sequence counts one token, as a plain row would
         lookups_only = not drafts and any(n > 0 for n, _, _ in outcomes)
+        if drafts:
+            committed -= sum(acc for n, acc, first in outcomes if n > 0 and first is None)
         self.policy.observe(batch, self.calls.rows_per_sequence, call_s, drafts, outcomes, committed, step_s,
                             counted=not lookups_only)
 

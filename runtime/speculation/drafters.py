@@ -7,8 +7,8 @@ committed tokens per second are measured for the drafter that ran it, as a runni
 weighted) rate, and the step asks the faster one. The other is tried again every 8 steps, an interval
 that doubles (up to 64) while those tries keep losing, so a change in the text or the load is noticed
 without paying a losing try every few steps; and never more often than keeps what the tries cost beyond
-the faster side within 1% of the time (up to 256 steps apart), since the DFlash side's own probes
-already spend the rest of a 3% allowance where neither drafter pays. The rates last the session (`Session.drafter_choices`):
+the faster side within 1% of the time (up to 256 steps apart): with the DFlash side's own probes (1%),
+about 2% where neither drafter pays. The rates last the session (`Session.drafter_choices`):
 a reply of a few steps then starts with the side that has been winning instead of trying both. The policy behind the DFlash side still decides its
 own verify lengths, lookups and plain steps, and keeps its "never slower than plain" guard.
 """
