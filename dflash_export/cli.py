@@ -18,7 +18,7 @@ from runtime.manifest import has_draft
 
 # Each module has `register(subparsers)` adding its subcommand(s) with `set_defaults(func=...)`,
 # where func(args) returns an exit status and raises DFlashError for user errors.
-SUBCOMMAND_MODULES = ("dflash_export.check.parity", "dflash_export.trt.engine", "dflash_export.train.run", "dflash_export.eval.bench")
+SUBCOMMAND_MODULES = ("dflash_export.check.parity", "dflash_export.trt.engine", "dflash_export.train.run", "dflash_export.eval.decoding.bench")
 
 
 def cmd_build(args) -> int:

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from dflash_export.eval.bench import DEFAULT_EVAL, eval_prompts
+from dflash_export.eval.decoding.bench import DEFAULT_EVAL, eval_prompts
 from runtime.batching import BatchEngine
 
 

@@ -34,7 +34,7 @@ import openai
 import requests
 from tokenizers import Tokenizer
 
-from dflash_export.eval.bench import DEFAULT_EVAL, eval_prompts
+from dflash_export.eval.decoding.bench import DEFAULT_EVAL, eval_prompts
 
 MAX_TOKENS = 48
 BURST, DISCONNECTS, LONG_TOKENS = 24, 6, 1950

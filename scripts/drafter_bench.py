@@ -5,7 +5,7 @@
     python scripts/drafter_bench.py ARTIFACT [--prompts FILE.jsonl] [--ids 5,17,33 ...] [--rounds 3]
                                     [--max-new-tokens 64] [--limit N] [--raw] [--temperature T]
 
-Fixtures where each drafter wins, and where neither does: `python -m dflash_export.eval.drafter_fixture OUT
+Fixtures where each drafter wins, and where neither does: `python -m dflash_export.eval.decoding.drafter_fixture OUT
 --kind bigram|neither` (then `--prompts OUT/eval.jsonl`).
 
 Prompts: a JSONL file with a "prompt" (text, or a list of token ids) and a "category" per line (chat prompts through the template),

@@ -8,7 +8,7 @@ import pytest
 
 import runtime
 import runtime_fixtures as rf
-from dflash_export.eval.bench import curve_inversions, parse_past_lengths, parse_policies
+from dflash_export.eval.decoding.bench import curve_inversions, parse_past_lengths, parse_policies
 from dflash_export.cli import main
 from runtime.errors import DFlashError
 from test_cli import assert_user_error
@@ -108,7 +108,7 @@ def test_parsers_and_noise_check():
 
 def test_noisy_curve_warns(qwen, tmp_path, capsys, monkeypatch):
     """A curve where longer verifies measured faster (a busy machine) gives a warning."""
-    import dflash_export.eval.bench as bench
+    import dflash_export.eval.decoding.bench as bench
 
     noisy = {n: 10.0 - n for n in range(qwen.block_size)}  # 7 proposals "cheaper" than 1
     monkeypatch.setattr(bench, "verify_cost_curve", lambda sess: {"past_len": 40, "verify_ms": noisy, "draft_ms": 1.0})

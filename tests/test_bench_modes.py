@@ -206,8 +206,8 @@ def test_draft_ranks_agree_with_the_loop():
     from transformers import AutoTokenizer
 
     from dflash_export.checkpoint.sources import resolve_target
-    from dflash_export.eval.draft_ranks import block_ranks, load_pair
-    from dflash_export.eval.torch_loop import torch_spec_generate
+    from dflash_export.eval.decoding.draft_ranks import block_ranks, load_pair
+    from dflash_export.eval.decoding.torch_loop import torch_spec_generate
 
     target, _ = resolve_target(None)
     model, [(_, draft, spec)] = load_pair({"sources": {"target": {"path": str(target)},

@@ -9,7 +9,8 @@ import json
 import pytest
 
 import runtime_fixtures as rf
-from dflash_export.eval import peer_bench, serve_bench
+from dflash_export.eval.peers import peer_bench
+from dflash_export.eval.serving import serve_bench
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +26,7 @@ def _prompts(tmp_path) -> str:
 
 
 def test_peer_bench_runs_ours_and_skips_missing_peers(qwen, tmp_path, capsys):
-    """Two labels of one artifact: one worker each (from dflash_export/eval/peer_workers.py), the first
+    """Two labels of one artifact: one worker each (from dflash_export/eval/peers/peer_workers.py), the first
     the 1.00x baseline; peers absent from --peer-python are listed as skipped."""
     status = peer_bench.main([f"a={qwen.artifact}", f"b={qwen.artifact}", "--prompts", _prompts(tmp_path),
                               "--max-new-tokens", "4", "--repeats", "1", "--peer-python", str(tmp_path / "no-python"),
@@ -77,7 +78,7 @@ def test_the_command_line_offers_every_backend():
 def test_batch_bench_engine_rates_from_health_counters():
     """Decode tokens/s over the decoding steps' seconds, the prefill share of busy time, the speculative
     share of steps; None for a server without the counters (the one-at-a-time server)."""
-    from dflash_export.eval.batch_bench import _engine_rates
+    from dflash_export.eval.serving.batch_bench import _engine_rates
 
     before = dict(steps=10, speculative_steps=2, decoded_tokens=50, decode_seconds=1.0, prefill_seconds=0.5)
     after = dict(steps=30, speculative_steps=7, decoded_tokens=250, decode_seconds=2.0, prefill_seconds=1.0)
@@ -88,7 +89,7 @@ def test_batch_bench_engine_rates_from_health_counters():
 def test_batch_bench_steady_rate_leaves_out_the_tail():
     """`batch_bench`'s all-clients-busy aggregate: the window ends when the first client runs out of work,
     and a request crossing it counts the share of its tokens inside (evenly over its time)."""
-    from dflash_export.eval.batch_bench import steady_tok_s
+    from dflash_export.eval.serving.batch_bench import steady_tok_s
 
     records = [dict(start=0.0, end=10.0, tokens=100, client=0), dict(start=10.0, end=20.0, tokens=100, client=0),
                dict(start=0.0, end=8.0, tokens=80, client=1), dict(start=8.0, end=12.0, tokens=40, client=1)]

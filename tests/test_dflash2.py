@@ -336,7 +336,7 @@ def test_random_released_layout_drafts_load(tmp_path, tmp_path_factory):
     """`random_checkpoint.dflash2_draft` (the 27B-shape measurements' draft, here at the tiny target's
     width) writes the released 81-tensor layout and config that `build` reads."""
     from dflash_export.checkpoint.dflash2 import load_dflash2_spec
-    from dflash_export.eval.random_checkpoint import (
+    from dflash_export.eval.scale.random_checkpoint import (
         DFLASH2_DRAFT,
         dflash2_draft,
         write_checkpoint,

@@ -1,6 +1,6 @@
 """The memory bound of `build` and `check` (issue 11), on a ~200M-parameter random checkpoint.
 
-`dflash_export.eval.export_memory` measures each command as a child process (the kernel's peak RSS of that
+`dflash_export.eval.scale.export_memory` measures each command as a child process (the kernel's peak RSS of that
 child) against 1.25 x its fp16 weight bytes + 1 GiB. At this size the fixed cost of torch and tracing fills
 most of the 1 GiB, so one extra copy of the weights anywhere in a command fails the test;
 scripts/export_memory.py prints the figures for real shapes.
@@ -15,7 +15,7 @@ import pytest
 
 @pytest.mark.slow
 def test_build_and_check_stay_within_the_memory_bound(tmp_path):
-    from dflash_export.eval import export_memory
+    from dflash_export.eval.scale import export_memory
 
     rows = export_memory.measure_shape(tmp_path, "ci", "fp16", check=True, max_seq_len=256)
     table = export_memory.format_rows(rows)
@@ -35,7 +35,7 @@ def test_a_child_is_measured_alone_whatever_its_parent_holds(tmp_path):
 
     import numpy as np
 
-    from dflash_export.eval import export_memory
+    from dflash_export.eval.scale import export_memory
 
     ballast = np.ones(800_000_000 // 8)  # 0.8 GB resident in this process
     status, _, peak = export_memory.run_measured([sys.executable, "-m", "json.tool", "--help"], tmp_path / "step.log")
@@ -49,7 +49,7 @@ def test_a_hybrid_checkpoint_with_mtp_carries_the_head_that_build_reads():
     import torch
 
     from dflash_export.checkpoint.hybrid import HybridSpec
-    from dflash_export.eval import export_memory
+    from dflash_export.eval.scale import export_memory
     from dflash_export.nn.mtp import MTPHead
 
     plain, _ = export_memory.checkpoint_spec("qwen3.8-27b", layers=4)

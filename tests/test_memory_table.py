@@ -1,9 +1,9 @@
-"""`dflash_export.eval.memory_table` runs the runtime's own allocation code, so a hybrid's KV buffers
+"""`dflash_export.eval.scale.memory_table` runs the runtime's own allocation code, so a hybrid's KV buffers
 cover its attention layers only and its Gated DeltaNet state does not grow with max_seq_len."""
 
 from __future__ import annotations
 
-from dflash_export.eval import memory_table as mt
+from dflash_export.eval.scale import memory_table as mt
 
 
 def test_hybrid_rows_count_attention_kv_only_and_a_constant_state():

@@ -1,4 +1,4 @@
-"""Policy replay (`dflash_export.eval.replay`): the speculation policies on acceptance traces.
+"""Policy replay (`dflash_export.eval.decoding.replay`): the speculation policies on acceptance traces.
 
 Synthetic traces pin what "never loses" means for the default policy on a fixed cost curve (no timing
 noise in these tests: the times are the model's), and the real pair checks that a recorded trace is
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_export.eval import replay as pr
+from dflash_export.eval.decoding import replay as pr
 
 B = 16
 # a CPU-like curve: a plain step 10 ms, a draft + 1-proposal verify 15 ms, +1 ms per further proposal

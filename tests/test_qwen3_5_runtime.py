@@ -321,7 +321,7 @@ def test_train_draft_then_bench_on_a_hybrid(hybrid_pair, tmp_path, capsys):
 def test_the_pytorch_loop_refuses_a_hybrid_target(hybrid_pair):
     """torch_loop verifies by cropping Hugging Face's cache, which cannot roll a Gated DeltaNet state back:
     one clear error instead of transformers' IndexError or silently wrong output."""
-    from dflash_export.eval.torch_loop import torch_spec_generate
+    from dflash_export.eval.decoding.torch_loop import torch_spec_generate
 
     with pytest.raises(DFlashError, match=r"cannot verify on a hybrid \(Gated DeltaNet\) target"):
         torch_spec_generate(hybrid_pair.model, None, [5, 17, 33], 4, 4, 0, [])

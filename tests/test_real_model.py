@@ -116,7 +116,7 @@ def test_acceptance_equals_the_pytorch_loop_and_tau_holds(smollm2_artifact):
     from dflash_export.build import prepare_pair
     from dflash_export.nn.draft import DFlashDraft
     from dflash_export.nn.layers import load_weights
-    from dflash_export.eval.torch_loop import torch_spec_generate
+    from dflash_export.eval.decoding.torch_loop import torch_spec_generate
 
     sess = runtime.load(smollm2_artifact)
     src = sess.manifest["sources"]

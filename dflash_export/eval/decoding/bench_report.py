@@ -1,5 +1,5 @@
 """The `bench` report: per-prompt timings, their totals per policy and category, the printed table
-and the figure (`dflash_export.eval.bench` runs the generations)."""
+and the figure (`dflash_export.eval.decoding.bench` runs the generations)."""
 
 from __future__ import annotations
 

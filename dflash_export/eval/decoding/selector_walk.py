@@ -5,7 +5,7 @@ the graph, proposals out); (b) the same graph stopped before the walk (the LM he
 their logits and the projected hidden rows out), followed by the walk in numpy over the codebooks. Both
 run interleaved on onnxruntime (CPU); medians of the call (+ host walk) times are printed.
 
-    python -m dflash_export.eval.selector_walk [--hidden 2048 --vocab 151936 --block 16 --rounds 30]
+    python -m dflash_export.eval.decoding.selector_walk [--hidden 2048 --vocab 151936 --block 16 --rounds 30]
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ positions, ignoring the draft's catch-up after plain steps): an upper bound on t
 The traces hold acceptance, not the draft's probabilities, so `auto` here chooses before the draft
 call, as the runtime does for drafts without a proposal vocabulary; the confidence rule
 (`runtime.speculation.confidence`) and lookup proposals (`runtime.speculation.lookup`, never asked for here) are measured by
-`bench ARTIFACT --ab auto,confidence,before-draft` (`dflash_export.eval.ab`) instead.
+`bench ARTIFACT --ab auto,confidence,before-draft` (`dflash_export.eval.decoding.ab`) instead.
 
 Run it: `python -m dflash_export bench ARTIFACT --replay --limit 4` records the traces (saved as
 `traces.json` in `--out`) and replays them; `bench --replay OUT/traces.json` replays saved traces again

@@ -15,7 +15,7 @@ dependencies) has it:
   llama.cpp's convert_hf_to_gguf.py and pass the file).
 A peer that is not installed is listed as skipped. Memory decides the order: the peers' models are
 built first, then every runtime (ours included) runs in a fresh worker process that loads it alone
-(`dflash_export/eval/peer_workers.py`), the runtimes taking turns each repeat so machine noise hits them alike. The
+(`dflash_export/eval/peers/peer_workers.py`), the runtimes taking turns each repeat so machine noise hits them alike. The
 held-out prompts (models/prompts/eval.jsonl, `--limit` per category, chat template) are encoded once
 by our tokenizer. Each figure is the median decode tokens/s (the prefill's token excluded) over prompts
 and repeats; memory is the worker's resident set after loading and after its first generate.
@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository (artifacts/peers: where peer models are built)
+ROOT = Path(__file__).resolve().parents[3]  # the repository (artifacts/peers: where peer models are built)
 WORKER = Path(__file__).with_name("peer_workers.py")  # run as a file: the peers' workers import nothing of ours
 
 
@@ -153,7 +153,7 @@ def main(argv=None, prog: str | None = None) -> int:
     """Command line (`scripts/peer_bench.py`); returns the exit status (1: one of our artifacts did not run)."""
     import os
 
-    from dflash_export.eval.bench import DEFAULT_EVAL, eval_prompts
+    from dflash_export.eval.decoding.bench import DEFAULT_EVAL, eval_prompts
     from runtime.errors import DFlashError
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])

@@ -1,4 +1,4 @@
-"""Decode-speed workers for `dflash_export.eval.peer_bench`: each run loads ONE runtime in a fresh process.
+"""Decode-speed workers for `dflash_export.eval.peers.peer_bench`: each run loads ONE runtime in a fresh process.
 
 Run as a file, never imported (the peers' interpreters need not have this project installed):
 

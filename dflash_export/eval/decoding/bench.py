@@ -9,16 +9,16 @@ step costs auto chose from, the verify-cost curve, and decode tokens/s at long p
 are wrapped in the model's chat template as one user turn when it has one. Writes `bench.json` and
 `bench.png`.
 
-Instead of that report, one of these modes (each in its own module; the report itself is built in `dflash_export.eval.bench_report`):
+Instead of that report, one of these modes (each in its own module; the report itself is built in `dflash_export.eval.decoding.bench_report`):
 
 - `--ab ARMS`: plain against policy arms, interleaved in one process, with rounds, bootstrap intervals
-  and an A/A control (`dflash_export.eval.ab`); writes `ab.json`.
+  and an A/A control (`dflash_export.eval.decoding.ab`); writes `ab.json`.
 - `--replay [TRACES]`: policies replayed on recorded acceptance traces on this device's modelled step
-  costs, with an oracle (`dflash_export.eval.replay`); writes `traces.json` and `replay.json`.
+  costs, with an oracle (`dflash_export.eval.decoding.replay`); writes `traces.json` and `replay.json`.
 - `--verify-costs [OTHER ...]`: only the verify-cost curves of the artifact and other artifacts, as
-  ratios to the first (`dflash_export.eval.verify_costs`); writes `verify_costs.json`.
+  ratios to the first (`dflash_export.eval.decoding.verify_costs`); writes `verify_costs.json`.
 - `--draft-ranks [DRAFT ...]`: where the target's tokens rank among the draft's logits, per block
-  position, and tau at every position (PyTorch; `dflash_export.eval.draft_ranks`); writes `draft_ranks.json`.
+  position, and tau at every position (PyTorch; `dflash_export.eval.decoding.draft_ranks`); writes `draft_ranks.json`.
 """
 
 from __future__ import annotations
@@ -31,23 +31,23 @@ from pathlib import Path
 import numpy as np
 
 from dflash_export.build import prepare_pair
-from dflash_export.eval import ab, draft_ranks, replay
-from dflash_export.eval.bench_report import (
+from dflash_export.eval.decoding import ab, draft_ranks, replay
+from dflash_export.eval.decoding.bench_report import (
     plot,
     positional_acceptance,
     print_table,
     summarise,
     timing,
 )
-from dflash_export.eval.torch_loop import torch_spec_generate
-from dflash_export.eval.verify_costs import (
+from dflash_export.eval.decoding.torch_loop import torch_spec_generate
+from dflash_export.eval.decoding.verify_costs import (
     DEFAULT_PAST_LEN,
     check_others,
     curve_inversions,
     measure_curves,
     verify_cost_curve,
 )
-from dflash_export.eval.verify_costs import table_lines as verify_cost_lines
+from dflash_export.eval.decoding.verify_costs import table_lines as verify_cost_lines
 from dflash_export.nn.draft import DFlashDraft
 from dflash_export.nn.layers import load_weights
 from dflash_export.train.data import first_per_category, read_prompts
@@ -55,7 +55,7 @@ from runtime.errors import DFlashError
 from runtime.graphs.costs import COSTS_ENV, measurement_points
 from runtime.graphs.tree import parse_tree
 
-DEFAULT_EVAL = Path(__file__).resolve().parents[2] / "models" / "prompts" / "eval.jsonl"
+DEFAULT_EVAL = Path(__file__).resolve().parents[3] / "models" / "prompts" / "eval.jsonl"
 DEFAULT_PAST_LENGTHS = (128, 512, 1024, 2000)
 
 

@@ -1,7 +1,7 @@
 """Fixtures that measure `drafter="auto"` against each drafter alone (issue 50): random Qwen3.5 targets
 with an `mtp.*` head, built into artifacts with build's untrained DFlash draft, and held-out prompts.
 
-    python -m dflash_export.eval.drafter_fixture OUT --kind bigram|neither
+    python -m dflash_export.eval.decoding.drafter_fixture OUT --kind bigram|neither
     python scripts/drafter_bench.py OUT/art --prompts OUT/eval.jsonl --raw [--temperature 0.7]
 
 - `bigram`: every layer's output projection is zero, so the target's next token depends on the current

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_export.eval.random_checkpoint import (
+from dflash_export.eval.scale.random_checkpoint import (
     QWEN3_VOCAB,
     SHAPES,
     dflash2_draft,

@@ -2,7 +2,7 @@
 (auto) speculation and with plain batched decoding (the same server, requests asking `block_size` 1), against
 the one-at-a-time server (`--max-batch 1`, speculative decoding), in one run.
 
-    python -m dflash_export.eval.batch_bench ARTIFACT [--streams 1,2,4,8] [--max-tokens 64] [--limit 2]
+    python -m dflash_export.eval.serving.batch_bench ARTIFACT [--streams 1,2,4,8] [--max-tokens 64] [--limit 2]
         [--rounds 2] [--max-batch 8] [--per-stream 2]
 
 The artifact must be built with `--batched`. Both servers run as subprocesses (`python -m runtime serve`),
@@ -30,8 +30,8 @@ import threading
 import time
 from pathlib import Path
 
-from dflash_export.eval.bench import DEFAULT_EVAL, eval_prompts
-from dflash_export.eval.serve_bench import MODEL, ServerProcess
+from dflash_export.eval.decoding.bench import DEFAULT_EVAL, eval_prompts
+from dflash_export.eval.serving.serve_bench import MODEL, ServerProcess
 
 
 def one_request(client, prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
@@ -115,7 +115,7 @@ def summarize(seconds: float, records: list[dict], reference: dict[str, str]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash_export.eval.batch_bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m dflash_export.eval.serving.batch_bench", description=__doc__.splitlines()[0])
     p.add_argument("artifact")
     p.add_argument("--streams", default="1,2,4,8")
     p.add_argument("--max-tokens", type=int, default=64)

@@ -4,7 +4,7 @@ PyTorch, from the artifact's source checkpoints (the Hugging Face target; the ar
 each DRAFT directory of the same target, e.g. two train-draft runs), no export. For each prompt the
 artifact decodes plainly (its greedy reply); then, at every position p of the reply, the draft drafts
 a block anchored at token p from the target's taps of the tokens before p, exactly as a decoding step
-starting there gets it (`dflash_export.eval.torch_loop`), and the rank of the target's token p + k
+starting there gets it (`dflash_export.eval.decoding.torch_loop`), and the rank of the target's token p + k
 among the draft's logits for block position k is recorded.
 
 Per draft: the share of anchors where the target's token is the draft's top-1, within its top 2, 3, 4
