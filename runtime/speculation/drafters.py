@@ -15,7 +15,7 @@ own verify lengths, lookups and plain steps, and keeps its "never slower than pl
 
 from __future__ import annotations
 
-import math
+from runtime.speculation.policy import budget_spacing
 
 DRAFTER_SIDES = ("mtp", "policy")
 
@@ -105,10 +105,7 @@ class DrafterChoice:
 
     def _budget_interval(self, best: str) -> int:
         """Steps of the faster side between tries that keep their extra cost within `budget` (0 until known)."""
-        step = self.step_s[best]
-        if self.try_extra_s is None or not step or self.try_extra_s <= 0:
-            return 0
-        return int(math.ceil(self.try_extra_s / (self.budget * step) - 1e-6))
+        return budget_spacing(self.try_extra_s, self.budget, self.step_s[best])
 
     def observe(self, side: str, committed: int, seconds: float) -> None:
         """A step of `side` committed `committed` tokens in `seconds` (its proposer's time included)."""

@@ -46,6 +46,15 @@ TRAINED_ALTERNATIVE_PRIOR = (0.21, 0.13, 0.12)
 UNTRAINED_ALTERNATIVE_PRIOR = (0.01, 0.01, 0.01)
 
 
+def budget_spacing(extra_s: float | None, budget: float, step_s: float | None) -> int:
+    """Steps of `step_s` seconds between two tries that each cost `extra_s` seconds more than the step they
+    replace, so that the tries cost at most `budget` (a fraction) of the time; 0 while either is unknown or
+    the tries pay for themselves."""
+    if extra_s is None or not step_s or step_s <= 0 or extra_s <= 0:
+        return 0
+    return int(np.ceil(extra_s / (budget * step_s) - 1e-6))
+
+
 class Policy(ABC):
     """Chooses what each step verifies, from the proposals it is offered and the measured costs, and
     learns from one :class:`StepRecord` per step.
@@ -296,10 +305,7 @@ class AdaptiveLength(Policy):
 
     def _min_probe_gap(self) -> int:
         """Plain steps between probes that keep their net extra cost within `probe_budget` (0 when probes pay)."""
-        plain = self._plain_s()
-        if self.probe_extra_s is None or plain <= 0 or self.probe_extra_s <= 0:
-            return 0
-        return int(np.ceil(self.probe_extra_s / (self.probe_budget * plain) - 1e-6))
+        return budget_spacing(self.probe_extra_s, self.probe_budget, self._plain_s())
 
     def step_seconds(self, limit: int) -> np.ndarray:
         """Predicted seconds of a step verifying n = 0..limit proposals."""
