@@ -120,11 +120,11 @@ class DecodeLoop:
         """This step's choice: with `mtp`, the MTP head's chain; else the policy's, from the lookup's offer
         (where it keeps one) and its own estimates; a tree it cannot verify here runs as its chain
         (`_verifiable`)."""
-        if mtp and (over := self._lookup_over_mtp(limit)) is not None:
-            return over
         if mtp:  # the MTP chain: the length verify_len fixes (the policy's), or the one that follows what the
             # head's steps accepted (a try too: a chain of one would understate a head that chains well, and
-            # one that does not has its chain cut to one by its misses)
+            # one that does not has its chain cut to one by its misses); a lookup instead where it is faster
+            if (over := self._lookup_over_mtp(limit)) is not None:
+                return over
             if self.mtp_chain is not None:
                 n = self.mtp_chain.length(limit)
             else:
@@ -153,7 +153,7 @@ class DecodeLoop:
         measured rate: it needs no head call, so both sides take lookups where they pay (not on a try of
         the head, which measures the head)."""
         rate = self.chooser.rates["mtp"] if self.chooser is not None and not self.chooser.trying else None
-        if self.lookup is None or rate is None or limit <= 0 or not hasattr(self.policy, "take_lookup"):
+        if self.lookup is None or rate is None or limit <= 0:
             return None
         offer = self.lookup.propose(limit)
         n = self.policy.take_lookup(limit, offer, rate) if offer is not None else 0

@@ -91,6 +91,11 @@ class Policy(ABC):
         keeps the shape. This default never takes one (explicit verify lengths, plain decoding)."""
         return 0
 
+    def take_lookup(self, limit: int, offer: Proposal, threshold: float) -> int:
+        """How many of a lookup `offer`'s ids to verify where they must beat `threshold` committed tokens
+        per second (another drafter's measured rate); this default takes none."""
+        return 0
+
     def refine(self, shape: Shape, proposal: Proposal) -> Shape:
         """After the draft call, where it returned probabilities (`proposal.probs`, fp32 `[R, K]`: its
         top-K candidates for block positions 1..R, R the chain length of `shape`): what to verify.
