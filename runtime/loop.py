@@ -284,9 +284,9 @@ class DecodeLoop:
                                 draft_seconds=self.step_draft_s, catch_up=catch_up,
                                 tree=shape if isinstance(shape, VerifyTree) else None, first_rank=self.first_rank,
                                 proposed=[int(t) for t in proposals], committed=chunk.token_ids)
-            head = side == "mtp" and not record.lookup  # (a lookup on the head's side says nothing of the head)
-            if self.chooser is not None and (head or side == "policy"):
-                self.chooser.observe(side, len(chunk.token_ids), clock() - t_choice)
+            head = side == "mtp" and not record.lookup  # (a lookup on the head's side says nothing of the head:
+            if self.chooser is not None:  # it is the policy's lookup part, and counts as the policy's step)
+                self.chooser.observe(side if head else "policy", len(chunk.token_ids), clock() - t_choice)
             if head and self.mtp_chain is not None:
                 self.mtp_chain.observe(n_prop, acc)
             if side == "policy" or self.chooser is None or record.lookup:  # (an auto policy learns from its own
