@@ -116,16 +116,27 @@ class Backend(ABC):
     def copy(self, dst: View, src: View) -> None:
         """Copy `src` into `dst` within the backend's memory (same element count)."""
 
-    def scatter_heads(self, dst: "Buffer", rows: np.ndarray, src: View, src_rows: np.ndarray) -> None:
+    def scatter_heads(self, dst: "Buffer", rows: np.ndarray | slice, src: View, src_rows: np.ndarray | slice) -> None:
         """Write row `src_rows[i]` of `src` (`[n, H, D]`) to row `rows[i]` of every head of `dst` (a
         head-major `[H, N, D]` cache): a batched step's new K/V rows into their slots
-        (`runtime.batching`). One copy per row and head here; host-memory backends do it in one indexed
-        assignment."""
+        (`runtime.batching`). `rows` and `src_rows`: int64 index arrays, or slices (one sequence's rows
+        are a strided run: host backends then copy without an index array). One copy per row and head
+        here; host-memory backends do it in one assignment."""
         heads, d = src.shape[1], src.shape[2]
         per_head = dst.capacity // heads
-        for row, s in zip(np.asarray(rows).tolist(), np.asarray(src_rows).tolist()):
+        for row, s in zip(row_indices(rows, per_head // d), row_indices(src_rows, src.shape[0])):
             for h in range(heads):
                 self.copy(View(dst, h * per_head + int(row) * d, (d,)), View(src.buffer, src.offset + (int(s) * heads + h) * d, (d,)))
+
+    def gather_heads(self, dst: View, src: "Buffer", rows: np.ndarray | slice) -> None:
+        """Read row `rows[i]` of every head of `src` (a head-major `[H, N, D]` cache) into row i of `dst`
+        (`[n, H, D]`): `scatter_heads` the other way (a slot's rows into a position-major copy,
+        `runtime.batching.lone`). One copy per row and head here."""
+        heads, d = dst.shape[1], dst.shape[2]
+        per_head = src.capacity // heads
+        for i, row in enumerate(row_indices(rows, per_head // d)):
+            for h in range(heads):
+                self.copy(View(dst.buffer, dst.offset + (i * heads + h) * d, (d,)), View(src, h * per_head + row * d, (d,)))
 
     @abstractmethod
     def run(self, graph: str, inputs: dict[str, View], outputs: dict[str, View]) -> None:
@@ -148,3 +159,6 @@ class Backend(ABC):
         """Release graphs and memory (the backend is unusable afterwards)."""
 
 
+def row_indices(rows: np.ndarray | slice, length: int) -> list[int]:
+    """`scatter_heads`' rows as a list of ints (a slice taken over `length` rows)."""
+    return list(range(*rows.indices(length))) if isinstance(rows, slice) else np.asarray(rows).tolist()

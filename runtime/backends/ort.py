@@ -290,9 +290,13 @@ class OrtBackend(Backend):
     def copy(self, dst: View, src: View) -> None:
         dst.buffer.host(dst)[...] = src.buffer.host(src).reshape(dst.shape)
 
-    def scatter_heads(self, dst: Buffer, rows: np.ndarray, src: View, src_rows: np.ndarray) -> None:
+    def scatter_heads(self, dst: Buffer, rows: np.ndarray | slice, src: View, src_rows: np.ndarray | slice) -> None:
         heads, d = src.shape[1], src.shape[2]
         dst.array.reshape(heads, -1, d)[:, rows, :] = src.buffer.host(src)[src_rows].transpose(1, 0, 2)
+
+    def gather_heads(self, dst: View, src: Buffer, rows: np.ndarray | slice) -> None:
+        heads, d = dst.shape[1], dst.shape[2]
+        dst.buffer.host(dst)[...] = src.array.reshape(heads, -1, d)[:, rows, :].transpose(1, 0, 2)
 
     def run(self, graph: str, inputs: dict[str, View], outputs: dict[str, View]) -> None:
         binding, bound = self._binding(graph, inputs, outputs)

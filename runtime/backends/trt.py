@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.backends.base import ADDRESS_ALIGNMENT, Backend, Buffer, View, is_aligned
+from runtime.backends.base import ADDRESS_ALIGNMENT, Backend, Buffer, View, is_aligned, row_indices
 from runtime.backends.profiles import Profile, call_row_limit, max_block, select_profile
 from runtime.errors import DFlashError
 
@@ -211,7 +211,7 @@ class CudaMemoryBackend(Backend):
             raise ValueError(f"copy of {src.shape} {src.buffer.dtype} into {dst.shape} {dst.buffer.dtype}")
         self._memcpy(dst.buffer.address(dst), src.buffer.address(src), src.size * src.buffer.dtype.itemsize, D2D)
 
-    def scatter_heads(self, dst: Buffer, rows: np.ndarray, src: View, src_rows: np.ndarray) -> None:
+    def scatter_heads(self, dst: Buffer, rows: np.ndarray | slice, src: View, src_rows: np.ndarray | slice) -> None:
         """One strided copy (cudaMemcpy2DAsync) per row, all heads at once: the row's `[H, D]` block in
         `src` to row `rows[i]` of each head of `dst`. The base class's copy per row and head would be
         36 layers x 2 x 8 heads = 576 calls per decoded token of a Qwen3-8B batch."""
@@ -219,13 +219,28 @@ class CudaMemoryBackend(Backend):
         item = src.buffer.dtype.itemsize
         per_head = dst.capacity // heads * item  # bytes between heads in the head-major cache
         src_base = src.buffer.address(src)
-        for row, s in zip(np.asarray(rows).tolist(), np.asarray(src_rows).tolist()):
+        for row, s in zip(row_indices(rows, dst.capacity // heads // d), row_indices(src_rows, src.shape[0])):
             status = self.cuda.handle.cudaMemcpy2DAsync(
                 ctypes.c_void_p(dst.ptr + int(row) * d * item), ctypes.c_size_t(per_head),
                 ctypes.c_void_p(src_base + int(s) * heads * d * item), ctypes.c_size_t(d * item),
                 ctypes.c_size_t(d * item), ctypes.c_size_t(heads), ctypes.c_int(D2D), ctypes.c_void_p(self.stream))
             if status:
                 raise DFlashError(f"cudaMemcpy2DAsync failed with CUDA error {status} while writing new K/V rows")
+
+    def gather_heads(self, dst: View, src: Buffer, rows: np.ndarray | slice) -> None:
+        """One strided copy per row (`scatter_heads` the other way): row `rows[i]` of every head of
+        `src` into row i (`[H, D]`) of `dst`."""
+        heads, d = dst.shape[1], dst.shape[2]
+        item = dst.buffer.dtype.itemsize
+        per_head = src.capacity // heads * item
+        dst_base = dst.buffer.address(dst)
+        for i, row in enumerate(row_indices(rows, src.capacity // heads // d)):
+            status = self.cuda.handle.cudaMemcpy2DAsync(
+                ctypes.c_void_p(dst_base + i * heads * d * item), ctypes.c_size_t(d * item),
+                ctypes.c_void_p(src.ptr + int(row) * d * item), ctypes.c_size_t(per_head),
+                ctypes.c_size_t(d * item), ctypes.c_size_t(heads), ctypes.c_int(D2D), ctypes.c_void_p(self.stream))
+            if status:
+                raise DFlashError(f"cudaMemcpy2DAsync failed with CUDA error {status} while reading K/V rows")
 
     def synchronize(self) -> None:
         self.cuda.stream_synchronize(self.stream)

@@ -95,6 +95,7 @@ class BatchedCalls:
         # keys are masked padding, which adds exact zeros (1: the longest past + T, no padding added)
         self.key_bucket = int(getattr(be, "key_bucket", 1))
         self.row_bucket = int(getattr(be, "row_bucket", 1))  # (the same for rows per sequence: see run)
+        self.lone = None  # a lone sequence's calls on the one-sequence graph (`runtime.batching.lone`), where set
 
     def decide_row_padding(self) -> bool:
         """Pad one-row calls only where the backend rounds activations to int8 and a one-row call gives
@@ -139,6 +140,12 @@ class BatchedCalls:
         reads): kernels that round one row differently from several (`runtime.graphs.row_exact`) then give
         every row the floats it gets in any batch."""
         be, b = self.backend, len(batch)
+        if self.lone is not None:
+            s = batch[0]
+            if b == 1 and s.wanted in (0, 1, len(s.ids)):  # one sequence: the one-sequence graph
+                return be.read(self.next_ids.rows(0, self.lone.run(s, keep_logits)))[:s.wanted]
+            for s in batch:
+                self.lone.invalidate(s.slot, s.past)
         t = max(len(s.ids) for s in batch)
         t = 2 if b * t == 1 and self.pad_single_rows else t
         if t > 1 and self.row_bucket > 1:  # (padding rows come after a sequence's rows: nobody reads them)
@@ -189,12 +196,24 @@ class BatchedCalls:
         be.run(BATCHED_GRAPH, inputs, outputs)
         if self.states is not None:
             self.states.after_call()
-        src = np.array([i * t + j for i, s in enumerate(batch) for j in range(len(s.ids))], np.int64)
-        dst = np.array([(s.past + j) * self.slots + s.slot for s in batch for j in range(len(s.ids))], np.int64)
+        src, dst = self._new_row_places(batch)
         for (key, value), (new_k, new_v) in zip(self.kv, self.new_kv):
             be.scatter_heads(key, dst, new_k.rows(0, b * t), src)
             be.scatter_heads(value, dst, new_v.rows(0, b * t), src)
         return be.read(self.next_ids.rows(0, k))[:wanted]
+
+    def _new_row_places(self, batch: list[SequenceRows]) -> tuple[np.ndarray | slice, np.ndarray | slice]:
+        """(rows of the call's new K/V, their cache rows) for `scatter_heads`. One sequence's rows are a
+        strided run of its slot (slices: no index arrays, the cheaper copy at every layer of a lone
+        stream's step); several sequences' an index array each."""
+        t = self.rows_per_sequence
+        if len(batch) == 1:
+            s = batch[0]
+            n = len(s.ids)
+            return slice(0, n), slice(s.past * self.slots + s.slot, (s.past + n - 1) * self.slots + s.slot + 1, self.slots)
+        src = np.array([i * t + j for i, s in enumerate(batch) for j in range(len(s.ids))], np.int64)
+        dst = np.array([(s.past + j) * self.slots + s.slot for s in batch for j in range(len(s.ids))], np.int64)
+        return src, dst
 
     def logits_buffer(self):
         """The fp32 `[max_rows, V]` logits buffer (allocated on first use)."""

@@ -27,6 +27,7 @@ from runtime.backends.profiles import MAX_BLOCK_SIZE
 from runtime.backends.select import make_backend
 from runtime.batching.calls import BatchedCalls
 from runtime.batching.drafts import draft_graph
+from runtime.batching.lone import LONE_GRAPH, LoneCalls, lone_graph_fits
 from runtime.batching.requests import BatchedGeneration, BatchedSequence
 from runtime.batching.slots import SlotTable
 from runtime.batching.speculating import BatchSpeculation
@@ -73,6 +74,10 @@ class BatchEngine(PromptEncoding):
             (`runtime.speculation.batched`) predicts it pays, or where a request asks for a verify
             length. It needs an artifact whose batched graph feeds the draft (built by this version's
             `build --batched`) and whose draft proposes ids; elsewhere every step decodes plainly.
+        lone_graph: run the calls of a lone sequence on the one-sequence target graph
+            (`runtime.batching.lone`: a single client about as fast as on the one-at-a-time path, for
+            the one-sequence graph's weights loaded a second time). Default (None): on with the
+            onnxruntime CPU backend ("ort"), off on GPUs (device memory); never with a loaded `backend`.
 
     Use it as a context manager (or call :meth:`close`). :meth:`stream` and :meth:`generate` may be
     called from any number of threads; each request takes a slot when one is free.
@@ -83,7 +88,7 @@ class BatchEngine(PromptEncoding):
 
     def __init__(self, artifact_dir: str | Path, max_batch: int = DEFAULT_MAX_BATCH, threads: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, int4_accuracy_level: int | None = None,
-                 backend: str | Backend = "ort", speculation: bool = True):
+                 backend: str | Backend = "ort", speculation: bool = True, lone_graph: bool | None = None):
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DFlashError(f"{name} must be a positive integer (got {value!r})")
@@ -103,6 +108,10 @@ class BatchEngine(PromptEncoding):
         # batched speculation: where the batched graph feeds the draft and the draft proposes ids
         self.speculates = bool(speculation) and batched_feeds_draft(m) and draft_proposes(m)
         graphs = (BATCHED_GRAPH, draft_graph(m)) if self.speculates else (BATCHED_GRAPH,)
+        # a lone sequence's calls on the one-sequence target graph (`runtime.batching.lone`)
+        lone = (backend == "ort" if lone_graph is None else bool(lone_graph)) and lone_graph_fits(m) \
+            and not isinstance(backend, Backend)
+        graphs += (LONE_GRAPH,) if lone else ()
         self.backend = backend if isinstance(backend, Backend) else make_backend(
             backend, self.artifact_dir, m, threads, int4_accuracy_level, graphs=graphs)
         dtype = np.dtype(DTYPES[m["dtype"]])
@@ -111,6 +120,8 @@ class BatchEngine(PromptEncoding):
             rows = max(rows, max_batch * self.block_size)  # (a verify step: every sequence a whole block)
         self.calls = BatchedCalls(self.backend, m, max_batch, rows, dtype, features=self.speculates)
         self.calls.decide_row_padding()  # (before any slot holds a sequence: the probe writes slot 0)
+        if lone:  # (after the probe: it decides the padding of one-row calls for both graphs)
+            self.calls.lone = LoneCalls(self.calls, m, dtype)
         self.speculation = BatchSpeculation(self.calls, m, self.artifact_dir, max_batch, prefill_chunk, dtype) \
             if self.speculates else None
         for slot in range(max_batch):  # (the probes above wrote the slots: a hybrid's states start from zero)

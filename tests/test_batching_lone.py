@@ -1,0 +1,134 @@
+"""A lone sequence's calls on the one-sequence target graph (`runtime.batching.lone`): the same ids and
+cache rows as the batched graph's calls, through hand-overs between the two graphs, and the replies of
+a stream that runs alone, is joined, and runs alone again."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import runtime_fixtures as rf
+from test_batching import _batch1, _prompts, art  # noqa: F401 (art: a fixture)
+from trt_doubles import doubles  # noqa: F401 (a fixture)
+
+from dflash_export.trt.engine import build_engines
+from runtime.backends.base import Backend
+from runtime.batching import BatchEngine
+from runtime.batching.calls import SequenceRows
+
+# the batched build (40 s on AVX2): `make test` runs these, `make test-fast` leaves them out
+pytestmark = pytest.mark.slow
+
+
+def _calls(engine, script) -> list[list[int]]:
+    """Run `script` (a list of calls, each a list of (slot, past, ids, wanted)) on the engine's batched
+    calls directly; returns each call's posterior ids."""
+    return [engine.calls.run([SequenceRows(*s) for s in call]).tolist() for call in script]
+
+
+def test_lone_calls_give_the_batched_graphs_ids_and_cache_rows_across_hand_overs(art):
+    """One call script on two engines, one with the lone path and one without: lone prefills of slots 0
+    and 1 (the copy moves between slots), a batched call of both, lone calls of slot 0 again (its copy
+    filled from the cache), a lone verify, slot 1 alone, slot 0 rolled back below its copy, another batched
+    call and a lone one after it. Every call's ids and the whole K/V caches are equal."""
+    script = _hand_over_script()
+    runs, caches, graphs = [], [], []
+    for lone in (True, False):
+        with BatchEngine(art, max_batch=2, speculation=False, lone_graph=lone) as engine:
+            assert (engine.calls.lone is not None) == lone
+            seen, run = [], engine.backend.run
+            engine.backend.run = lambda graph, inputs, outputs: (seen.append(graph), run(graph, inputs, outputs))
+            runs.append(_calls(engine, script))
+            caches.append(_caches(engine))
+            graphs.append(seen)
+    assert runs[0] == runs[1]
+    assert all(np.array_equal(a, b) for a, b in zip(*caches))
+    assert graphs[0] == ["target", "target", "target_batched", "target", "target", "target", "target", "target_batched", "target"]
+    assert set(graphs[1]) == {"target_batched"}
+
+
+def test_lone_calls_through_the_tensorrt_double(art, tmp_path_factory, doubles):  # noqa: F811
+    """The TensorRT backend's own copies (`gather_heads`, `scatter_heads` with slices) on the same call
+    script, through the test double (NOT TensorRT: onnxruntime behind TensorRT's API, refusing shapes
+    outside the engines' profiles): ids and caches equal onnxruntime's batched graph alone."""
+    import shutil
+
+    from trt_doubles import GPU, FakeTensorRT
+
+    out = tmp_path_factory.mktemp("trt_lone") / "artifact"
+    shutil.copytree(art, out)
+    build_engines(out, precision="fp32", trt=FakeTensorRT("10.3.0.30"), gpu=GPU, quiet=True, max_batch=2)
+    runs, caches = [], []
+    for backend, lone in (("trt", True), ("ort", False)):
+        with BatchEngine(out, max_batch=2, speculation=False, backend=backend, lone_graph=lone) as engine:
+            assert (engine.calls.lone is not None) == lone
+            runs.append(_calls(engine, _hand_over_script()))
+            caches.append(_caches(engine))
+    assert runs[0] == runs[1]
+    assert all(np.array_equal(a, b) for a, b in zip(*caches))
+
+
+def _caches(engine) -> list[np.ndarray]:
+    """Every K/V cache buffer of the engine's batched calls, on the host."""
+    return [engine.backend.read(buf.rows(0, buf.capacity // buf.row_elems)).copy()
+            for pair in engine.calls.kv for buf in pair]
+
+
+def _hand_over_script() -> list:
+    """The call script of the hand-over tests (see the first test's docstring)."""
+    p = _prompts(11)
+    return [
+        [(0, 0, p[4][:20], 1)],
+        [(1, 0, p[3][:9], 1)],
+        [(0, 20, p[4][20:23], 3), (1, 9, [41], 1)],
+        [(0, 23, [17], 1)],
+        [(0, 24, [5, 9, 33, 2], 4)],
+        [(1, 10, [6], 1)],
+        [(0, 22, [8, 8], 2)],
+        [(0, 24, [71], 1), (1, 11, [6], 1)],
+        [(0, 25, [3], 1)],
+    ]
+
+
+def test_a_stream_alone_then_joined_then_alone_again_equals_its_batch1_reply(art):
+    """A greedy stream and a seeded one each start alone (the one-sequence graph), another request joins
+    them for a few steps (batched calls) and leaves; both replies equal the one-sequence Session's."""
+    prompts = _prompts(12)
+    for options in (dict(), dict(temperature=0.8, seed=5)):
+        expected = _batch1(art, [prompts[5]], max_new_tokens=40, stop_token_ids=[], **options)
+        with BatchEngine(art, max_batch=2) as engine:
+            seen, run = [], engine.backend.run
+            engine.backend.run = lambda graph, inputs, outputs: (seen.append(graph), run(graph, inputs, outputs))
+            first = engine.stream(prompts[5], max_new_tokens=40, stop_token_ids=[], reuse_prefix=False, **options)
+            chunks = iter(first)
+            for _ in range(8):  # (it decodes alone for a while)
+                next(chunks)
+            joined = engine.stream(prompts[2], max_new_tokens=4, stop_token_ids=[], reuse_prefix=False)
+            got = rf.drain([first, joined])
+        assert got[0] == expected[0]
+        assert "target_batched" in seen and seen[0] == "target" and seen[-1] == "target"
+
+
+def test_the_generic_head_copies_equal_the_host_backends(art):
+    """`Backend.gather_heads` / `scatter_heads` as a device backend runs them (one copy per row and head)
+    equal the onnxruntime backend's indexed assignments, with index arrays and with slices."""
+    with BatchEngine(art, max_batch=2, speculation=False) as engine:
+        be, calls = engine.backend, engine.calls
+        key = calls.kv[0][0]  # head-major: `heads` buffer rows of [cache rows, D]
+        rng = np.random.default_rng(0)
+        heads, (rows, d) = key.capacity // key.row_elems, key.row_shape
+        be.write(key.rows(0, heads), rng.standard_normal((heads, rows, d)).astype(key.dtype))
+        for where in (slice(5 * 2 + 1, 9 * 2 + 1, 2), np.array([3, 40, 7])):
+            n = len(range(*where.indices(rows))) if isinstance(where, slice) else len(where)
+            out = [be.alloc(key.dtype, n, (heads, d)) for _ in range(2)]
+            Backend.gather_heads(be, out[0].rows(0, n), key, where)
+            be.gather_heads(out[1].rows(0, n), key, where)
+            assert np.array_equal(be.read(out[0].rows(0, n)), be.read(out[1].rows(0, n)))
+            before = be.read(key.rows(0, heads)).copy()
+            new = rng.standard_normal((n, heads, d)).astype(key.dtype)
+            be.write(out[0].rows(0, n), new)
+            Backend.scatter_heads(be, key, where, out[0].rows(0, n), slice(0, n))
+            generic = be.read(key.rows(0, heads)).copy()
+            be.write(key.rows(0, heads), before)
+            be.scatter_heads(key, where, out[0].rows(0, n), slice(0, n))
+            assert np.array_equal(generic, be.read(key.rows(0, heads)))
+            assert not np.array_equal(generic, before)
