@@ -145,7 +145,7 @@ class BatchedCalls:
             if b == 1 and s.wanted in (0, 1, len(s.ids)):  # one sequence: the one-sequence graph
                 return be.read(self.next_ids.rows(0, self.lone.run(s, keep_logits)))[:s.wanted]
             for s in batch:
-                self.lone.invalidate(s.slot, s.past)
+                self.lone.before_batched(s.slot, s.past)
         t = max(len(s.ids) for s in batch)
         t = 2 if b * t == 1 and self.pad_single_rows else t
         if t > 1 and self.row_bucket > 1:  # (padding rows come after a sequence's rows: nobody reads them)

@@ -6,10 +6,11 @@ sequence's keys out of the slot-interleaved cache, and runs about 240 more nodes
 docs/performance.md). Both graphs give a row the same floats (`dflash_export.nn.batched`), so a call
 of one sequence may run on either without changing a reply. Here it runs on the one-sequence graph,
 over a position-major copy of the slot's K/V (`[max_seq_len, Hkv, D]` per layer, as a Session's),
-bound in place; the call's new rows land in that copy (bound outputs) and are also written to the
-slot's rows of the head-major cache, so the next batched call finds them there. The copy is filled
-from the slot's cache only for rows a batched call wrote since (a stream that was batched and is now
-alone): it stays valid for one slot at a time, up to the shortest past any call of that slot has had.
+bound in place; the call's new rows land in that copy (bound outputs). They reach the slot's rows of the
+head-major cache only when a batched call is about to read them, or when the copy moves to another
+slot (a lone step then writes each new row once, as a Session's does). The copy is filled from the
+slot's cache only for rows a batched call wrote since (a stream that was batched and is now alone): it
+stays valid for one slot at a time, up to the shortest past any call of that slot has had.
 
 Costs: the one-sequence target graph's weights are loaded a second time (the backend's second session)
 and one slot's K/V a second time; hybrid targets (per-slot recurrent states) and artifacts whose
@@ -58,11 +59,26 @@ class LoneCalls:
         self._tree_rows = -1  # the chain length whose tree inputs the buffers hold
         self.greedy_form = greedy_form_exported(manifest)
         self.slot, self.valid = None, 0  # the slot the copy holds, and how many of its first rows are current
+        self.unsynced: int | None = None  # the copy's first row the slot's cache lacks (None: it lacks none)
 
-    def invalidate(self, slot: int, past: int) -> None:
-        """A batched call wrote `slot`'s rows from `past` on: the copy keeps at most its rows before."""
+    def before_batched(self, slot: int, past: int) -> None:
+        """A batched call reads `slot`'s rows before `past` and writes its rows from `past` on: the cache
+        gets the copy's rows it lacks there, and the copy keeps at most its rows before `past`."""
         if slot == self.slot:
+            self.sync(past)
             self.valid = min(self.valid, past)
+
+    def sync(self, upto: int | None = None) -> None:
+        """Write the copy's rows the slot's cache lacks (up to row `upto`, default all that are current)
+        to the cache; the rest are no one's (a later call overwrites them)."""
+        upto = self.valid if upto is None else min(upto, self.valid)
+        if self.unsynced is not None and self.unsynced < upto:
+            start, slots = self.unsynced, self.calls.slots
+            dst = slice(start * slots + self.slot, (upto - 1) * slots + self.slot + 1, slots)
+            for (key, value), (k, v) in zip(self.calls.kv, self.kv):
+                self.backend.scatter_heads(key, dst, k.rows(start, upto - start), slice(0, upto - start))
+                self.backend.scatter_heads(value, dst, v.rows(start, upto - start), slice(0, upto - start))
+        self.unsynced = None
 
     def run(self, s, keep_logits: bool) -> int:
         """One call of sequence `s` (a :class:`runtime.batching.calls.SequenceRows`) on the one-sequence
@@ -99,17 +115,15 @@ class LoneCalls:
             inputs[f"past_key_{i}"], inputs[f"past_value_{i}"] = key.rows(0, s.past), value.rows(0, s.past)
             outputs[f"key_{i}"], outputs[f"value_{i}"] = key.rows(s.past, rows), value.rows(s.past, rows)
         be.run(LONE_GRAPH, inputs, outputs)
-        self.valid = s.past + rows
-        n, slots = len(s.ids), calls.slots
-        dst = slice(s.past * slots + s.slot, (s.past + n - 1) * slots + s.slot + 1, slots)
-        for (key, value), (k, v) in zip(calls.kv, self.kv):
-            be.scatter_heads(key, dst, k.rows(s.past, n), slice(0, n))
-            be.scatter_heads(value, dst, v.rows(s.past, n), slice(0, n))
+        self.valid = s.past + len(s.ids)  # (a padding row is no one's)
+        self.unsynced = s.past if self.unsynced is None else min(self.unsynced, s.past)
         return out
 
     def _fill(self, slot: int, past: int) -> None:
-        """Make the copy hold `slot`'s first `past` rows (copying those a batched call wrote)."""
+        """Make the copy hold `slot`'s first `past` rows (copying those a batched call wrote), after
+        writing the rows of the slot it held to that slot's cache."""
         if slot != self.slot:
+            self.sync()
             self.slot, self.valid = slot, 0
         if self.valid < past:
             for (key, value), (k, v) in zip(self.calls.kv, self.kv):
