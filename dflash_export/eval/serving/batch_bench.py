@@ -3,7 +3,7 @@
 the one-at-a-time server (`--max-batch 1`, speculative decoding), in one run.
 
     python -m dflash_export.eval.serving.batch_bench ARTIFACT [--streams 1,2,4,8] [--max-tokens 64] [--limit 2]
-        [--rounds 2] [--max-batch 8] [--per-stream 2]
+        [--rounds 2] [--max-batch 8] [--per-stream 2] [--compare-lone]
 
 The artifact must be built with `--batched`. Both servers run as subprocesses (`python -m runtime serve`),
 idle while the other is loaded. For each N in --streams and each round, each mode (their order
@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=8, help="the batched server's slots")
     p.add_argument("--prompts", default=str(DEFAULT_EVAL))
     p.add_argument("--per-stream", type=int, default=2, help="requests each client sends at least (more: a shorter tail)")
+    p.add_argument("--compare-lone", action="store_true",
+                   help="also a batched server with --no-lone-graph (a lone stream on the batched graph), in the same run")
     args = p.parse_args(argv)
     streams = [int(s) for s in args.streams.split(",")]
     prompts = eval_prompts(Path(args.prompts), args.limit)
@@ -133,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     modes = {"one at a time (--max-batch 1, speculative)": ("one", None),
              f"batched ({batched}), default (auto)": ("batched", None),
              f"batched ({batched}), plain (block_size 1)": ("batched", {"block_size": 1})}
+    if args.compare_lone:
+        servers["no-lone"] = ServerProcess(args.artifact, "ort", ["--max-batch", str(args.max_batch), "--no-lone-graph"])
+        modes = {**dict(list(modes.items())[:2]), f"batched ({batched}, --no-lone-graph), default (auto)": ("no-lone", None),
+                 **dict(list(modes.items())[2:])}
     names = list(modes)
     try:
         _, alone = load(servers["one"].url, prompts, 1, args.max_tokens)
@@ -164,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in streams:
             runs = results[name, n]
             tok_s, steady = med("tok_s", runs), med("steady_tok_s", runs)
-            vs_plain = f"{tok_s / med('tok_s', results[plain, n]):.2f}x" if modes[name][0] == "batched" else "-"
+            vs_plain = f"{tok_s / med('tok_s', results[plain, n]):.2f}x" if modes[name][0] != "one" else "-"
             print(f"| {name} | {n} | {tok_s:.1f} | {tok_s / base:.2f}x | {vs_plain} | {steady:.1f}, {steady / steady_base:.2f}x | "
                   f"{_decode_rate(runs, results[name, streams[0]])} | {_share(runs, 'prefill_share')} | "
                   f"{med('ttft50', runs) * 1e3:.0f} / {med('ttft95', runs) * 1e3:.0f} | "
