@@ -179,3 +179,24 @@ def test_lookup_only_steps_do_not_make_drafting_look_faster():
     assert policy.lookup_acceptance.trials[0] > trials[0] and not policy.probing
     assert policy.spec_scale != 1.0  # (the call's cost still scales the curve)
     assert not policy.speculates([15])  # the draft's own rate (its prior: acceptance 0.1) still loses
+
+
+def test_lookups_that_measure_slower_than_plain_steps_wait_with_a_doubling_gap():
+    """At 8 sequences the lookup-only steps commit 9 tokens in 90 ms (100 tokens/s: one sequence's
+    continuation pads every row) where plain steps commit 8 in 40 ms (200 tokens/s): lookups are no longer
+    offered, then offered again after probe_gap steps, then after twice that; at one sequence, where they
+    measure faster, they stay offered."""
+    policy = _policy(0.1, probe_gap=4)
+    assert policy.offers_lookups(8)  # (nothing measured yet)
+    for _ in range(5):
+        policy.observe(8, 1, 0.040, [], [], 8)
+        policy.observe(8, 2, 0.090, [], [(1, 1, None)], 9, counted=False)
+    offered = [policy.offers_lookups(8) for _ in range(12)]
+    assert offered == [False, False, False, True] + [False] * 7 + [True]
+    for _ in range(5):
+        policy.observe(1, 1, 0.010, [], [], 1)
+        policy.observe(1, 5, 0.015, [], [(4, 4, None)], 5, counted=False)
+    assert all(policy.offers_lookups(1) for _ in range(10))
+    for _ in range(30):  # lookups that win again at 8 sequences reset the wait
+        policy.observe(8, 2, 0.030, [], [(1, 1, None)], 9, counted=False)
+    assert policy.offers_lookups(8) and policy.lookup_gaps[8] == 4

@@ -7,13 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import runtime_fixtures as rf
-from test_batching import _batch1, _prompts, art  # noqa: F401 (art: a fixture)
+from test_batching import _batch1, _prompts, art, art_int4  # noqa: F401 (fixtures)
 from trt_doubles import doubles  # noqa: F401 (a fixture)
 
+import runtime
 from dflash_export.trt.engine import build_engines
 from runtime.backends.base import Backend
 from runtime.batching import BatchEngine
 from runtime.batching.calls import SequenceRows
+from runtime.graphs.row_exact import needs_row_padding
 
 # the batched build (40 s on AVX2): `make test` runs these, `make test-fast` leaves them out
 pytestmark = pytest.mark.slow
@@ -32,18 +34,30 @@ def test_lone_calls_give_the_batched_graphs_ids_and_cache_rows_across_hand_overs
     call and a lone one after it. Every call's ids and the whole K/V caches are equal."""
     script = _hand_over_script()
     runs, caches, graphs = [], [], []
-    for lone in (True, False):
+    for lone, pad in ((True, False), (True, True), (False, False)):
         with BatchEngine(art, max_batch=2, speculation=False, lone_graph=lone) as engine:
             assert (engine.calls.lone is not None) == lone
+            if lone:  # (padded one-row calls: a second row nobody reads changes nothing)
+                engine.calls.lone.pad_single_rows = pad
             seen, run = [], engine.backend.run
             engine.backend.run = lambda graph, inputs, outputs: (seen.append(graph), run(graph, inputs, outputs))
             runs.append(_calls(engine, script))
             caches.append(_caches(engine))
             graphs.append(seen)
-    assert runs[0] == runs[1]
-    assert all(np.array_equal(a, b) for a, b in zip(*caches))
-    assert graphs[0] == ["target", "target", "target_batched", "target", "target", "target", "target", "target_batched", "target"]
-    assert set(graphs[1]) == {"target_batched"}
+    assert runs[0] == runs[1] == runs[2]
+    assert all(np.array_equal(a, b) and np.array_equal(a, c) for a, b, c in zip(*caches))
+    assert graphs[0] == graphs[1] == ["target", "target", "target_batched", "target", "target", "target", "target",
+                                      "target_batched", "target"]
+    assert set(graphs[2]) == {"target_batched"}
+
+
+def test_the_lone_graph_pads_one_row_calls_where_the_session_does(art_int4):
+    """INT4 at accuracy level 4 (int8 activations): the lone graph's own probe decides as the Session's
+    does on the same graph (whatever this CPU's kernels do), and leaves no copy behind."""
+    with runtime.load(art_int4) as s, BatchEngine(art_int4, max_batch=2, speculation=False) as engine:
+        lone = engine.calls.lone
+        assert lone is not None and lone.pad_single_rows == needs_row_padding(s)
+        assert lone.slot is None and lone.valid == 0 and lone.unsynced is None
 
 
 def test_lone_calls_through_the_tensorrt_double(art, tmp_path_factory, doubles):  # noqa: F811

@@ -130,7 +130,9 @@ class BatchedCalls:
     def run(self, batch: list[SequenceRows], keep_logits: bool = False) -> np.ndarray:
         """One call on `batch` (at most `slots` sequences, distinct slots, each past + len(ids) within
         max_seq_len and, for a hybrid, len(ids) within :attr:`sequence_rows`; then :meth:`commit` each
-        sequence's committed rows). Writes every new row's K/V to its slot and returns the posterior ids (int64, the
+        sequence's committed rows). Writes every new row's K/V to its slot (with :attr:`lone`, a lone
+        sequence's rows reach the cache at `lone.sync()`, before a batched call reads them: a direct
+        reader of :attr:`kv` calls it first) and returns the posterior ids (int64, the
         wanted rows of each sequence, in batch order). With `keep_logits` their fp32 logits rows are
         left in :attr:`logits` rows 0.. for the host (:meth:`read_logits`); with :attr:`features`, the
         taps of every row i * T + j (:attr:`rows_per_sequence` T) are left in :attr:`taps` and the
@@ -142,7 +144,7 @@ class BatchedCalls:
         be, b = self.backend, len(batch)
         if self.lone is not None:
             s = batch[0]
-            if b == 1 and s.wanted in (0, 1, len(s.ids)):  # one sequence: the one-sequence graph
+            if b == 1 and self.lone.takes(s):  # one sequence: the one-sequence graph
                 return be.read(self.next_ids.rows(0, self.lone.run(s, keep_logits)))[:s.wanted]
             for s in batch:
                 self.lone.before_batched(s.slot, s.past)

@@ -120,8 +120,9 @@ class BatchEngine(PromptEncoding):
             rows = max(rows, max_batch * self.block_size)  # (a verify step: every sequence a whole block)
         self.calls = BatchedCalls(self.backend, m, max_batch, rows, dtype, features=self.speculates)
         self.calls.decide_row_padding()  # (before any slot holds a sequence: the probe writes slot 0)
-        if lone:  # (after the probe: it decides the padding of one-row calls for both graphs)
+        if lone:  # (after the batched graph's probe, which runs on that graph; the lone graph probes its own)
             self.calls.lone = LoneCalls(self.calls, m, dtype)
+            self.calls.lone.decide_row_padding()
         self.speculation = BatchSpeculation(self.calls, m, self.artifact_dir, max_batch, prefill_chunk, dtype) \
             if self.speculates else None
         for slot in range(max_batch):  # (the probes above wrote the slots: a hybrid's states start from zero)

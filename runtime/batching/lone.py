@@ -9,12 +9,13 @@ over a position-major copy of the slot's K/V (`[max_seq_len, Hkv, D]` per layer,
 bound in place; the call's new rows land in that copy (bound outputs). They reach the slot's rows of the
 head-major cache only when a batched call is about to read them, or when the copy moves to another
 slot (a lone step then writes each new row once, as a Session's does). The copy is filled from the
-slot's cache only for rows a batched call wrote since (a stream that was batched and is now alone): it
-stays valid for one slot at a time, up to the shortest past any call of that slot has had.
+slot's cache only for rows a batched call wrote since (a stream that was batched and is now alone); it
+holds one slot at a time, and its rows before the slot's latest past are the slot's.
 
 Costs: the one-sequence target graph's weights are loaded a second time (the backend's second session)
 and one slot's K/V a second time; hybrid targets (per-slot recurrent states) and artifacts whose
-one-sequence graph ranks the draft's hidden rows itself do not take this path.
+one-sequence graph ranks the draft's hidden rows itself do not take this path. One-row calls are padded
+to two where this graph's own probe asks for it (:meth:`LoneCalls.decide_row_padding`, the Session's rule).
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ from runtime.graphs.tree import chain_inputs
 from runtime.manifest import greedy_form_exported, layer_types, target_takes_ids, tree_inputs_exported
 
 LONE_GRAPH = "target"  # the one-sequence target graph's name in the backend
+
+
+class _Rows:
+    """A probe call's rows (:class:`runtime.batching.calls.SequenceRows`' fields this module reads)."""
+
+    def __init__(self, slot: int, past: int, ids: list[int], wanted: int):
+        self.slot, self.past, self.ids, self.wanted = slot, past, ids, wanted
+        self.temperature, self.uniforms = 0.0, ()
 
 
 def lone_graph_fits(manifest: dict) -> bool:
@@ -60,6 +69,26 @@ class LoneCalls:
         self.greedy_form = greedy_form_exported(manifest)
         self.slot, self.valid = None, 0  # the slot the copy holds, and how many of its first rows are current
         self.unsynced: int | None = None  # the copy's first row the slot's cache lacks (None: it lacks none)
+        # the most rows one call may take (a TensorRT engine's profiles; longer calls take the batched graph)
+        self.max_rows = be.max_call_rows(LONE_GRAPH) or calls.max_rows
+        self.pad_single_rows = False  # decided by `decide_row_padding`, as a Session decides its own
+
+    def decide_row_padding(self) -> bool:
+        """Pad one-row calls where the backend rounds activations to int8 and the one-sequence graph gives
+        a row other floats in a one-row call than in a two-row one (`runtime.graphs.row_exact`'s probe,
+        the Session's: its K/V rows and taps), on slot 0, whose rows the caller's probes write anyway.
+        Returns the decision."""
+        calls, be = self.calls, self.backend
+        self.pad_single_rows = False
+        if getattr(be, "int8_activations", False) and calls.max_seq_len >= 5:
+            outputs = []
+            for past, ids, wanted in ((0, [1, 2, 3], 1), (3, [4], 1), (3, [4, 5], 2)):
+                self.run(_Rows(0, past, ids, wanted), keep_logits=False)
+                outputs.append([be.read(k.rows(3, 1)) for pair in self.kv for k in pair]
+                               + ([be.read(calls.taps.rows(0, 1))] if calls.features else []))
+            self.pad_single_rows = not all(np.array_equal(a, b) for a, b in zip(outputs[1], outputs[2]))
+        self.slot, self.valid, self.unsynced = None, 0, None  # (the probe's rows are no one's)
+        return self.pad_single_rows
 
     def before_batched(self, slot: int, past: int) -> None:
         """A batched call reads `slot`'s rows before `past` and writes its rows from `past` on: the cache
@@ -80,16 +109,22 @@ class LoneCalls:
                 self.backend.scatter_heads(value, dst, v.rows(start, upto - start), slice(0, upto - start))
         self.unsynced = None
 
+    def takes(self, s) -> bool:
+        """Whether sequence `s`'s call (alone in it) runs here: its rows within :attr:`max_rows`, and the
+        posteriors it wants those of a decoding, verify or prefill call."""
+        return len(s.ids) <= self.max_rows and s.wanted in (0, 1, len(s.ids))
+
     def run(self, s, keep_logits: bool) -> int:
         """One call of sequence `s` (a :class:`runtime.batching.calls.SequenceRows`) on the one-sequence
-        graph, writing what :meth:`BatchedCalls.run` writes (ids, logits, taps, next embeddings, the
-        slot's K/V). Returns the number of posterior ids it wrote (its wanted rows, at least 1)."""
+        graph, writing what :meth:`BatchedCalls.run` writes (ids, logits, taps, next embeddings; the new
+        K/V rows to the copy, which reach the slot's cache at :meth:`sync`). Returns the number of
+        posterior ids it wrote: its wanted rows, at least 1 (a call that wants none gets its last row's)."""
         calls, be = self.calls, self.backend
         self._fill(s.slot, s.past)
         ids = list(s.ids)
         verify = s.wanted == len(ids) and len(ids) > 1  # a verify step: its first row and its proposals
         n_ids, n_prop = (1, len(ids) - 1) if verify else (len(ids), 0)
-        if n_ids + n_prop == 1 and calls.pad_single_rows and s.past + 2 <= calls.max_seq_len:
+        if n_ids + n_prop == 1 and self.pad_single_rows and s.past + 2 <= calls.max_seq_len:
             n_prop = 1  # a second row nobody reads (`runtime.graphs.row_exact`), as the Session pads
             ids = ids + [0]
         rows = n_ids + n_prop

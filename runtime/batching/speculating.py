@@ -58,9 +58,11 @@ class BatchSpeculation:
         chooses from their chances (or more, where a fixed one pads the call's rows anyway)."""
         policy = self.policy
         limits = [s.draft_limit() for s in seqs]
-        # lookups cost no draft call: offered every step, verified where they beat a plain call (as the
-        # one-sequence policy takes them); drafts only where the policy speculates
-        offers = [s.lookup.propose(lim) if s.lookup is not None and lim > 0 and s.fixed is None else []
+        # lookups cost no draft call: offered every step (unless they measured slower than plain steps at
+        # this batch size), verified where they beat a plain call, as the one-sequence policy takes them;
+        # drafts only where the policy speculates
+        looks = policy.offers_lookups(len(seqs))
+        offers = [s.lookup.propose(lim) if looks and s.lookup is not None and lim > 0 and s.fixed is None else []
                   for s, lim in zip(seqs, limits)]
         if not policy.speculates([lim if s.fixed is None else 0 for s, lim in zip(seqs, limits)]):
             limits = [lim if s.fixed is not None else 0 for s, lim in zip(seqs, limits)]
@@ -135,7 +137,8 @@ class BatchSpeculation:
 
     # ---- start-up ------------------------------------------------------------------------------
     def _measure_costs(self) -> BatchedCallCosts:
-        """Time batched calls of 1, slots / 2 and slots sequences x :data:`MEASURED_ROWS` rows (the faster
+        """Time batched calls of 1 (on the one-sequence graph, where the engine runs lone sequences there),
+        slots / 2 and slots sequences x :data:`MEASURED_ROWS` rows (the faster
         of two, after 64 cached rows of zeros; beyond 4 rows per sequence only for one sequence,
         extrapolated for more: the start-up cost stays a few calls) and draft calls of 1 and block - 1
         rows (for one sequence and, with the batched draft graph, for every slot): the policy's cost

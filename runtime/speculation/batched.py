@@ -11,7 +11,8 @@ twice, as the one-sequence adaptive policy does with a proposing draft
    second, each step's whole time with its draft calls; a model's best drafted step is its prior) beats
    the measured rate of plain steps at this batch size by `margin`; otherwise no draft call runs (a
    sequence's lookup continuation is still verified where it beats a plain call, as the one-sequence
-   policy takes them), and a speculative step is still tried after a gap (per batch size) that doubles
+   policy takes them, unless steps that verified lookups only measured slower than plain steps at this
+   batch size: :meth:`BatchedLength.offers_lookups`), and a speculative step is still tried after a gap (per batch size) that doubles
    while plain decoding keeps winning. Sequences with a lookup continuation take it (no draft call); the
    others draft :meth:`BatchedLength.draft_rows` block rows, in one batched draft call where the
    artifact has the batched draft graph. The speculative rate counts the steps that ran a draft call
@@ -143,6 +144,11 @@ class BatchedLength:
         # acceptance of lookup continuations (`runtime.speculation.lookup`) by position: proposals without a draft call
         self.lookup_acceptance = AcceptanceEstimate(LOOKUP_PRIOR, len(acceptance.trials))
         self.decline_decay = 0.99  # evidence decay per declined lookup offer (LookupLength's rule)
+        # batch size -> decayed [committed tokens, seconds] of steps that verified lookups only, and the plain
+        # steps before lookups are offered again where they measured slower than plain decoding (see offers_lookups)
+        self.lookup_only: dict[int, list[float]] = {}
+        self.lookup_gaps: dict[int, int] = {}
+        self.lookup_waits: dict[int, int] = {}
 
     # ---- predictions ------------------------------------------------------------------------------
     def call_seconds(self, batch: int, top: int) -> np.ndarray:
@@ -220,6 +226,26 @@ class BatchedLength:
         (st, ss), (pt, ps) = self.speculative[near], self.plain[near]
         return (st / ss) / (pt / ps) if ss > 0 and ps > 0 and pt > 0 else None
 
+    def offers_lookups(self, batch: int) -> bool:
+        """Whether this step at `batch` sequences may verify their lookup continuations. Each is verified
+        where the cost model predicts it beats a plain call; what the steps that verified lookups only
+        then measured guards that prediction (at several sequences every sequence's rows pad to the
+        longest continuation): where their rate (committed tokens per second) fell below plain decoding's
+        at this batch size, lookups wait `probe_gap` steps, a wait that doubles (up to `max_probe_gap`)
+        while the next such step still loses."""
+        looked, plain = self.lookup_only.get(batch), self.plain.get(batch)
+        if not looked or not plain or min(looked[1], plain[0], plain[1]) <= 0:
+            return True
+        gap = self.lookup_gaps.get(batch, self.first_probe_gap)
+        if looked[0] / looked[1] >= plain[0] / plain[1]:
+            self.lookup_gaps[batch] = self.first_probe_gap
+            return True
+        waited = self.lookup_waits[batch] = self.lookup_waits.get(batch, 0) + 1
+        if waited < gap:
+            return False
+        self.lookup_waits[batch], self.lookup_gaps[batch] = 0, min(2 * gap, self.max_probe_gap)
+        return True
+
     def draft_rows(self, limits: Sequence[int]) -> int:
         """Block rows the draft calls of a speculating step compute for sequences that may draft up to
         `limits[i]` proposals (0: not at all): one more than the last drafted step verified when it used
@@ -280,7 +306,8 @@ class BatchedLength:
         step right after a speculative one at the same batch size passes its excess over the plain rate
         to the speculative rate). `counted` False: a step that verified lookups only (no draft call): its
         call cost and the lookups' acceptance count, but it joins neither rate (the speculative rate is
-        the drafting steps', what `speculates` decides on), and a probe it ended tested nothing."""
+        the drafting steps', what `speculates` decides on), and a probe it ended tested nothing; it joins
+        the lookup-only rate instead (:meth:`offers_lookups`)."""
         if rows == 1:
             self.plain_scale = self._moved(self.plain_scale, call_s, self.costs.call_s(batch, rows))
         else:
@@ -288,13 +315,15 @@ class BatchedLength:
         for sequences, draft_rows, seconds in drafts:
             self.draft_scale = self._moved(self.draft_scale, seconds, self.costs.draft_s(draft_rows, sequences))
         speculative = bool(drafts) or any(n > 0 for n, _, _ in outcomes)
+        seconds = step_s if step_s is not None else call_s + sum(s for _, _, s in drafts)
         if not counted:
             for n, accepted, _ in outcomes:
                 if n > 0:
                     self.lookup_acceptance.observe(n, accepted)
+            looked = self.lookup_only.setdefault(batch, [0.0, 0.0])
+            looked[0], looked[1] = self.decay * looked[0] + committed, self.decay * looked[1] + seconds
             self._after_speculative, self.probing = None, False
             return
-        seconds = step_s if step_s is not None else call_s + sum(s for _, _, s in drafts)
         plain = self.plain.get(batch)
         if not speculative and self._after_speculative == batch and plain and plain[0] > 0 and batch in self.speculative:
             # the first plain step after a speculative one runs slower (another call shape ran between):
