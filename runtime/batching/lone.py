@@ -23,18 +23,11 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.backends.base import View
+from runtime.batching.calls import SequenceRows
 from runtime.graphs.tree import chain_inputs
 from runtime.manifest import greedy_form_exported, layer_types, target_takes_ids, tree_inputs_exported
 
 LONE_GRAPH = "target"  # the one-sequence target graph's name in the backend
-
-
-class _Rows:
-    """A probe call's rows (:class:`runtime.batching.calls.SequenceRows`' fields this module reads)."""
-
-    def __init__(self, slot: int, past: int, ids: list[int], wanted: int):
-        self.slot, self.past, self.ids, self.wanted = slot, past, ids, wanted
-        self.temperature, self.uniforms = 0.0, ()
 
 
 def lone_graph_fits(manifest: dict) -> bool:
@@ -83,7 +76,7 @@ class LoneCalls:
         if getattr(be, "int8_activations", False) and calls.max_seq_len >= 5:
             outputs = []
             for past, ids, wanted in ((0, [1, 2, 3], 1), (3, [4], 1), (3, [4, 5], 2)):
-                self.run(_Rows(0, past, ids, wanted), keep_logits=False)
+                self.run(SequenceRows(0, past, ids, wanted), keep_logits=False)
                 outputs.append([be.read(k.rows(3, 1)) for pair in self.kv for k in pair]
                                + ([be.read(calls.taps.rows(0, 1))] if calls.features else []))
             self.pad_single_rows = not all(np.array_equal(a, b) for a, b in zip(outputs[1], outputs[2]))
@@ -109,12 +102,12 @@ class LoneCalls:
                 self.backend.scatter_heads(value, dst, v.rows(start, upto - start), slice(0, upto - start))
         self.unsynced = None
 
-    def takes(self, s) -> bool:
+    def takes(self, s: SequenceRows) -> bool:
         """Whether sequence `s`'s call (alone in it) runs here: its rows within :attr:`max_rows`, and the
         posteriors it wants those of a decoding, verify or prefill call."""
         return len(s.ids) <= self.max_rows and s.wanted in (0, 1, len(s.ids))
 
-    def run(self, s, keep_logits: bool) -> int:
+    def run(self, s: SequenceRows, keep_logits: bool) -> int:
         """One call of sequence `s` (a :class:`runtime.batching.calls.SequenceRows`) on the one-sequence
         graph, writing what :meth:`BatchedCalls.run` writes (ids, logits, taps, next embeddings; the new
         K/V rows to the copy, which reach the slot's cache at :meth:`sync`). Returns the number of
