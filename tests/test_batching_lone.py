@@ -149,3 +149,28 @@ def test_the_generic_head_copies_equal_the_host_backends(art):
             be.scatter_heads(key, where, out[0].rows(0, n), slice(0, n))
             assert np.array_equal(generic, be.read(key.rows(0, heads)))
             assert not np.array_equal(generic, before)
+
+
+def test_one_copy_writes_every_layers_new_rows_as_a_copy_per_layer_does(art):
+    """`scatter_heads_stack` on the engine's stacked caches (one assignment for every layer and kind)
+    writes what `scatter_heads` per layer and kind writes, for several sequences' rows (index arrays) and
+    one sequence's (slices)."""
+    with BatchEngine(art, max_batch=3, speculation=False) as engine:
+        be, calls = engine.backend, engine.calls
+        caches = [c for pair in calls.kv for c in pair]
+        assert caches[0].stack is not None  # (the onnxruntime backend lays them out as one allocation)
+        rng = np.random.default_rng(1)
+        for batch in ([SequenceRows(0, 7, [1, 2], 2), SequenceRows(2, 3, [4], 1)], [SequenceRows(1, 5, [3, 4, 5], 3)]):
+            calls.rows_per_sequence = max(len(s.ids) for s in batch)
+            src, dst = calls._new_row_places(batch)
+            rows = len(batch) * calls.rows_per_sequence
+            new = [n.rows(0, rows) for pair in calls.new_kv for n in pair]
+            for v in new:
+                be.write(v, rng.standard_normal(v.shape).astype(v.buffer.dtype))
+            written = []
+            for scatter in (be.scatter_heads_stack, lambda *a: Backend.scatter_heads_stack(be, *a)):
+                for c in caches:
+                    be.write(c.rows(0, c.capacity // c.row_elems), np.zeros((c.capacity // c.row_elems,) + c.row_shape, c.dtype))
+                scatter(caches, dst, new, src)
+                written.append([be.read(c.rows(0, c.capacity // c.row_elems)) for c in caches])
+            assert all(np.array_equal(a, b) for a, b in zip(*written)) and any(a.any() for a in written[0])

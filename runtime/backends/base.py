@@ -104,6 +104,11 @@ class Backend(ABC):
     def alloc(self, dtype, rows: int, row_shape: tuple[int, ...] = ()) -> Buffer:
         """Allocate a zeroed buffer of `rows` rows of `row_shape` (once per session)."""
 
+    def alloc_stack(self, count: int, dtype, rows: int, row_shape: tuple[int, ...] = ()) -> list[Buffer]:
+        """`count` buffers as :meth:`alloc` makes them; a host backend lays them out in one allocation, so
+        :meth:`scatter_heads_stack` can write all of them in one copy."""
+        return [self.alloc(dtype, rows, row_shape) for _ in range(count)]
+
     @abstractmethod
     def write(self, view: View, values: np.ndarray) -> None:
         """Copy host `values` (shape `view.shape`) into the view."""
@@ -127,6 +132,14 @@ class Backend(ABC):
         for row, s in zip(row_indices(rows, per_head // d), row_indices(src_rows, src.shape[0])):
             for h in range(heads):
                 self.copy(View(dst, h * per_head + int(row) * d, (d,)), View(src.buffer, src.offset + (int(s) * heads + h) * d, (d,)))
+
+    def scatter_heads_stack(self, dsts: list["Buffer"], rows: np.ndarray | slice, srcs: list[View],
+                            src_rows: np.ndarray | slice) -> None:
+        """:meth:`scatter_heads` for each (dst, src) pair, the same rows in each: a batched step's new
+        K/V rows of every layer. `dsts` and `srcs` from :meth:`alloc_stack` let a host backend do it
+        in one copy (one per layer and kind here)."""
+        for dst, src in zip(dsts, srcs):
+            self.scatter_heads(dst, rows, src, src_rows)
 
     def gather_heads(self, dst: View, src: "Buffer", rows: np.ndarray | slice) -> None:
         """Read row `rows[i]` of every head of `src` (a head-major `[H, N, D]` cache) into row i of `dst`

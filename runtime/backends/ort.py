@@ -154,14 +154,19 @@ def _check_batched_io(graph: str, inputs: list[tuple[str, str]], manifest: dict)
 
 
 class HostBuffer(Buffer):
-    """A Buffer backed by a 256-byte aligned numpy array (`.array`, 1-D)."""
+    """A Buffer backed by a 256-byte aligned numpy array (`.array`, 1-D); with `stack` (`[count,
+    capacity]`, :meth:`OrtBackend.alloc_stack`), row `index` of that array."""
 
-    def __init__(self, dtype, capacity: int, row_shape=()):
+    def __init__(self, dtype, capacity: int, row_shape=(), stack: np.ndarray | None = None, index: int = 0):
         super().__init__(dtype, capacity, row_shape)
-        raw = np.zeros(self.capacity * self.dtype.itemsize + ADDRESS_ALIGNMENT, dtype=np.uint8)
-        start = (-raw.ctypes.data) % ADDRESS_ALIGNMENT
-        self._raw = raw
-        self.array = raw[start : start + self.capacity * self.dtype.itemsize].view(self.dtype)
+        if stack is None:
+            raw = np.zeros(self.capacity * self.dtype.itemsize + ADDRESS_ALIGNMENT, dtype=np.uint8)
+            start = (-raw.ctypes.data) % ADDRESS_ALIGNMENT
+            self._raw = raw
+            self.array = raw[start : start + self.capacity * self.dtype.itemsize].view(self.dtype)
+        else:
+            self._raw, self.array = stack, stack[index]
+        self.stack, self.index = stack, index
         self.ptr = self.array.ctypes.data
 
     def host(self, view: View) -> np.ndarray:
@@ -281,6 +286,18 @@ class OrtBackend(Backend):
     def alloc(self, dtype, rows: int, row_shape=()) -> HostBuffer:
         return HostBuffer(dtype, rows * int(np.prod(row_shape, dtype=np.int64) if row_shape else 1), row_shape)
 
+    def alloc_stack(self, count: int, dtype, rows: int, row_shape=()) -> list[HostBuffer]:
+        dtype = np.dtype(dtype)
+        capacity = rows * int(np.prod(row_shape, dtype=np.int64) if row_shape else 1)
+        stride = -(-capacity * dtype.itemsize // ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT // dtype.itemsize  # (each aligned)
+        raw = np.zeros(count * stride * dtype.itemsize + ADDRESS_ALIGNMENT, dtype=np.uint8)
+        start = (-raw.ctypes.data) % ADDRESS_ALIGNMENT
+        stack = raw[start : start + count * stride * dtype.itemsize].view(dtype).reshape(count, stride)[:, :capacity]
+        buffers = [HostBuffer(dtype, capacity, row_shape, stack, i) for i in range(count)]
+        for b in buffers:
+            b._owner = raw  # (the allocation lives as long as any of its buffers)
+        return buffers
+
     def write(self, view: View, values: np.ndarray) -> None:
         view.buffer.host(view)[...] = values
 
@@ -293,6 +310,21 @@ class OrtBackend(Backend):
     def scatter_heads(self, dst: Buffer, rows: np.ndarray | slice, src: View, src_rows: np.ndarray | slice) -> None:
         heads, d = src.shape[1], src.shape[2]
         dst.array.reshape(heads, -1, d)[:, rows, :] = src.buffer.host(src)[src_rows].transpose(1, 0, 2)
+
+    def scatter_heads_stack(self, dsts: list[Buffer], rows: np.ndarray | slice, srcs: list[View],
+                            src_rows: np.ndarray | slice) -> None:
+        first, src0 = dsts[0], srcs[0]
+        stacked = (first.stack is not None and src0.buffer.stack is not None  # (reshaped in place: contiguous)
+                   and first.stack.flags.c_contiguous and src0.buffer.stack.flags.c_contiguous
+                   and all(d.stack is first.stack and d.index == i for i, d in enumerate(dsts))
+                   and len(dsts) == first.stack.shape[0] and len(srcs) == src0.buffer.stack.shape[0]
+                   and all(v.buffer.stack is src0.buffer.stack and v.buffer.index == i and v.offset == src0.offset
+                           and v.shape == src0.shape for i, v in enumerate(srcs)))
+        if not stacked:
+            return super().scatter_heads_stack(dsts, rows, srcs, src_rows)
+        n, (count, heads, d) = len(dsts), src0.shape
+        new = src0.buffer.stack[:, src0.offset : src0.offset + src0.size].reshape(n, count, heads, d)
+        first.stack.reshape(n, heads, -1, d)[:, :, rows, :] = new[:, src_rows].transpose(0, 2, 1, 3)
 
     def gather_heads(self, dst: View, src: Buffer, rows: np.ndarray | slice) -> None:
         heads, d = dst.shape[1], dst.shape[2]

@@ -65,14 +65,17 @@ class BatchedCalls:
         kinds = layer_types(manifest["target"])
         # K/V for the attention layers; a hybrid's Gated DeltaNet layers keep one state per slot instead
         self.attention_layers = [i for i, kind in enumerate(kinds) if kind != "linear_attention"]
-        self.kv = [(be.alloc(dtype, hkv, (self.cache_rows, d)), be.alloc(dtype, hkv, (self.cache_rows, d)))
-                   for _ in self.attention_layers]
+        # (K, V) per attention layer, laid out as one allocation where the backend can: one copy per step
+        # writes every layer's new rows (`scatter_heads_stack`)
+        caches = be.alloc_stack(2 * len(self.attention_layers), dtype, hkv, (self.cache_rows, d))
+        self.kv = list(zip(caches[0::2], caches[1::2]))
         gdn_layers = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
         # the most rows of one sequence in a call (a hybrid's delta rule takes at most max_call_rows)
         self.sequence_rows = int(manifest["target"]["max_call_rows"]) if gdn_layers else None
         self.states = SlotStates(be, gdn_layers, manifest["target"]["gdn"], self.slots, self.max_rows,
                                  self.sequence_rows, dtype) if gdn_layers else None
-        self.new_kv = [(be.alloc(dtype, self.max_rows, (hkv, d)), be.alloc(dtype, self.max_rows, (hkv, d))) for _ in self.kv]
+        scratch = be.alloc_stack(2 * len(self.kv), dtype, self.max_rows, (hkv, d))
+        self.new_kv = list(zip(scratch[0::2], scratch[1::2]))
         self.input_ids = be.alloc(np.int64, self.max_rows)
         self.past_lengths = be.alloc(np.int64, self.slots)
         self.key_index = be.alloc(np.int64, self.slots * (self.max_seq_len + self.max_rows))
@@ -199,9 +202,8 @@ class BatchedCalls:
         if self.states is not None:
             self.states.after_call()
         src, dst = self._new_row_places(batch)
-        for (key, value), (new_k, new_v) in zip(self.kv, self.new_kv):
-            be.scatter_heads(key, dst, new_k.rows(0, b * t), src)
-            be.scatter_heads(value, dst, new_v.rows(0, b * t), src)
+        be.scatter_heads_stack([c for pair in self.kv for c in pair], dst,
+                               [new.rows(0, b * t) for pair in self.new_kv for new in pair], src)
         return be.read(self.next_ids.rows(0, k))[:wanted]
 
     def _new_row_places(self, batch: list[SequenceRows]) -> tuple[np.ndarray | slice, np.ndarray | slice]:
