@@ -154,8 +154,8 @@ def _check_batched_io(graph: str, inputs: list[tuple[str, str]], manifest: dict)
 
 
 class HostBuffer(Buffer):
-    """A Buffer backed by a 256-byte aligned numpy array (`.array`, 1-D); with `stack` (`[count,
-    capacity]`, :meth:`OrtBackend.alloc_stack`), row `index` of that array."""
+    """A Buffer backed by a 256-byte aligned numpy array (`.array`, 1-D); with `stack` (a contiguous
+    `[count, capacity]` array, :meth:`OrtBackend.alloc_stack`), row `index` of that array."""
 
     def __init__(self, dtype, capacity: int, row_shape=(), stack: np.ndarray | None = None, index: int = 0):
         super().__init__(dtype, capacity, row_shape)
@@ -165,7 +165,7 @@ class HostBuffer(Buffer):
             self._raw = raw
             self.array = raw[start : start + self.capacity * self.dtype.itemsize].view(self.dtype)
         else:
-            self._raw, self.array = stack, stack[index]
+            self.array = stack[index]  # (a view: it keeps the allocation alive)
         self.stack, self.index = stack, index
         self.ptr = self.array.ctypes.data
 
@@ -289,14 +289,10 @@ class OrtBackend(Backend):
     def alloc_stack(self, count: int, dtype, rows: int, row_shape=()) -> list[HostBuffer]:
         dtype = np.dtype(dtype)
         capacity = rows * int(np.prod(row_shape, dtype=np.int64) if row_shape else 1)
-        stride = -(-capacity * dtype.itemsize // ADDRESS_ALIGNMENT) * ADDRESS_ALIGNMENT // dtype.itemsize  # (each aligned)
-        raw = np.zeros(count * stride * dtype.itemsize + ADDRESS_ALIGNMENT, dtype=np.uint8)
-        start = (-raw.ctypes.data) % ADDRESS_ALIGNMENT
-        stack = raw[start : start + count * stride * dtype.itemsize].view(dtype).reshape(count, stride)[:, :capacity]
-        buffers = [HostBuffer(dtype, capacity, row_shape, stack, i) for i in range(count)]
-        for b in buffers:
-            b._owner = raw  # (the allocation lives as long as any of its buffers)
-        return buffers
+        if capacity * dtype.itemsize % ADDRESS_ALIGNMENT:  # (back to back, each would not start aligned)
+            return super().alloc_stack(count, dtype, rows, row_shape)
+        stack = HostBuffer(dtype, count * capacity).array.reshape(count, capacity)
+        return [HostBuffer(dtype, capacity, row_shape, stack, i) for i in range(count)]
 
     def write(self, view: View, values: np.ndarray) -> None:
         view.buffer.host(view)[...] = values
@@ -314,8 +310,7 @@ class OrtBackend(Backend):
     def scatter_heads_stack(self, dsts: list[Buffer], rows: np.ndarray | slice, srcs: list[View],
                             src_rows: np.ndarray | slice) -> None:
         first, src0 = dsts[0], srcs[0]
-        stacked = (first.stack is not None and src0.buffer.stack is not None  # (reshaped in place: contiguous)
-                   and first.stack.flags.c_contiguous and src0.buffer.stack.flags.c_contiguous
+        stacked = (first.stack is not None and src0.buffer.stack is not None
                    and all(d.stack is first.stack and d.index == i for i, d in enumerate(dsts))
                    and len(dsts) == first.stack.shape[0] and len(srcs) == src0.buffer.stack.shape[0]
                    and all(v.buffer.stack is src0.buffer.stack and v.buffer.index == i and v.offset == src0.offset
