@@ -94,12 +94,15 @@ def plan_draft(args, device) -> DraftPlan:
     # what a resumed run must share with the run it continues: the draft's shape and meaning (--steps may
     # grow, and --lr may drop after a divergence)
     settings = {"layers": args.layers, "taps": list(taps), "block_size": args.block_size, "mask_token_id": args.mask_token_id}
-    if init_state is not None and init_state["shape"] != settings:
+    if init_state is not None and _grows(init_state["shape"], settings):
+        source_cfg = grown_config(init_state["config"], args.layers)
+    elif init_state is not None and init_state["shape"] != settings:
         theirs = init_state["shape"]
         raise DFlashError(f"--init-from {args.init_from}: that draft has --layers {theirs['layers']} --taps "
                           f"{' '.join(map(str, theirs['taps']))} --block-size {theirs['block_size']} --mask-token-id "
                           f"{theirs['mask_token_id']}, this run --layers {args.layers} --taps {' '.join(map(str, taps))} "
-                          f"--block-size {args.block_size} --mask-token-id {args.mask_token_id}; drop those options to use the draft's")
+                          f"--block-size {args.block_size} --mask-token-id {args.mask_token_id}; drop those options to use the "
+                          "draft's (only --layers may differ, and only upwards: the draft grows)")
     amp_dtype = autocast_dtype(args.amp, device)
     if resumed is not None:
         check_resume(Path(args.resume), resumed[1], settings, args, amp_dtype)
@@ -108,6 +111,20 @@ def plan_draft(args, device) -> DraftPlan:
         dspec = parse_draft_config(cfg, tspec, "(training)", None)
     return DraftPlan(target_dir=target_dir, tspec=tspec, out=out, taps=taps, cfg=cfg, dspec=dspec, settings=settings,
                      amp_dtype=amp_dtype, resumed=resumed, init_state=init_state)
+
+
+def _grows(source: dict, settings: dict) -> bool:
+    """Whether this run grows the `--init-from` draft: more layers, everything else its own."""
+    same = all(source[k] == settings[k] for k in ("taps", "block_size", "mask_token_id"))
+    return same and settings["layers"] > source["layers"]
+
+
+def grown_config(config: dict, layers: int) -> dict:
+    """A draft config.json grown to `layers` layers (the added ones repeat the last layer's kind)."""
+    cfg = dict(config, num_hidden_layers=layers)
+    if isinstance(cfg.get("layer_types"), list) and cfg["layer_types"]:
+        cfg["layer_types"] = cfg["layer_types"] + [cfg["layer_types"][-1]] * (layers - len(cfg["layer_types"]))
+    return cfg
 
 
 def _fill_shape_options(args, source: dict) -> None:
@@ -215,11 +232,40 @@ def build_draft(args, plan: DraftPlan, sequences: list[dict], device, teacher_id
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    if plan.init_state is not None:
+    if plan.init_state is not None and plan.init_state["shape"]["layers"] < args.layers:
+        _init_from_target(draft, tstate, plan.tspec, args.layers, family.NORM_WEIGHT_OFFSET)
+        load_weights(draft, grown_weights(draft, plan.init_state["weights"]), f"--init-from {args.init_from}")
+    elif plan.init_state is not None:
         load_weights(draft, plan.init_state["weights"], f"--init-from {args.init_from}")
     elif args.init == "target":
         _init_from_target(draft, tstate, plan.tspec, args.layers, family.NORM_WEIGHT_OFFSET)
     return draft, head
+
+
+def grown_weights(draft, source: dict) -> dict:
+    """The weights of `draft` (more layers than the `source` draft) that compute what `source` computes:
+    the source's weights for its layers and the shared pieces, and each added layer (appended, initialised
+    from the target's layers) made a residual identity by zeroing its attention output and MLP down
+    projections, so training starts from the source draft's proposals and only has to learn what the
+    added layers buy (zero-initialised residual branches still get gradients through those projections).
+
+    Args:
+        draft: the grown `DFlashDraft` (its added layers already initialised).
+        source: the `--init-from` draft's state dict (names without "model.").
+    Returns:
+        a complete state dict for `draft`.
+    """
+    import torch
+
+    state = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+    state.update({k: v for k, v in source.items() if k in state})
+    n_source = 1 + max(int(k.split(".")[1]) for k in source if k.startswith("layers."))
+    for i in range(n_source, len(draft.layers)):
+        for name in (f"layers.{i}.self_attn.o_proj.", f"layers.{i}.mlp.down_proj."):
+            for leaf in ("weight", "bias"):
+                if name + leaf in state:
+                    state[name + leaf] = torch.zeros_like(state[name + leaf])
+    return state
 
 
 def _loss_head(tstate: dict, loss_vocab: str, sequences: list[dict], device, teacher_ids=None,
