@@ -112,6 +112,8 @@ class GenerationResult:
 def accepted_prefix(proposals: np.ndarray, posterior: np.ndarray) -> int:
     """Length of the longest prefix with `proposals[j] == posterior[j]` (int64 arrays, len(posterior) >= len(proposals))."""
     n = len(proposals)
+    if not n:  # (a plain step: no comparison to make)
+        return 0
     mismatch = np.flatnonzero(proposals != posterior[:n])
     return int(mismatch[0]) if mismatch.size else n
 

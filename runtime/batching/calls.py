@@ -76,6 +76,8 @@ class BatchedCalls:
                                  self.sequence_rows, dtype) if gdn_layers else None
         scratch = be.alloc_stack(2 * len(self.kv), dtype, self.max_rows, (hkv, d))
         self.new_kv = list(zip(scratch[0::2], scratch[1::2]))
+        self._caches = [c for pair in self.kv for c in pair]
+        self._kv_view_cache: dict[int, tuple[dict, dict, list]] = {}  # rows -> `_kv_views` (at most max_rows)
         self.input_ids = be.alloc(np.int64, self.max_rows)
         self.past_lengths = be.alloc(np.int64, self.slots)
         self.key_index = be.alloc(np.int64, self.slots * (self.max_seq_len + self.max_rows))
@@ -194,17 +196,29 @@ class BatchedCalls:
             outputs["next_embeddings"], outputs["taps"] = self.next_embeddings.rows(0, k), self.taps.rows(0, b * t)
         if self.states is not None:
             self.states.bind([s.slot for s in batch], t, inputs, outputs)
-        for i, (key, value), (new_k, new_v) in zip(self.attention_layers, self.kv, self.new_kv):
-            inputs[f"past_key_{i}"], inputs[f"past_value_{i}"] = key.rows(0, key.capacity // key.row_elems), \
-                value.rows(0, value.capacity // value.row_elems)
-            outputs[f"key_{i}"], outputs[f"value_{i}"] = new_k.rows(0, b * t), new_v.rows(0, b * t)
+        kv_inputs, kv_outputs, new_rows = self._kv_views(b * t)
+        inputs.update(kv_inputs)
+        outputs.update(kv_outputs)
         be.run(BATCHED_GRAPH, inputs, outputs)
         if self.states is not None:
             self.states.after_call()
         src, dst = self._new_row_places(batch)
-        be.scatter_heads_stack([c for pair in self.kv for c in pair], dst,
-                               [new.rows(0, b * t) for pair in self.new_kv for new in pair], src)
+        be.scatter_heads_stack(self._caches, dst, new_rows, src)
         return be.read(self.next_ids.rows(0, k))[:wanted]
+
+    def _kv_views(self, rows: int) -> tuple[dict, dict, list]:
+        """The K/V bindings of a call of `rows` rows: every cache whole, the new-row outputs, and those
+        outputs' views for the scatter (made once per row count: some 180 views a call otherwise)."""
+        views = self._kv_view_cache.get(rows)
+        if views is None:
+            inputs, outputs = {}, {}
+            for i, (key, value), (new_k, new_v) in zip(self.attention_layers, self.kv, self.new_kv):
+                inputs[f"past_key_{i}"] = key.rows(0, key.capacity // key.row_elems)
+                inputs[f"past_value_{i}"] = value.rows(0, value.capacity // value.row_elems)
+                outputs[f"key_{i}"], outputs[f"value_{i}"] = new_k.rows(0, rows), new_v.rows(0, rows)
+            views = inputs, outputs, [new.rows(0, rows) for pair in self.new_kv for new in pair]
+            self._kv_view_cache[rows] = views
+        return views
 
     def _new_row_places(self, batch: list[SequenceRows]) -> tuple[np.ndarray | slice, np.ndarray | slice]:
         """(rows of the call's new K/V, their cache rows) for `scatter_heads`. One sequence's rows are a
