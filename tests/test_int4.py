@@ -414,3 +414,25 @@ def test_drift_from_the_full_precision_artifact(int4_art, tmp_path, capsys):
                          (["--drift-tokens", "16"], "need --drift-reference")):
         assert cli.main(["check", str(quant), *bad]) == 2
         assert message in capsys.readouterr().err, bad
+
+
+def test_row_padding_is_announced_once_with_the_build_that_avoids_it(monkeypatch, caplog):
+    """Where the probe turns padding on, the user is told once why plain steps are slower and, unless the
+    artifact already uses INT4 blocks of 16, which build runs unpadded on AVX2 CPUs."""
+    import logging
+    from types import SimpleNamespace
+
+    from runtime.graphs import row_exact
+
+    assert "--quant-block 16" in row_exact.row_padding_notice({"quantization": {"block": 32}})
+    assert "--quant-block 16" not in row_exact.row_padding_notice({"quantization": {"block": 16}})
+    monkeypatch.setattr(row_exact, "_warned", False)
+    monkeypatch.setattr(row_exact, "single_row_calls_match", lambda session: False)
+    session = SimpleNamespace(backend=SimpleNamespace(int8_activations=True), max_seq_len=64,
+                              manifest={"quantization": {"block": 32}})
+    with caplog.at_level(logging.WARNING, logger="runtime"):
+        assert row_exact.needs_row_padding(session) and row_exact.needs_row_padding(session)
+    notices = [r.getMessage() for r in caplog.records if "rounds a one-row call differently" in r.getMessage()]
+    assert len(notices) == 1 and "(block 32)" in notices[0]
+    monkeypatch.setattr(row_exact, "single_row_calls_match", lambda session: True)
+    assert not row_exact.needs_row_padding(session)

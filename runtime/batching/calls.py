@@ -15,6 +15,7 @@ import numpy as np
 
 from runtime.backends.base import View
 from runtime.batching.states import SlotStates
+from runtime.graphs.row_exact import warn_row_padding
 from runtime.manifest import BATCHED_GRAPH, layer_types
 
 
@@ -57,7 +58,7 @@ class BatchedCalls:
 
     def __init__(self, backend, manifest: dict, slots: int, max_rows: int, dtype, features: bool = False):
         sec = manifest[BATCHED_GRAPH]
-        be, self.backend = backend, backend
+        be, self.backend, self.manifest = backend, backend, manifest
         self.slots, self.max_rows = int(slots), int(max_rows)
         self.max_seq_len = int(manifest["max_seq_len"])
         hkv, d = int(sec["num_kv_heads"]), int(sec["head_dim"])
@@ -114,6 +115,8 @@ class BatchedCalls:
             self.run([SequenceRows(0, 3, [4, 5])])
             two = [self.backend.read(buf.rows(0, 1)) for pair in self.new_kv for buf in pair]
             self.pad_single_rows = not all(np.array_equal(a, b) for a, b in zip(one, two))
+            if self.pad_single_rows:
+                warn_row_padding(self.manifest)
         return self.pad_single_rows
 
     def forget(self, slot: int) -> None:

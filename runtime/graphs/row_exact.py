@@ -19,6 +19,8 @@ default to level 1 (`ort_backend.default_int4_accuracy_level`).
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 PROBE_PROMPT_ROWS = 3  # the probe's past: a short prefill, so the row attends to something
@@ -67,4 +69,31 @@ def needs_row_padding(session) -> bool:
     kernels round activations to int8 and the probe finds one-row calls rounding differently."""
     if not session.backend.int8_activations or session.max_seq_len < PROBE_PROMPT_ROWS + 2:
         return False  # (an artifact of under 5 positions is never padded)
-    return not single_row_calls_match(session)
+    padded = not single_row_calls_match(session)
+    if padded:
+        warn_row_padding(session.manifest)
+    return padded
+
+
+def row_padding_notice(manifest: dict) -> str:
+    """The one-line notice for a user whose CPU makes the runtime pad one-row INT4 calls: why, what it
+    costs, and the build that avoids it. MLAS's AVX2 kernels take a one-row path for INT4 blocks of 32
+    and more, and none for blocks of 16 (exact without padding on AVX2, emulated; see
+    docs/quantization.md)."""
+    block = (manifest.get("quantization") or {}).get("block")
+    fix = (" An artifact built with --quant-block 16 needs no padding on AVX2 CPUs (docs/quantization.md)."
+           if block not in (None, 16) else "")
+    return (f"this CPU's INT4 kernel rounds a one-row call differently from a multi-row one (block {block}): "
+            "one-row target calls run as two rows, so speculative output stays equal to plain output, at "
+            f"the cost of a slower plain step.{fix}")
+
+
+def warn_row_padding(manifest: dict) -> None:
+    """Log :func:`row_padding_notice` once per process (a server loads several graphs)."""
+    global _warned
+    if not _warned:
+        _warned = True
+        logging.getLogger("runtime").warning(row_padding_notice(manifest))
+
+
+_warned = False
