@@ -58,17 +58,44 @@ def row_exactness(k: int, n: int, block: int, threads: int) -> tuple[bool, bool]
     return bool(np.array_equal(one, padded)), rows
 
 
+def _blocks(text: str) -> list[int]:
+    """`--blocks`: comma-separated powers of two >= 16 (the block sizes `build --quant-block` takes)."""
+    try:
+        blocks = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers, e.g. 16,32") from None
+    bad = [b for b in blocks if b < 16 or b & (b - 1)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad}: a block size is a power of two >= 16 (as build --quant-block)")
+    return blocks
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    """`--shapes`: comma-separated K:N pairs of positive integers."""
+    try:
+        shapes = [tuple(int(x) for x in s.split(":")) for s in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated K:N pairs, e.g. 576:1536")
+    return shapes
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--blocks", default="16,32,64,128", help="INT4 block sizes (default 16,32,64,128)")
-    p.add_argument("--shapes", default="576:1536,2048:6144", help="K:N matrix shapes (default SmolLM2's and Qwen3-1.7B's MLP)")
+    p.add_argument("--blocks", type=_blocks, default="16,32,64,128", help="INT4 block sizes (default 16,32,64,128)")
+    p.add_argument("--shapes", type=_shapes, default="576:1536,2048:6144",
+                   help="K:N matrix shapes (default SmolLM2's and Qwen3-1.7B's MLP)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
-    shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",")]
+    shapes = args.shapes
     print(f"onnxruntime {ort.__version__}, accuracy level 4, {args.threads} thread(s)")
     print(f"{'block':>5}  {'one-row':>7}  {'rows':>5}  verdict")
-    for block in (int(b) for b in args.blocks.split(",")):
+    for block in args.blocks:
         results = [row_exactness(k, n, block, args.threads) for k, n in shapes if k % block == 0]
+        if not results:
+            print(f"{block:>5}  (divides no --shapes K)")
+            continue
         one, rows = all(r[0] for r in results), all(r[1] for r in results)
         verdict = "exact" if one and rows else "exact padded" if rows else "not exact"
         print(f"{block:>5}  {'yes' if one else 'no':>7}  {'yes' if rows else 'no':>5}  {verdict}")
