@@ -24,6 +24,7 @@ import logging
 import numpy as np
 
 PROBE_PROMPT_ROWS = 3  # the probe's past: a short prefill, so the row attends to something
+_warned = False  # whether `warn_row_padding` has spoken in this process
 
 
 def _row_outputs(session, row: int) -> list[np.ndarray]:
@@ -95,5 +96,3 @@ def warn_row_padding(manifest: dict) -> None:
         _warned = True
         logging.getLogger("runtime").warning(row_padding_notice(manifest))
 
-
-_warned = False
