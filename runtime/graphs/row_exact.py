@@ -95,4 +95,3 @@ def warn_row_padding(manifest: dict) -> None:
     if not _warned:
         _warned = True
         logging.getLogger("runtime").warning(row_padding_notice(manifest))
-
