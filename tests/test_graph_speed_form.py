@@ -1,17 +1,18 @@
 """The graph form onnxruntime runs fast (issue 12): packed projections, fused RMSNorm, the LM head as a
-GEMM on its stored table, the optimizers the runtime disables per onnxruntime version."""
+GEMM on its stored table, the optimizers the runtime disables per onnxruntime version; the host binders."""
 
 from __future__ import annotations
 
 import collections
 import json
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 
 import runtime_fixtures as rf
-from runtime.backends.ort import _optimization_level, disabled_optimizers
+from runtime.backends.ort import _optimization_level, disabled_optimizers, host_binders
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +75,29 @@ def test_matmul_transpose_fusion_is_disabled_only_where_it_crashes():
     assert disabled_optimizers({}, _Version("1.23.2")) == ["MatmulTransposeFusion"]
     assert disabled_optimizers({}, _Version("1.32.0")) == []
     assert disabled_optimizers({"quantization": {"block": 32}}, _Version("1.32.0")) == ["MatMulAddFusion"]
+
+
+def test_host_binders_bind_the_same_buffers_as_the_public_calls():
+    """`host_binders` calls onnxruntime's C++ binding directly; the fallback (a version without the private
+    `_iobinding`) calls the public one. Both must read and write the buffers they are given."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["y"])], "add",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n"]) for n in "ab"],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])])
+    session = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+
+    class NoPrivateBinding:  # the public methods only
+        def __init__(self, binding):
+            self.bind_input, self.bind_output = binding.bind_input, binding.bind_output
+
+    for wrap in (lambda b: b, NoPrivateBinding):
+        a, b, y = np.arange(5, dtype=np.float32), np.full(5, 10, np.float32), np.zeros(7, np.float32)
+        binding = session.io_binding()
+        bind_in, bind_out = host_binders(ort, wrap(binding))
+        bind_in("a", a.dtype, [3], a.ctypes.data + 8)  # a view: a[2:5]
+        bind_in("b", b.dtype, [3], b.ctypes.data)
+        bind_out("y", y.dtype, [3], y.ctypes.data + 4)  # written in place at y[1:4]
+        session.run_with_iobinding(binding)
+        assert y.tolist() == [0, 12, 13, 14, 0, 0, 0]

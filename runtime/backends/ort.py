@@ -95,6 +95,23 @@ def disabled_optimizers(manifest: dict, ort=None) -> list[str]:
     return names + (["MatMulAddFusion"] if manifest.get("quantization") else [])
 
 
+def host_binders(ort, binding) -> tuple:
+    """(bind_input, bind_output) for `binding`, each taking (name, numpy dtype, shape, host address).
+
+    They call onnxruntime's C++ binding with one CPU device object made here: the public
+    `IOBinding.bind_input` makes a device object per call (1.5 against 0.7 us a bind, and a step binds
+    each layer's past and new K/V). Where a version lacks the private `_iobinding`, the public calls.
+    """
+    native = getattr(binding, "_iobinding", None)
+    device_class = getattr(getattr(ort.capi, "onnxruntime_inference_collection", None), "OrtDevice", None)
+    if native is None or device_class is None:
+        return (lambda name, dtype, shape, ptr: binding.bind_input(name, "cpu", 0, dtype, shape, ptr),
+                lambda name, dtype, shape, ptr: binding.bind_output(name, "cpu", 0, dtype, shape, ptr))
+    device = device_class.make("cpu", 0)._get_c_device()
+    return (lambda name, dtype, shape, ptr: native.bind_input(name, device, dtype, shape, ptr),
+            lambda name, dtype, shape, ptr: native.bind_output(name, device, dtype, shape, ptr))
+
+
 def check_graph_io(graph: str, inputs: list[tuple[str, str]], manifest: dict) -> None:
     """Check a loaded graph's inputs against what the manifest promises (names, layer count, dtype).
 
@@ -246,6 +263,9 @@ class OrtBackend(Backend):
         if not low_memory:
             self._run_options = ort.RunOptions()
             self._run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+            # onnxruntime 1.32's run_with_iobinding looks this key up on every run, and a missing key costs a
+            # C++ exception (24 us a run); "0" is what it assumes when the key is missing
+            self._run_options.add_run_config_entry("gpu_graph_id", "0")
         self.sessions = {}
         for graph in graphs:
             path = Path(artifact_dir) / manifest[graph]["graph"]
@@ -326,20 +346,22 @@ class OrtBackend(Backend):
         dst.buffer.host(dst)[...] = src.array.reshape(heads, -1, d)[:, rows, :].transpose(1, 0, 2)
 
     def run(self, graph: str, inputs: dict[str, View], outputs: dict[str, View]) -> None:
-        binding, bound = self._binding(graph, inputs, outputs)
-        for names, bind, views in ((bound[0], binding.bind_input, inputs), (bound[1], binding.bind_output, outputs)):
+        binding, bound, binders = self._binding(graph, inputs, outputs)
+        for names, bind, views in ((bound[0], binders[0], inputs), (bound[1], binders[1], outputs)):
             for name, (buf, offset, shape) in views.items():
                 where = (buf.ptr + offset * buf.itemsize, shape)
                 if names.get(name) != where:  # the past K/V views grow every step; ids, taps... often stay
-                    bind(name, "cpu", 0, buf.dtype, list(shape), where[0])
+                    bind(name, buf.dtype, list(shape), where[0])
                     names[name] = where
         self.sessions[graph].run_with_iobinding(binding, self._run_options)
 
     def _binding(self, graph: str, inputs: dict, outputs: dict) -> tuple:
-        """The graph's IOBinding, cleared when the set of bound names changes (an unbound output)."""
+        """The graph's IOBinding, what each name is bound to, and its (input, output) binders; a new
+        IOBinding when the set of bound names changes (an unbound output)."""
         entry = self._bindings.get(graph)
         if entry is None or entry[1][0].keys() != inputs.keys() or entry[1][1].keys() != outputs.keys():
-            entry = (self.sessions[graph].io_binding(), ({}, {}))
+            binding = self.sessions[graph].io_binding()
+            entry = (binding, ({}, {}), host_binders(self._ort, binding))
             self._bindings[graph] = entry
         return entry
 
