@@ -155,6 +155,27 @@ def test_the_generic_form_teaches_the_call_and_renders_tool_turns_as_text():
         check_messages([{"role": "user", "content": "x", "tool_calls": []}])
 
 
+def test_the_chat_template_compiles_once_and_a_broken_one_is_named(tmp_path):
+    """The template is compiled on the first request and kept; one that does not compile fails every request
+    with the same clear error (nothing half-made is kept)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from runtime.text.tokenizer import ChatTokenizer
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1, "there": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "there"}]
+    chat = ChatTokenizer(tmp_path / "tokenizer.json", "{% for m in messages %}{{ m['content'] }} {% endfor %}", {})
+    assert chat.apply_chat_template(messages) == [1, 2]
+    compiled = chat._compiled_template()
+    assert chat.apply_chat_template(messages[:1]) == [1] and chat._compiled_template() is compiled
+    broken = ChatTokenizer(tmp_path / "tokenizer.json", "{% for m in messages %}", {})
+    for _ in range(2):
+        with pytest.raises(DFlashError, match="chat template cannot be rendered"):
+            broken.apply_chat_template(messages)
+
+
 # ---- grammars -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def byte_tokenizer(tmp_path_factory):

@@ -33,6 +33,7 @@ class ChatTokenizer:
             raise DFlashError(f"cannot read {tokenizer_json}: {exc}") from None
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens)
+        self._template = None  # compiled on first use: `_compiled_template`
 
     def encode(self, text: str) -> list[int]:
         """Plain text -> ids, with the tokenizer's own special tokens (e.g. BOS) as HF adds them."""
@@ -57,31 +58,43 @@ class ChatTokenizer:
         """
         if not self.chat_template:
             raise DFlashError("this model has no chat template; pass the prompt without --chat")
-        import json
-
         import jinja2
-        import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(message):
-            raise DFlashError(f"chat template error: {message}")
-
-        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            # as transformers: plain JSON, not Jinja's HTML-escaping filter
-            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-        # the same environment transformers renders chat templates with
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
         extra = {k: v for k, v in self.special_tokens.items() if isinstance(k, str) and k not in ("messages",)}
         try:
-            text = env.from_string(self.chat_template).render(
+            text = self._compiled_template().render(
                 messages=messages, add_generation_prompt=True, enable_thinking=enable_thinking, tools=tools, **extra
             )
         except jinja2.TemplateError as exc:
             raise DFlashError(f"the model's chat template cannot be rendered: {exc}") from None
         return self._encode(text, add_special_tokens=False)
+
+    def _compiled_template(self):
+        """The chat template, compiled on first use and kept (jinja2 compiles a template string on every
+        `from_string`: about 2 ms a request for SmolLM2's, more for long templates with tools).
+
+        Raises:
+            jinja2.TemplateError: the template does not compile (the caller reports it).
+        """
+        if self._template is None:
+            import json
+
+            import jinja2.ext
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message):
+                raise DFlashError(f"chat template error: {message}")
+
+            def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+                # as transformers: plain JSON, not Jinja's HTML-escaping filter
+                return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+            # the same environment transformers renders chat templates with
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+            env.filters["tojson"] = tojson
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.chat_template)
+        return self._template
 
     def decode(self, ids: list[int]) -> str:
         """Ids -> text, special tokens skipped."""
