@@ -53,6 +53,21 @@ def test_a_batched_draft_call_is_priced_as_one_call_and_the_model_counts_it_once
     assert each[2] - calls[2] == pytest.approx(3 * c.draft_s(2))
 
 
+def test_kept_predictions_follow_the_scales_and_cannot_be_changed():
+    """The costs keep the predictions they made (the policy asks for the same ones every step); the step
+    model still scales them by what the policy observed since, and nobody can write into a kept one."""
+    policy = _policy(0.7)
+    policy.step_model([3, 2], 3)
+    policy.plain_scale, policy.spec_scale, policy.draft_scale = 1.5, 2.0, 0.5
+    _, seconds = policy.step_model([3, 2], 3)
+    calls = policy.costs.calls_s(2, np.arange(1, 5))
+    drafts = policy.costs.drafts_s(np.array([1, 2, 3]), 2)
+    assert seconds[0] == pytest.approx(1.5 * calls[0])
+    assert seconds[1:] == pytest.approx(2.0 * calls[1:] + 0.5 * drafts)
+    with pytest.raises(ValueError):
+        policy.costs.calls_upto(2, 3)[0] = 1.0
+
+
 def test_drafts_alone_and_decodes_plainly_in_a_full_batch():
     """Acceptance 0.7: at batch 1 extra rows are nearly free and drafting wins; at batch 8 each extra row
     costs 35 ms for the 8 sequences, more than the tokens they bring: plain, no draft call."""

@@ -34,7 +34,7 @@ its measured rate stays below plain decoding's and the steps decode plainly, pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -68,6 +68,9 @@ class BatchedCallCosts:
     draft_rows: tuple[int, ...]
     draft_seconds: np.ndarray
     draft_batches: tuple[int, ...] = (1,)
+    # predictions already made, by arguments: the policy asks for the same few every step (a step's
+    # numpy interpolations were about 0.1 ms of host work at 8 sequences), and the measurements stay
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # monotone in rows and in sequences (a time slowed by other load counts as the least later one)
@@ -75,10 +78,28 @@ class BatchedCallCosts:
         draft = least_later(np.atleast_2d(np.asarray(self.draft_seconds, np.float64)), axis=1)
         self.draft_seconds = least_later(draft, axis=0)
 
+    def _kept(self, key: tuple, make):
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = make()
+            if isinstance(got, np.ndarray):
+                got.setflags(write=False)
+        return got
+
     def call_s(self, batch: int, rows: int) -> float:
         """Predicted seconds of a call of `batch` sequences x `rows` rows (linear interpolation, clamped
         at the measured ends)."""
-        return float(self.calls_s(batch, np.array([rows]))[0])
+        return self._kept(("call", batch, rows), lambda: float(self.calls_s(batch, np.array([rows]))[0]))
+
+    def calls_upto(self, batch: int, top: int) -> np.ndarray:
+        """:meth:`calls_s` of `batch` sequences at 1 .. top + 1 rows (`[top + 1]`, read-only)."""
+        return self._kept(("calls", batch, top), lambda: self.calls_s(batch, np.arange(1, top + 2)))
+
+    def drafts_upto(self, top: int, most: int, sequences: int) -> np.ndarray:
+        """:meth:`drafts_s` of `sequences` sequences at min(n, most) block rows, n = 1 .. top (`[top]`,
+        read-only): a step whose drafting sequences draft up to `most` rows."""
+        return self._kept(("drafts", top, most, sequences),
+                          lambda: self.drafts_s(np.minimum(np.arange(1, top + 1), most), sequences))
 
     def calls_s(self, batch: int, rows: np.ndarray) -> np.ndarray:
         """:meth:`call_s` of `batch` sequences for each entry of `rows` (`[N]`)."""
@@ -88,7 +109,7 @@ class BatchedCallCosts:
     def draft_s(self, rows: int, sequences: int = 1) -> float:
         """Predicted seconds of drafting `rows` block rows for `sequences` sequences: one batched call
         (interpolated between the measured numbers of sequences), or one call each."""
-        return float(self.drafts_s(np.array([rows]), sequences)[0])
+        return self._kept(("draft", rows, sequences), lambda: float(self.drafts_s(np.array([rows]), sequences)[0]))
 
     def drafts_s(self, rows: np.ndarray, sequences: int) -> np.ndarray:
         """:meth:`draft_s` of `sequences` sequences for each entry of `rows` (`[N]`)."""
@@ -154,7 +175,7 @@ class BatchedLength:
     def call_seconds(self, batch: int, top: int) -> np.ndarray:
         """Predicted seconds of a call of `batch` sequences x (1 + n) rows, n = 0..top (`[top + 1]`), scaled
         by what plain (n = 0) and speculative calls were observed to take."""
-        s = self.costs.calls_s(batch, np.arange(1, top + 2))
+        s = self.costs.calls_upto(batch, top)
         return np.concatenate([[self.plain_scale * s[0]], self.spec_scale * s[1:]])
 
     def step_model(self, limits: Sequence[int], top: int) -> tuple[np.ndarray, np.ndarray]:
@@ -167,10 +188,10 @@ class BatchedLength:
         lims = np.asarray(limits)
         upto = np.minimum(np.arange(top + 1)[:, None], lims[None, :])  # [top + 1, B]
         committed = self._tokens[1][upto].sum(axis=1)
-        drafting = upto[:, lims > 0]
+        drafting = int((lims > 0).sum())
         drafts = np.zeros(top + 1)
-        if drafting.shape[1]:  # one draft call computing the most rows any sequence drafts
-            drafts[1:] = self.draft_scale * self.costs.drafts_s(drafting[1:].max(axis=1), drafting.shape[1])
+        if drafting:  # one draft call computing the most rows any sequence drafts: min(n, the largest limit)
+            drafts[1:] = self.draft_scale * self.costs.drafts_upto(top, int(lims.max()), drafting)
         return committed, self.call_seconds(len(limits), top) + drafts
 
     @property
