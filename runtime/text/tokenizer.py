@@ -71,7 +71,7 @@ class ChatTokenizer:
 
     def _compiled_template(self):
         """The chat template, compiled on first use and kept (jinja2 compiles a template string on every
-        `from_string`: about 2 ms a request for SmolLM2's, more for long templates with tools).
+        `from_string`: about 1 ms a request for SmolLM2's, more for long templates with tools).
 
         Raises:
             jinja2.TemplateError: the template does not compile (the caller reports it).
