@@ -214,8 +214,40 @@ def test_auto_measures_drafted_steps_and_stops_drafting_when_they_lose():
     policy.observe(StepRecord(1, 1, 0.300, catch_up=True, drafted=True, draft_seconds=0.270))  # read 200 context rows
     assert policy.confidence.seconds == pytest.approx(0.95 * before + 0.030 + 0.008)
     assert policy.drafted_rate(15) * 0.030 < 1.0
-    assert policy.plain_scale == 1.0 and policy.spec_scale == 1.0  # no curve models such a step
+    # no curve models the catch-up draft call, but the verify call after it (30 ms, 34 predicted) counts, with
+    # the draft part the curve predicts (8 ms): 38 against 42 ms
+    assert policy.plain_scale == 1.0 and policy.spec_scale == pytest.approx(1.0 + 0.2 * (0.038 / 0.042 - 1.0))
     assert policy.proposals(15) == 0
+
+
+def test_catch_up_probes_correct_a_table_that_overprices_speculation():
+    """A cost table measured under load priced every speculative step 3x (the true costs: `COSTS`). Probes
+    follow runs of plain steps, so each one's draft call catches up on context; the verify call after it
+    still teaches the speculative scale and the lookups' time scale, and speculation (drafted and looked
+    up) resumes after a few probes."""
+    loaded = call_costs.CallCosts({n: ms * (3.0 if n else 1.0) for n, ms in COSTS.step_ms.items()}, COSTS.past_len,
+                       {n: 3.0 * ms for n, ms in COSTS.verify_ms.items()})
+    policy = auto_policy(loaded, AcceptanceEstimate(0.8, 15, prior_weight=1e9, carry=1.0), draft_probabilities=True,
+                         lookups=True)
+    offer = Proposal("lookup", ids=np.array([5, 6, 7, 8]))
+    assert policy.proposals(15) == 0 and policy.take_offer(15, offer, 0) == 0
+
+    def until(resumed) -> int:
+        """Probes before `resumed()` holds (plain steps of 30 ms between them)."""
+        probes = 0
+        for _ in range(2000):
+            if resumed():
+                return probes
+            if policy.proposals(15):
+                probes += 1  # a probe: 200 context rows first (60 ms), then a 2-proposal verify at its true 36 ms
+                policy.observe(StepRecord(2, 2, 0.096, "draft", drafted=True, draft_seconds=0.060, catch_up=True))
+            else:
+                policy.observe(StepRecord(0, 0, 0.030))
+        return -1
+
+    assert 1 <= until(lambda: policy.take_offer(15, offer, 0) > 0) <= 6  # verify parts of 36 ms where 108 were predicted
+    assert 0 <= until(lambda: policy.drafted_rate(15) * policy._plain_s() > policy.margin) <= 8
+    assert policy.spec_scale < 0.6 and policy.proposals(15) > 0 and not policy.probing
 
 
 def test_probes_run_the_trimmed_draft_and_end_after_one_drafted_step():

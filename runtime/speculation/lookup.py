@@ -113,6 +113,13 @@ class LookupLength:
         """A lookup step verified `verified` tokens, accepted the first `accepted` and took `seconds`
         where the load-scaled cost curve predicted `predicted` (either 0: no timing)."""
         self.acceptance.observe(verified, accepted)
+        self.observe_time(seconds, predicted)
+
+    def observe_time(self, seconds: float, predicted: float) -> None:
+        """A target call verifying proposals (a lookup step's, or a drafted step's after its draft call)
+        took `seconds` where the load-scaled cost curve predicted `predicted` (either 0: no timing). Drafted
+        steps teach it too: a cost table that overprices verifying would otherwise keep lookups from ever
+        running, and so from ever correcting it."""
         if seconds > 0 and predicted > 0:  # a spike moves the scale at most 2x at a time
             ratio = min(max(seconds / predicted, 0.5 * self.time_scale), 2.0 * self.time_scale)
             self.time_scale += self.smoothing * (ratio - self.time_scale)

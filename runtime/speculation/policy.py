@@ -414,12 +414,24 @@ class AdaptiveLength(Policy):
             last = extra if self.probe_extra_s is None else self.probe_extra_s
             self.probe_extra_s = last + self.probe_smoothing * (extra - last)
         drafted = r.drafted or verified > 0
+        k = min(verified, len(self._step_s) - 1)
+        verify_part = seconds - r.draft_seconds if verified and seconds > r.draft_seconds > 0 else 0.0
+        if self.lookups is not None and verify_part:
+            # the verify part of a drafted step prices lookups too (the same target call, after a draft)
+            n = min(verified, len(self.confidence.verify_s) - 1)
+            self.lookups.observe_time(verify_part, self.plain_scale * float(self.confidence.verify_s[n]))
         if self.confidence is not None and drafted:
             self.confidence.observe(verified, accepted, seconds, r.catch_up, r.draft_seconds, r.first_rank,
                                     self.smoothing)
-        if r.catch_up or (drafted and not verified):  # not a step cost the curve models
+        if r.catch_up and verify_part:
+            # the draft call caught up on many context rows (not a cost the curve models), but the target call
+            # after it verified as any step does: the step counts as that call plus the draft part the curve
+            # predicts. A probe after a run of plain steps always catches up, and a cost table that overprices
+            # speculation would otherwise never be corrected, however often probes ran.
+            seconds = verify_part + self.spec_scale * float(self._step_s[k] - self.costs.verify_s(np.array([k]))[0])
+        elif r.catch_up or (drafted and not verified):  # not a step cost the curve models
             seconds = 0.0
-        predicted = float(self._step_s[min(verified, len(self._step_s) - 1)])
+        predicted = float(self._step_s[k])
         if predicted > 0 and seconds > 0:  # a spike moves a scale at most 2x at a time
             scale = self.spec_scale if verified else self.plain_scale
             weight = self.probe_smoothing if self.probing else self.smoothing
