@@ -283,6 +283,7 @@ class AdaptiveLength(Policy):
         self.probe_smoothing = probe_smoothing  # probes are rare: each measured time counts more
         self.plain_scale = self.spec_scale = 1.0
         self._step_s = costs.step_s(np.arange(len(acceptance.trials) + 1))  # the measured curve, once
+        self._verify_s = costs.verify_s(np.arange(len(self._step_s)))  # its target calls' part
         self.probe_budget = probe_budget
         self.probe_extra_s = None  # running mean of what a probe costs beyond a plain step
         self.probe_gap = self.first_probe_gap
@@ -428,7 +429,7 @@ class AdaptiveLength(Policy):
             # after it verified as any step does: the step counts as that call plus the draft part the curve
             # predicts. A probe after a run of plain steps always catches up, and a cost table that overprices
             # speculation would otherwise never be corrected, however often probes ran.
-            seconds = verify_part + self.spec_scale * float(self._step_s[k] - self.costs.verify_s(np.array([k]))[0])
+            seconds = verify_part + self.spec_scale * float(self._step_s[k] - self._verify_s[k])
         elif r.catch_up or (drafted and not verified):  # not a step cost the curve models
             seconds = 0.0
         predicted = float(self._step_s[k])
