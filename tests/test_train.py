@@ -170,7 +170,7 @@ def test_train_draft_cuda_without_gpu_refused(tmp_path, capsys):
     ([{"id": "a#s1", "prompt": "Hi"}], ":1: prompt id 'a#s1' ends like a sampled response's id"),
 ])
 def test_read_prompts_refuses_bad_ids(tmp_path, lines, match):
-    from dflash_export.train.data import read_prompts
+    from dflash_export.train.prompts import read_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -209,7 +209,7 @@ def test_damaged_data_cache_is_named(tmp_path):
 
 def test_shipped_training_prompts_are_disjoint_from_eval():
     """The default training prompt files never contain a held-out evaluation prompt, and ids are unique."""
-    from dflash_export.train.data import DEFAULT_PROMPTS, PROMPTS_DIR, read_prompts
+    from dflash_export.train.prompts import DEFAULT_PROMPTS, PROMPTS_DIR, read_prompts
 
     evals = {r["prompt"].strip().lower() for r in read_prompts(PROMPTS_DIR / "eval.jsonl")}
     rows = [r for f in DEFAULT_PROMPTS for r in read_prompts(f)]

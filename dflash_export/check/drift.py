@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_export.train.data import read_prompts
+from dflash_export.train.prompts import read_prompts
 from runtime.errors import DFlashError
 from runtime.manifest import load_manifest
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shutil
 import sys
 import tempfile
@@ -19,67 +18,10 @@ from pathlib import Path
 from dflash_export.checkpoint.sources import cache_dir
 from dflash_export.checkpoint.target import file_sha256, share_permissions
 from dflash_export.train.loss import autocast_dtype, dtype_name
+from dflash_export.train.prompts import is_text_set, read_prompt_sets
 from dflash_export.train.teacher import DISTILL_TOPK, TopKRecorder, rows_of_distribution
+from dflash_export.train.texts import teacher_forced_call
 from runtime.errors import DFlashError
-
-PROMPTS_DIR = Path(__file__).resolve().parents[2] / "models" / "prompts"
-# the shipped training prompts: every train*.jsonl (the held-out evaluation set, eval.jsonl, is not one)
-DEFAULT_PROMPTS = tuple(sorted(PROMPTS_DIR.glob("train*.jsonl")))
-
-
-def first_per_category(prompts: list[dict], limit: int | None) -> list[dict]:
-    """The first `limit` prompts of each category, categories in order of first appearance (all when
-    `limit` is None or 0): the held-out subsets bench and the speculation scripts run."""
-    if not limit:
-        return list(prompts)
-    by_category: dict[str, list[dict]] = {}
-    for p in prompts:
-        by_category.setdefault(p["category"], []).append(p)
-    return [p for rows in by_category.values() for p in rows[:limit]]
-
-
-def read_prompts(path: Path) -> list[dict]:
-    """Read a JSONL prompt file: one {"id", "category", "prompt"} object a line.
-
-    Raises:
-        DFlashError: missing file, bad JSON, a line without "prompt", an "id" that is not a string or
-            integer, ends in "#s<N>" (reserved for sampled responses) or is used twice in the file.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise DFlashError(f"prompt file {path} is a directory; pass the JSONL files in it")
-    if not path.is_file():
-        raise DFlashError(f"prompt file {path} does not exist")
-    rows, ids = [], set()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise DFlashError(f"prompt file {path} is not UTF-8 text") from None
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DFlashError(f"{path}:{i} is not valid JSON ({exc})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise DFlashError(f"{path}:{i} has no non-empty \"prompt\" string")
-        row.setdefault("id", f"{path.stem}-line-{i}")  # unique across files too (unless two share a stem)
-        if isinstance(row["id"], bool) or not isinstance(row["id"], (str, int)):
-            raise DFlashError(f"{path}:{i}: \"id\" must be a string or an integer (got {row['id']!r})")
-        if re.search(r"#s\d+$", str(row["id"])):
-            raise DFlashError(f"{path}:{i}: prompt id {row['id']!r} ends like a sampled response's id (<id>#s<N>, "
-                              "reserved by --responses-per-prompt); rename it")
-        if str(row["id"]) in ids:
-            raise DFlashError(f"{path}:{i}: prompt id {row['id']!r} is used twice in this file; ids name the cached "
-                              "responses, so each must be unique")
-        ids.add(str(row["id"]))
-        row.setdefault("category", "uncategorized")
-        rows.append(row)
-    if not rows:
-        raise DFlashError(f"{path} holds no prompts")
-    return rows
-
 
 def _load_target(target_dir: Path, device, dtype=None):
     """The target's tokenizer (left-padded, for batched generation) and frozen model on `device`."""
@@ -116,7 +58,8 @@ def generate_dataset(
     dtype=None,
     fingerprint: str = "",
 ) -> dict:
-    """Generate the target's greedy responses and record the tap features of every position.
+    """Generate the target's greedy responses and record the tap features of every position (for a text
+    set, :func:`is_text_set`: read each row's text teacher-forced, cut to `max_new_tokens` tokens).
 
     With `responses_per_prompt` K > 1, each prompt also gets K - 1 responses sampled at
     `sample_temperature` (seeded; ids `<id>#s<k>`): more target-distribution data from the same prompts,
@@ -150,8 +93,10 @@ def generate_dataset(
     tok, model = _load_target(target_dir, device, dtype)
     seqs, chunks, dists = [], [], []
     # round 0 is greedy, rounds 1.. are sampled; each generate call stays within one round
-    calls = [(rnd, start) for rnd in range(responses_per_prompt) for start in range(0, len(prompts), batch)]
-    bar = tqdm(total=len(prompts) * responses_per_prompt, desc="generating target responses",
+    text = is_text_set(prompts)  # text rows are read once, teacher-forced: no sampled rounds
+    rounds = 1 if text else responses_per_prompt
+    calls = [(rnd, start) for rnd in range(rounds) for start in range(0, len(prompts), batch)]
+    bar = tqdm(total=len(prompts) * rounds, desc="reading text" if text else "generating target responses",
                disable=not show_progress, file=sys.stderr)
     # each call's output is kept until the whole set is written, so an interrupted run resumes where it
     # stopped (calls are seeded one by one, so the resumed data equal an uninterrupted run's)
@@ -166,7 +111,8 @@ def generate_dataset(
                 if rnd > 0:
                     torch.manual_seed(seed * 1000003 + rnd * 7919 + start)
                     sampling = {"do_sample": True, "temperature": sample_temperature, "top_k": 0, "top_p": 1.0}
-                done = _generate_call(tok, model, rows, rnd, taps, max_new_tokens, device, sampling)
+                done = (teacher_forced_call(tok, model, rows, taps, max_new_tokens, device) if text
+                        else _generate_call(tok, model, rows, rnd, taps, max_new_tokens, device, sampling))
                 _save_piece(piece, rows, *done, fingerprint)
             seqs.extend(done[0])
             chunks.extend(done[1])
@@ -439,7 +385,7 @@ def prepare_training_data(args, tspec, target_dir: Path, taps: tuple[int, ...], 
     """
 
     prompt_files = [Path(f) for f in args.prompts]
-    prompt_sets = _read_prompt_sets(prompt_files, args.max_prompts)
+    prompt_sets = read_prompt_sets(prompt_files, args.max_prompts)
     gen_dtype = autocast_dtype(args.gen_dtype, device)
     # hashed once: for cache keys and the record (a multi-GB target takes a while)
     target_sha = {f.name: file_sha256(f) for f in sorted(Path(target_dir).glob("*.safetensors"))}
@@ -448,7 +394,7 @@ def prepare_training_data(args, tspec, target_dir: Path, taps: tuple[int, ...], 
     parts = []
     for i, rows in enumerate(prompt_sets):
         # one cache per prompt file, so adding a file later reuses the data of the others
-        key = _cache_key(list(target_sha.values()), prompts_sha[i], args, taps, gen_dtype)
+        key = _cache_key(list(target_sha.values()), prompts_sha[i], args, taps, gen_dtype, is_text_set(rows))
         data_dir = Path(args.data_cache[i]) if args.data_cache else cache_dir() / "train-data" / key
         parts.append(generate_dataset(target_dir, rows, taps, data_dir, args.max_new_tokens, args.gen_batch,
                                       device, responses_per_prompt=args.responses_per_prompt,
@@ -476,28 +422,14 @@ def prepare_training_data(args, tspec, target_dir: Path, taps: tuple[int, ...], 
                         topk_logprobs=data.get("topk_logprobs"))
 
 
-def _read_prompt_sets(prompt_files: list[Path], max_prompts: int | None) -> list[list[dict]]:
-    """Each file's prompts (the first `max_prompts`; None: all), refusing an id that two files share."""
-    prompt_sets = [read_prompts(f)[:max_prompts] for f in prompt_files]
-    seen_ids: dict[str, Path] = {}
-    for f, rows in zip(prompt_files, prompt_sets):
-        for r in rows:
-            if str(r["id"]) in seen_ids:
-                why = ("; lines without an \"id\" get <file stem>-line-N, so give the files different names or add ids"
-                       if str(r["id"]).startswith(f"{f.stem}-line-") else "")
-                raise DFlashError(f"prompt id {r['id']!r} appears in {seen_ids[str(r['id'])]} and again in {f}; "
-                                  f"ids must be unique across --prompts files (they name the cached responses){why}")
-            seen_ids[str(r["id"])] = f
-    return prompt_sets
-
-
-def _cache_key(target_hashes: list[str], prompts_hash: str, args, taps, gen_dtype) -> str:
+def _cache_key(target_hashes: list[str], prompts_hash: str, args, taps, gen_dtype, text: bool = False) -> str:
     """The data cache key (and fingerprint) of one prompt file: a hash of everything its data depend on."""
     return hashlib.sha256(
         json.dumps(
             target_hashes + [prompts_hash, args.max_prompts, args.max_new_tokens, list(taps)]
             # (only when used, so caches of greedy-only fp32 data keep their key)
-            + ([args.responses_per_prompt, args.sample_temperature, args.seed] if args.responses_per_prompt > 1 else [])
+            + ([args.responses_per_prompt, args.sample_temperature, args.seed]
+               if args.responses_per_prompt > 1 and not text else [])
             + (["bf16"] if gen_dtype is not None else [])
         ).encode()
     ).hexdigest()[:16]

@@ -27,11 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_export.checkpoint.outputs import check_output_dir
-from dflash_export.train.data import (
-    DEFAULT_PROMPTS,
-    TrainingData,
-    prepare_training_data,
-)
+from dflash_export.train.data import TrainingData, prepare_training_data
+from dflash_export.train.prompts import DEFAULT_PROMPTS
 from dflash_export.train.loss import Distill, block_loss, dtype_name
 from dflash_export.train.setup import DraftPlan, LossHead, build_draft, plan_draft
 from dflash_export.train.state import distill_setting, restore_train_state, save_train_state, write_draft
@@ -351,10 +348,11 @@ def register(sub) -> None:
     p.add_argument("--target", help="target directory or known name (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output draft directory (released DFlash format)")
     p.add_argument("--prompts", nargs="+", default=[str(d) for d in DEFAULT_PROMPTS], metavar="FILE",
-                   help="JSONL prompt files (default: models/prompts/train*.jsonl); each file's data are cached on "
-                        "their own, so adding a file reuses the others' data")
+                   help="JSONL prompt files (default: models/prompts/train*.jsonl), or text sets (rows with \"text\" "
+                        "instead of \"prompt\", read teacher-forced; scripts/make_text_set.py writes one); each file's "
+                        "data are cached on their own, so adding a file reuses the others' data")
     p.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts of each file")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="response length when generating data (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="response length when generating data, and a text row's length in tokens (default %(default)s)")
     p.add_argument("--gen-batch", type=int, default=64,
                    help="prompts per batched generation call (default 64; memory grows with it: every layer's "
                         "hidden states of every step are kept until the call ends)")

@@ -50,7 +50,7 @@ from dflash_export.eval.decoding.verify_costs import (
 from dflash_export.eval.decoding.verify_costs import table_lines as verify_cost_lines
 from dflash_export.nn.draft import DFlashDraft
 from dflash_export.nn.layers import load_weights
-from dflash_export.train.data import first_per_category, read_prompts
+from dflash_export.train.prompts import first_per_category, read_prompts
 from runtime.errors import DFlashError
 from runtime.graphs.costs import COSTS_ENV, measurement_points
 from runtime.graphs.tree import parse_tree

@@ -1,0 +1,55 @@
+"""Teacher-forced text as draft training data: the target reads a text set's rows (no generation) and
+its tap features and top-K next-token distribution at every position become the data.
+
+One forward reads a whole row, so a text token costs a prefill's share of a forward, where a generated
+token costs a decoding step; the draft learns the target's distribution over contexts the target's own
+answers never reach (library code, documentation). The labels past the first block position are the
+text's tokens, not the target's own continuation, which is why `--distill` (the target's distribution
+at each position) suits this data best.
+"""
+
+from __future__ import annotations
+
+from dflash_export.train.teacher import DISTILL_TOPK
+
+# a text row's first token is context only: anchors start at position 1, so every block has features before it
+TEXT_CONTEXT_TOKENS = 1
+
+
+def teacher_forced_call(tok, model, rows: list[dict], taps, max_tokens: int, device) -> tuple[list, list, list]:
+    """Read `rows` (text-set rows) through the target in one batched forward.
+
+    Each row's text is tokenized raw (no chat template) and cut to `max_tokens` tokens; padding goes on
+    the right, so every real token keeps its position.
+
+    Returns:
+        (sequences [{"id", "category", "prompt_len": 1, "ids"}], per row fp16 tap features
+        `[n, k*d]`, per row (int32 `[n, K]` ids, fp16 `[n, K]` log-probabilities) where row t is the
+        target's distribution of the token at t and row 0 is empty: ids -1, log-probability 0).
+    """
+    import torch
+
+    side = tok.padding_side
+    tok.padding_side = "right"
+    try:
+        enc = tok([r["text"] for r in rows], return_tensors="pt", padding=True, truncation=True,
+                  max_length=max_tokens, add_special_tokens=False).to(device)
+    finally:
+        tok.padding_side = side
+    with torch.no_grad():
+        out = model(**enc, output_hidden_states=True, use_cache=False)
+    # hidden_states[L + 1] is the output of decoder layer L
+    feats = torch.cat([out.hidden_states[layer + 1] for layer in taps], dim=-1)
+    seqs, chunks, dists = [], [], []
+    for j, r in enumerate(rows):
+        n = int(enc["attention_mask"][j].sum())
+        ids = enc["input_ids"][j, :n].tolist()
+        seqs.append({"id": r["id"], "category": r["category"], "prompt_len": TEXT_CONTEXT_TOKENS, "ids": ids})
+        chunks.append(feats[j, :n].to(torch.float16).cpu())
+        row_ids = torch.full((n, DISTILL_TOPK), -1, dtype=torch.int32)
+        row_logp = torch.zeros((n, DISTILL_TOPK), dtype=torch.float16)
+        # position t predicts the token at t + 1 (one row's fp32 log-softmax at a time bounds the memory)
+        top_logp, top_ids = torch.topk(torch.log_softmax(out.logits[j, : n - 1].float(), dim=-1), DISTILL_TOPK, dim=-1)
+        row_ids[1:], row_logp[1:] = top_ids.to(torch.int32).cpu(), top_logp.to(torch.float16).cpu()
+        dists.append((row_ids, row_logp))
+    return seqs, chunks, dists

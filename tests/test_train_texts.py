@@ -1,0 +1,86 @@
+"""Text sets in train-draft: rows with "text" are read teacher-forced, so their features and
+distributions are the target's own on that text, padding and batching aside."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from runtime.errors import DFlashError
+
+TEXTS = [{"id": "t1", "category": "code", "text": "def add(a, b):\n    return a + b\n"},
+         {"id": "t2", "category": "docs", "text": "The list type is a mutable sequence. Lists may be constructed in "
+                                                   "several ways, for example with a pair of square brackets."}]
+
+
+def test_text_rows_are_the_targets_teacher_forced_forward(tmp_path):
+    """Each text row's tap features and top-16 equal a lone unpadded fp32 forward over its tokens (the
+    batch pads on the right, so positions do not move); the row is cut to max_new_tokens tokens; row 0
+    has no distribution; sampled rounds do not apply to text; the finished cache is read back whole."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_export.checkpoint.sources import embedded_target_dir
+    from dflash_export.train.data import generate_dataset
+    from dflash_export.train.teacher import DISTILL_TOPK
+
+    taps, cut = (1, 27), 20
+    data = generate_dataset(embedded_target_dir(), TEXTS, taps, tmp_path / "data", cut, 2, torch.device("cpu"),
+                            show_progress=False, responses_per_prompt=3)
+    tok = AutoTokenizer.from_pretrained(embedded_target_dir())
+    model = AutoModelForCausalLM.from_pretrained(embedded_target_dir(), dtype=torch.float32).eval()
+    assert [s["id"] for s in data["sequences"]] == ["t1", "t2"]  # one sequence a row: no sampled rounds
+    lengths = []
+    for i, (s, row) in enumerate(zip(data["sequences"], TEXTS)):
+        want = tok(row["text"], add_special_tokens=False)["input_ids"][:cut]
+        assert s["ids"] == want and s["prompt_len"] == 1 and s["category"] == row["category"]
+        lengths.append(len(want))
+        rows = slice(data["offsets"][i], data["offsets"][i + 1])
+        with torch.no_grad():
+            out = model(torch.tensor([want]), output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[t + 1][0] for t in taps], dim=-1)
+        torch.testing.assert_close(data["taps"][rows].float(), feats, atol=2e-2, rtol=2e-3)  # (fp16 storage)
+        want_logp, want_ids = torch.topk(torch.log_softmax(out.logits[0, :-1].float(), dim=-1), DISTILL_TOPK, dim=-1)
+        top_ids, top_logp = data["topk_ids"][rows], data["topk_logprobs"][rows].float()
+        assert (top_ids[0] == -1).all() and (top_logp[0] == 0).all()
+        assert torch.equal(top_ids[1:, :3].long(), want_ids[:, :3])  # (lower ranks may swap at near-ties)
+        assert (top_logp[1:] - want_logp).abs().max() <= 2e-3 * want_logp.abs().max() + 1e-3
+    assert lengths[1] == cut and lengths[0] < cut  # one row padded in the batch, one cut
+    again = generate_dataset(embedded_target_dir(), TEXTS, taps, tmp_path / "data", cut, 2, torch.device("cpu"),
+                             show_progress=False, responses_per_prompt=3)
+    assert again["sequences"] == data["sequences"] and torch.equal(again["taps"], data["taps"])
+
+
+def test_prompt_files_and_text_sets_are_told_apart(tmp_path):
+    from dflash_export.train.prompts import is_text_set, read_prompts
+
+    texts, mixed = tmp_path / "texts.jsonl", tmp_path / "mixed.jsonl"
+    texts.write_text("".join(json.dumps(r) + "\n" for r in TEXTS))
+    mixed.write_text(json.dumps(TEXTS[0]) + "\n" + json.dumps({"id": "p", "prompt": "Hi"}) + "\n")
+    assert is_text_set(read_prompts(texts, allow_text=True))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "prompt": "Hi"}) + "\n")
+    assert not is_text_set(read_prompts(prompts, allow_text=True))
+    with pytest.raises(DFlashError, match=r"mixed.jsonl:2 is a prompt row in a file of text rows; .* split it in two"):
+        read_prompts(mixed, allow_text=True)
+    with pytest.raises(DFlashError, match=r"texts.jsonl:1 has no non-empty \"prompt\" string"):
+        read_prompts(texts)  # bench and the checks take prompts only
+
+
+def test_make_text_set_writes_rows_with_their_licence(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("".join(f"x{i} = {i}  # a line of code\n" for i in range(100)))
+    (src / "b.txt").write_text("not code\n" * 50)
+    out = tmp_path / "set.jsonl"
+    cmd = [sys.executable, "scripts/make_text_set.py", str(src), "--out", str(out), "--category", "code",
+           "--license", "MIT", "--suffix", ".py", "--chars", "600"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 5 and all(r["license"] == "MIT" and r["category"] == "code" and "a.py" in r["id"] for r in rows)
+    assert "".join(r["text"] for r in rows) == (src / "a.py").read_text()  # cut at line ends, nothing lost
+    assert subprocess.run(cmd, capture_output=True, text=True).returncode != 0  # never overwrites
