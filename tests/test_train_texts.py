@@ -84,3 +84,22 @@ def test_make_text_set_writes_rows_with_their_licence(tmp_path):
     assert len(rows) == 5 and all(r["license"] == "MIT" and r["category"] == "code" and "a.py" in r["id"] for r in rows)
     assert "".join(r["text"] for r in rows) == (src / "a.py").read_text()  # cut at line ends, nothing lost
     assert subprocess.run(cmd, capture_output=True, text=True).returncode != 0  # never overwrites
+
+
+def test_train_draft_takes_a_text_set_beside_prompts(tmp_path):
+    """A run on a prompt file and a text set trains on both: one sequence per text row (no sampled
+    rounds for text), the text's ids in the draft's vocabulary, both files in the record."""
+    prompts, texts = tmp_path / "p.jsonl", tmp_path / "t.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "category": "math", "prompt": "What is 12 times 7?"}) + "\n")
+    texts.write_text("".join(json.dumps(r) + "\n" for r in TEXTS))
+    out = tmp_path / "draft"
+    cmd = [sys.executable, "-m", "dflash_export", "train-draft", "--device", "cpu", "--prompts", str(prompts), str(texts),
+           "--out", str(out), "--max-new-tokens", "16", "--steps", "2", "--batch", "2", "--anchors", "4",
+           "--responses-per-prompt", "2", "--distill", "kl", "--data-cache", str(tmp_path / "d1"), str(tmp_path / "d2")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    record = json.loads((out / "training_record.json").read_text())
+    assert record["num_sequences"] == 2 + 2 and record["prompts"] == [str(prompts), str(texts)]
+    text_ids = {t for s in json.loads((tmp_path / "d2" / "sequences.json").read_text()) for t in s["ids"]}
+    vocab = set(json.loads((out / "draft_vocab.json").read_text())["token_ids"])
+    assert len(text_ids) > 20 and text_ids <= vocab  # the draft proposes the text's ids too
