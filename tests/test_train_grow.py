@@ -1,5 +1,5 @@
-"""train-draft --init-from with more --layers grows the draft: the grown draft starts out computing
-exactly what its source computes, and a real run writes a draft with the new layer count."""
+"""train-draft --init-from with more --layers or --taps grows the draft: the grown draft starts out
+computing exactly what its source computes, and a real run writes a draft with the new shape."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_grown_draft_starts_as_its_source(tmp_path):
     tspec = load_target_spec(make_target(tmp_path / "t"))
     spec, state = load_draft_spec(make_draft(tmp_path / "d", tmp_path / "t", block_size=6), tspec)
     source = _draft(spec, state)
-    cfg = grown_config(read_config(tmp_path / "d"), spec.arch.num_layers + 2)
+    cfg = grown_config(read_config(tmp_path / "d"), spec.arch.num_layers + 2, spec.target_layer_ids)
     grown_spec = parse_draft_config(cfg, tspec, "(grown)", None)
     assert grown_spec.arch.num_layers == spec.arch.num_layers + 2
     torch.manual_seed(0)
@@ -71,4 +71,44 @@ def test_train_draft_grows_init_from_draft(tmp_path, tmp_path_factory, capsys):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 3 and cfg["dflash_config"]["target_layer_ids"] == [1, 3] and cfg["block_size"] == 8
     assert main(base + ["--out", str(tmp_path / "shrunk"), "--layers", "1"]) == 2
-    assert "only --layers may differ, and only upwards" in capsys.readouterr().err
+    assert "only --layers and --taps may differ, and only by growing" in capsys.readouterr().err
+    grown_taps = tmp_path / "taps"
+    base[base.index("--data-cache") + 1] = str(tmp_path / "data-3-taps")  # (the data carry the taps they read)
+    assert main(base + ["--out", str(grown_taps), "--taps", "1", "2", "3"]) == 0, capsys.readouterr().err
+    cfg = json.loads((grown_taps / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and cfg["dflash_config"]["target_layer_ids"] == [1, 2, 3]
+    assert main(base + ["--out", str(tmp_path / "reordered"), "--taps", "3", "1", "2"]) == 2  # the source's order kept
+    assert "only by growing" in capsys.readouterr().err
+
+
+def test_draft_grown_to_more_taps_starts_as_its_source(tmp_path):
+    """Added taps get zero fc columns and the source's columns move to their taps' places: whatever the
+    new taps' features are, the grown draft's output equals the source's on the source's taps."""
+    from dflash_export.checkpoint.draft import load_draft_spec, parse_draft_config
+    from dflash_export.checkpoint.target import read_config
+    from dflash_export.families.registry import load_target_spec
+    from dflash_export.nn.draft import DFlashDraft
+    from dflash_export.train.setup import grown_config, grown_weights
+
+    tspec = load_target_spec(make_target(tmp_path / "t"))
+    spec, state = load_draft_spec(make_draft(tmp_path / "d", tmp_path / "t", block_size=6), tspec)
+    old = list(spec.target_layer_ids)
+    new = [0, old[0], 2, old[1]] if old == [1, 3] else sorted(set(old) | {0, 2})
+    cfg = grown_config(read_config(tmp_path / "d"), spec.arch.num_layers, new)
+    grown_spec = parse_draft_config(cfg, tspec, "(grown)", None)
+    assert list(grown_spec.target_layer_ids) == new
+    torch.manual_seed(0)
+    grown = DFlashDraft(grown_spec)
+    for p in grown.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    grown = _draft(grown_spec, grown_weights(grown, state, old, new))
+    a = spec.arch
+    by_tap = {t: torch.randn(9, a.hidden_size) for t in new}
+    emb = torch.randn(spec.block_size, a.hidden_size)
+    past = [torch.zeros(0, a.num_kv_heads, a.head_dim) for _ in range(2 * a.num_layers)]
+    with torch.no_grad():
+        want = _draft(spec, state)(torch.cat([by_tap[t] for t in old], -1), emb, *past)
+        got = grown(torch.cat([by_tap[t] for t in new], -1), emb, *past)
+    for a_, b_ in zip(got, want):
+        torch.testing.assert_close(a_, b_, rtol=1e-6, atol=1e-6)
+    assert grown.fc.weight[:, : a.hidden_size].abs().sum() == 0  # tap 0 is new: zero columns

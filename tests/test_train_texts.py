@@ -64,7 +64,7 @@ def test_prompt_files_and_text_sets_are_told_apart(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "p", "prompt": "Hi"}) + "\n")
     assert not is_text_set(read_prompts(prompts, allow_text=True))
-    with pytest.raises(DFlashError, match=r"mixed.jsonl:2 is a prompt row in a file of text rows; .* split it in two"):
+    with pytest.raises(DFlashError, match=r"mixed.jsonl:2 is a prompt row in a file of text rows; .* one kind only: split it"):
         read_prompts(mixed, allow_text=True)
     with pytest.raises(DFlashError, match=r"texts.jsonl:1 has no non-empty \"prompt\" string"):
         read_prompts(texts)  # bench and the checks take prompts only
@@ -103,3 +103,30 @@ def test_train_draft_takes_a_text_set_beside_prompts(tmp_path):
     text_ids = {t for s in json.loads((tmp_path / "d2" / "sequences.json").read_text()) for t in s["ids"]}
     vocab = set(json.loads((out / "draft_vocab.json").read_text())["token_ids"])
     assert len(text_ids) > 20 and text_ids <= vocab  # the draft proposes the text's ids too
+
+
+def test_id_rows_reread_a_caches_responses_with_the_same_features(tmp_path):
+    """A data cache's sequences written as id rows (`make_text_set.py --from-cache`) and read again
+    teacher-forced give the features and top-16 that generating them recorded (fp32): the way to
+    other --taps without generating again."""
+    from dflash_export.checkpoint.sources import embedded_target_dir
+    from dflash_export.train.data import generate_dataset
+    from dflash_export.train.prompts import read_prompts
+
+    prompts = [{"id": "a", "category": "chat", "prompt": "Name a color."}, {"id": "b", "category": "math", "prompt": "What is 3 + 4?"}]
+    made = generate_dataset(embedded_target_dir(), prompts, (1, 27), tmp_path / "gen", 10, 2, torch.device("cpu"),
+                            show_progress=False, responses_per_prompt=2)
+    rows_file = tmp_path / "ids.jsonl"
+    done = subprocess.run([sys.executable, "scripts/make_text_set.py", "--from-cache", str(tmp_path / "gen"),
+                           "--out", str(rows_file)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = read_prompts(rows_file, allow_text=True)
+    assert [r["id"] for r in rows] == ["a", "b", "a~s1", "b~s1"]
+    again = generate_dataset(embedded_target_dir(), rows, (1, 27), tmp_path / "read", 10, 4, torch.device("cpu"),
+                             show_progress=False)
+    for i, (s, t) in enumerate(zip(made["sequences"], again["sequences"])):
+        assert s["ids"] == t["ids"] and s["prompt_len"] == t["prompt_len"]
+        a, b = slice(made["offsets"][i], made["offsets"][i + 1]), slice(again["offsets"][i], again["offsets"][i + 1])
+        p, n = s["prompt_len"], len(s["ids"]) - 1  # (the last token's features: generation never fed it)
+        torch.testing.assert_close(again["taps"][b][:n].float(), made["taps"][a][:n].float(), atol=3e-2, rtol=3e-3)
+        assert torch.equal(again["topk_ids"][b][p:, :3], made["topk_ids"][a][p:, :3])

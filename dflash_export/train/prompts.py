@@ -1,8 +1,9 @@
 """The prompt files `train-draft` and `bench` read: JSONL, one object a line.
 
 A training file holds either prompts (`{"id", "category", "prompt"}`: the target answers each, and its
-responses are the data) or text (`{"id", "category", "text", "source", "license"}`: the target reads the
-text teacher-forced, and its distribution at every position is the data), never both. Text sets widen
+responses are the data) or text (`{"id", "category", "text", "source", "license"}`, or token ids
+`{"id", "category", "ids", "prompt_len"}`: the target reads them teacher-forced, and its features and
+distribution at every position are the data), never both. Text sets widen
 the contexts the draft sees beyond the target's own answers (issue 48); `scripts/make_text_set.py`
 writes one from files already on a machine.
 """
@@ -33,7 +34,7 @@ def first_per_category(prompts: list[dict], limit: int | None) -> list[dict]:
 
 def is_text_set(rows: list[dict]) -> bool:
     """Whether rows read by :func:`read_prompts` are a text set (teacher-forced) rather than prompts."""
-    return bool(rows) and "text" in rows[0]
+    return bool(rows) and "prompt" not in rows[0]
 
 
 def read_prompts(path: Path, allow_text: bool = False) -> list[dict]:
@@ -64,11 +65,12 @@ def read_prompts(path: Path, allow_text: bool = False) -> list[dict]:
             raise DFlashError(f"{path}:{i} is not valid JSON ({exc})") from None
         row_kind = _row_kind(row, allow_text)
         if row_kind is None:
-            wanted = "a non-empty \"prompt\" or \"text\" string" if allow_text else "no non-empty \"prompt\" string"
+            wanted = ("a non-empty \"prompt\" or \"text\" string, or \"ids\" (token ids) with a \"prompt_len\" "
+                      "within them" if allow_text else "no non-empty \"prompt\" string")
             raise DFlashError(f"{path}:{i} has {wanted}" if not allow_text else f"{path}:{i} needs {wanted}")
         if kind is not None and row_kind != kind:
             raise DFlashError(f"{path}:{i} is a {row_kind} row in a file of {kind} rows; a file holds prompts (the "
-                              "target answers them) or text (read teacher-forced), not both: split it in two")
+                              "target answers them), text or ids (read teacher-forced), one kind only: split it")
         kind = row_kind
         row.setdefault("id", f"{path.stem}-line-{i}")  # unique across files too (unless two share a stem)
         _check_id(path, i, row["id"], ids)
@@ -81,12 +83,17 @@ def read_prompts(path: Path, allow_text: bool = False) -> list[dict]:
 
 
 def _row_kind(row, allow_text: bool) -> str | None:
-    """"prompt" or "text" (the latter only when allowed), or None for a row that is neither."""
+    """"prompt", or where allowed "text" (a string) or "ids" (token ids, with a "prompt_len" within
+    them, read teacher-forced as text is), or None for a row that is none of these."""
     if not isinstance(row, dict):
         return None
     for kind in ("prompt", "text") if allow_text else ("prompt",):
         if isinstance(row.get(kind), str) and row[kind].strip():
-            return kind
+            return "prompt" if kind == "prompt" else "text"
+    ids, start = row.get("ids"), row.get("prompt_len", 1)
+    if (allow_text and isinstance(ids, list) and len(ids) >= 2 and all(type(t) is int and t >= 0 for t in ids)
+            and type(start) is int and 1 <= start < len(ids)):
+        return "ids"
     return None
 
 

@@ -95,14 +95,15 @@ def plan_draft(args, device) -> DraftPlan:
     # grow, and --lr may drop after a divergence)
     settings = {"layers": args.layers, "taps": list(taps), "block_size": args.block_size, "mask_token_id": args.mask_token_id}
     if init_state is not None and _grows(init_state["shape"], settings):
-        source_cfg = grown_config(init_state["config"], args.layers)
+        source_cfg = grown_config(init_state["config"], args.layers, taps)
     elif init_state is not None and init_state["shape"] != settings:
         theirs = init_state["shape"]
         raise DFlashError(f"--init-from {args.init_from}: that draft has --layers {theirs['layers']} --taps "
                           f"{' '.join(map(str, theirs['taps']))} --block-size {theirs['block_size']} --mask-token-id "
                           f"{theirs['mask_token_id']}, this run --layers {args.layers} --taps {' '.join(map(str, taps))} "
                           f"--block-size {args.block_size} --mask-token-id {args.mask_token_id}; drop those options to use the "
-                          "draft's (only --layers may differ, and only upwards: the draft grows)")
+                          "draft's (only --layers and --taps may differ, and only by growing: more layers, taps that keep the draft's "
+                          "in their order)")
     amp_dtype = autocast_dtype(args.amp, device)
     if resumed is not None:
         check_resume(Path(args.resume), resumed[1], settings, args, amp_dtype)
@@ -114,14 +115,19 @@ def plan_draft(args, device) -> DraftPlan:
 
 
 def _grows(source: dict, settings: dict) -> bool:
-    """Whether this run grows the `--init-from` draft: more layers, everything else its own."""
-    same = all(source[k] == settings[k] for k in ("taps", "block_size", "mask_token_id"))
-    return same and settings["layers"] > source["layers"]
+    """Whether this run grows the `--init-from` draft: more layers and/or more taps (the draft's taps kept,
+    in their order, among them), everything else its own."""
+    same = all(source[k] == settings[k] for k in ("block_size", "mask_token_id"))
+    kept = [t for t in settings["taps"] if t in source["taps"]] == list(source["taps"])
+    more = settings["layers"] > source["layers"] or len(settings["taps"]) > len(source["taps"])
+    return same and kept and settings["layers"] >= source["layers"] and more
 
 
-def grown_config(config: dict, layers: int) -> dict:
-    """A draft config.json grown to `layers` layers (the added ones repeat the last layer's kind)."""
+def grown_config(config: dict, layers: int, taps) -> dict:
+    """A draft config.json grown to `layers` layers (the added ones repeat the last layer's kind) reading
+    `taps`."""
     cfg = dict(config, num_hidden_layers=layers)
+    cfg["dflash_config"] = dict(cfg.get("dflash_config") or {}, target_layer_ids=list(taps))
     if isinstance(cfg.get("layer_types"), list) and cfg["layer_types"]:
         cfg["layer_types"] = cfg["layer_types"] + [cfg["layer_types"][-1]] * (layers - len(cfg["layer_types"]))
     return cfg
@@ -232,9 +238,10 @@ def build_draft(args, plan: DraftPlan, sequences: list[dict], device, teacher_id
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    if plan.init_state is not None and plan.init_state["shape"]["layers"] < args.layers:
+    if plan.init_state is not None and plan.init_state["shape"] != plan.settings:  # (checked: it grows)
         _init_from_target(draft, tstate, plan.tspec, args.layers, family.NORM_WEIGHT_OFFSET)
-        load_weights(draft, grown_weights(draft, plan.init_state["weights"]), f"--init-from {args.init_from}")
+        grown = grown_weights(draft, plan.init_state["weights"], plan.init_state["shape"]["taps"], plan.taps)
+        load_weights(draft, grown, f"--init-from {args.init_from}")
     elif plan.init_state is not None:
         load_weights(draft, plan.init_state["weights"], f"--init-from {args.init_from}")
     elif args.init == "target":
@@ -242,23 +249,35 @@ def build_draft(args, plan: DraftPlan, sequences: list[dict], device, teacher_id
     return draft, head
 
 
-def grown_weights(draft, source: dict) -> dict:
-    """The weights of `draft` (more layers than the `source` draft) that compute what `source` computes:
-    the source's weights for its layers and the shared pieces, and each added layer (appended, initialised
-    from the target's layers) made a residual identity by zeroing its attention output and MLP down
-    projections, so training starts from the source draft's proposals and only has to learn what the
-    added layers buy (zero-initialised residual branches still get gradients through those projections).
+def grown_weights(draft, source: dict, source_taps=None, taps=None) -> dict:
+    """The weights of `draft` (more layers and/or taps than the `source` draft) that compute what
+    `source` computes: the source's weights for its layers and the shared pieces, and each added layer
+    (appended, initialised from the target's layers) made a residual identity by zeroing its attention
+    output and MLP down projections, so training starts from the source draft's proposals and only has to
+    learn what the added layers buy (zero-initialised residual branches still get gradients through those
+    projections). Added taps get zero columns in `fc` (the source's columns move to their taps' places),
+    so the context the draft reads is the source's until training gives the new taps weight.
 
     Args:
         draft: the grown `DFlashDraft` (its added layers already initialised).
         source: the `--init-from` draft's state dict (names without "model.").
+        source_taps / taps: the target layers the source and the grown draft read (None: the same).
     Returns:
         a complete state dict for `draft`.
     """
     import torch
 
     state = {k: v.detach().clone() for k, v in draft.state_dict().items()}
-    state.update({k: v for k, v in source.items() if k in state})
+    state.update({k: v for k, v in source.items() if k in state and k != "fc.weight"})
+    fc = source["fc.weight"]
+    if taps is not None and list(taps) != list(source_taps):
+        d = fc.shape[1] // len(source_taps)
+        grown_fc = torch.zeros(fc.shape[0], d * len(taps), dtype=fc.dtype)
+        for j, tap in enumerate(source_taps):
+            at = list(taps).index(tap)
+            grown_fc[:, at * d : (at + 1) * d] = fc[:, j * d : (j + 1) * d]
+        fc = grown_fc
+    state["fc.weight"] = fc.to(state["fc.weight"].dtype)
     n_source = 1 + max(int(k.split(".")[1]) for k in source if k.startswith("layers."))
     for i in range(n_source, len(draft.layers)):
         for name in (f"layers.{i}.self_attn.o_proj.", f"layers.{i}.mlp.down_proj."):

@@ -19,8 +19,9 @@ TEXT_CONTEXT_TOKENS = 1
 def teacher_forced_call(tok, model, rows: list[dict], taps, max_tokens: int, device) -> tuple[list, list, list]:
     """Read `rows` (text-set rows) through the target in one batched forward.
 
-    Each row's text is tokenized raw (no chat template) and cut to `max_tokens` tokens; padding goes on
-    the right, so every real token keeps its position.
+    Each row's text is tokenized raw (no chat template) and cut to `max_tokens` tokens; rows of token
+    ids (`"ids"`, with their `"prompt_len"`: e.g. another data cache's sequences, read again for other
+    taps) are taken whole. Padding goes on the right, so every real token keeps its position.
 
     Returns:
         (sequences [{"id", "category", "prompt_len": 1, "ids"}], per row fp16 tap features
@@ -29,13 +30,7 @@ def teacher_forced_call(tok, model, rows: list[dict], taps, max_tokens: int, dev
     """
     import torch
 
-    side = tok.padding_side
-    tok.padding_side = "right"
-    try:
-        enc = tok([r["text"] for r in rows], return_tensors="pt", padding=True, truncation=True,
-                  max_length=max_tokens, add_special_tokens=False).to(device)
-    finally:
-        tok.padding_side = side
+    enc = _id_rows(rows, tok.pad_token_id, device) if "ids" in rows[0] else _text_rows(tok, rows, max_tokens, device)
     with torch.no_grad():
         out = model(**enc, output_hidden_states=True, use_cache=False)
     # hidden_states[L + 1] is the output of decoder layer L
@@ -44,7 +39,7 @@ def teacher_forced_call(tok, model, rows: list[dict], taps, max_tokens: int, dev
     for j, r in enumerate(rows):
         n = int(enc["attention_mask"][j].sum())
         ids = enc["input_ids"][j, :n].tolist()
-        seqs.append({"id": r["id"], "category": r["category"], "prompt_len": TEXT_CONTEXT_TOKENS, "ids": ids})
+        seqs.append({"id": r["id"], "category": r["category"], "prompt_len": r.get("prompt_len", TEXT_CONTEXT_TOKENS), "ids": ids})
         chunks.append(feats[j, :n].to(torch.float16).cpu())
         row_ids = torch.full((n, DISTILL_TOPK), -1, dtype=torch.int32)
         row_logp = torch.zeros((n, DISTILL_TOPK), dtype=torch.float16)
@@ -53,3 +48,27 @@ def teacher_forced_call(tok, model, rows: list[dict], taps, max_tokens: int, dev
         row_ids[1:], row_logp[1:] = top_ids.to(torch.int32).cpu(), top_logp.to(torch.float16).cpu()
         dists.append((row_ids, row_logp))
     return seqs, chunks, dists
+
+
+def _text_rows(tok, rows: list[dict], max_tokens: int, device) -> dict:
+    """Text rows tokenized raw, cut to `max_tokens`, right-padded: {"input_ids", "attention_mask"}."""
+    side = tok.padding_side
+    tok.padding_side = "right"
+    try:
+        return tok([r["text"] for r in rows], return_tensors="pt", padding=True, truncation=True,
+                   max_length=max_tokens, add_special_tokens=False).to(device)
+    finally:
+        tok.padding_side = side
+
+
+def _id_rows(rows: list[dict], pad_id: int, device) -> dict:
+    """Rows of token ids right-padded with `pad_id`: {"input_ids", "attention_mask"}."""
+    import torch
+
+    width = max(len(r["ids"]) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(rows), width), dtype=torch.int64)
+    for j, r in enumerate(rows):
+        ids[j, : len(r["ids"])] = torch.tensor(r["ids"], dtype=torch.int64)
+        mask[j, : len(r["ids"])] = 1
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
