@@ -20,9 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 from pathlib import Path
+
+
+def fail(message: str):
+    """One `error:` line and exit status 2 (bad input), as the project's commands do."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def chunks_of(text: str, chars: int, min_chars: int) -> list[str]:
@@ -44,7 +51,7 @@ def files_under(paths: list[Path], suffixes: list[str]) -> list[Path]:
     found = set()
     for path in paths:
         if not path.exists():
-            sys.exit(f"error: {path} does not exist")
+            fail(f"{path} does not exist")
         for f in ([path] if path.is_file() else path.rglob("*")):
             if f.is_file() and (not suffixes or f.suffix in suffixes):
                 found.add(f)
@@ -56,10 +63,24 @@ def rows_of_cache(cache: Path) -> list[dict]:
     former is reserved for sampled responses)."""
     path = cache / "sequences.json"
     if not path.is_file():
-        sys.exit(f"error: {path} does not exist: --from-cache takes a finished train-draft data cache")
-    return [{"id": str(s["id"]).replace("#s", "~s"), "category": s.get("category", "uncategorized"), "ids": s["ids"],
-             "prompt_len": max(int(s["prompt_len"]), 1), "source": f"train-draft data cache {cache.name}"}
-            for s in json.loads(path.read_text()) if len(s["ids"]) - max(int(s["prompt_len"]), 1) >= 2]
+        fail(f"{path} does not exist: --from-cache takes a finished train-draft data cache")
+    try:
+        seqs = json.loads(path.read_text())
+        rows = [{"id": str(s["id"]).replace("#s", "~s"), "category": str(s.get("category", "uncategorized")),
+                 "ids": s["ids"], "prompt_len": max(int(s["prompt_len"]), 1), "source": f"train-draft data cache {cache.name}"}
+                for s in seqs]
+        if not all(isinstance(r["ids"], list) and all(type(t) is int and t >= 0 for t in r["ids"]) for r in rows):
+            raise ValueError("ids that are not token ids")
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        fail(f"data cache {cache} is damaged ({type(exc).__name__}: {exc}); pass a finished train-draft data cache")
+    return [r for r in rows if len(r["ids"]) - r["prompt_len"] >= 2]
+
+
+def write_rows(out: Path, rows: list[dict]) -> None:
+    """Write the rows whole (a temporary file renamed into place: a kill leaves no partial set)."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, out)
 
 
 def main(argv=None) -> int:
@@ -77,14 +98,24 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.out.exists():
-        sys.exit(f"error: {args.out} exists; pass a new --out")
+        fail(f"{args.out} exists; pass a new --out")
+    if not args.out.parent.is_dir():
+        fail(f"{args.out.parent} is not a directory; create it or pass another --out")
     if args.from_cache is not None:
+        if args.paths:
+            fail("--from-cache writes a cache's sequences; give no paths with it")
         rows = rows_of_cache(args.from_cache)
-        args.out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        if not rows:
+            fail(f"data cache {args.from_cache} holds no sequence with 2 tokens after its prompt; nothing to write")
+        write_rows(args.out, rows)
         print(f"wrote {len(rows)} rows ({sum(len(r['ids']) for r in rows):,} tokens) to {args.out}")
         return 0
     if not (args.paths and args.category and args.license):
-        ap.error("give the paths to read, --category and --license (or --from-cache)")
+        fail("give the paths to read, --category and --license (or --from-cache)")
+    if args.max_rows is not None and args.max_rows < 1:
+        fail(f"--max-rows {args.max_rows}: give at least 1 (or leave it out for every row)")
+    if args.chars < 1 or args.min_chars > args.chars:
+        fail(f"--chars {args.chars} with --min-chars {args.min_chars}: rows need --chars >= 1 and >= --min-chars")
     source = args.source_name or " ".join(str(p) for p in args.paths)
     rows = []
     for f in files_under(args.paths, args.suffix):
@@ -92,14 +123,16 @@ def main(argv=None) -> int:
             text = f.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue  # binary or unreadable: not text
+        if "\x00" in text:
+            continue  # valid UTF-8, yet binary
         for j, piece in enumerate(chunks_of(text, args.chars, args.min_chars)):
             rows.append({"id": f"{args.category}:{f}:{j}", "category": args.category, "text": piece,
                          "source": source, "license": args.license})
     if not rows:
-        sys.exit("error: no text found under the given paths (check --suffix)")
+        fail(f"no text of at least --min-chars {args.min_chars} characters under the given paths (check --suffix)")
     if args.max_rows and args.max_rows < len(rows):
         rows = random.Random(args.seed).sample(rows, args.max_rows)
-    args.out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    write_rows(args.out, rows)
     print(f"wrote {len(rows)} rows ({sum(len(r['text']) for r in rows):,} characters) to {args.out}")
     return 0
 

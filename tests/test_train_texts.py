@@ -4,6 +4,7 @@ distributions are the target's own on that text, padding and batching aside."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -66,7 +67,7 @@ def test_prompt_files_and_text_sets_are_told_apart(tmp_path):
     assert not is_text_set(read_prompts(prompts, allow_text=True))
     with pytest.raises(DFlashError, match=r"mixed.jsonl:2 is a prompt row in a file of text rows; .* one kind only: split it"):
         read_prompts(mixed, allow_text=True)
-    with pytest.raises(DFlashError, match=r"texts.jsonl:1 has no non-empty \"prompt\" string"):
+    with pytest.raises(DFlashError, match=r"texts.jsonl:1 is a text-set row"):
         read_prompts(texts)  # bench and the checks take prompts only
 
 
@@ -130,3 +131,69 @@ def test_id_rows_reread_a_caches_responses_with_the_same_features(tmp_path):
         p, n = s["prompt_len"], len(s["ids"]) - 1  # (the last token's features: generation never fed it)
         torch.testing.assert_close(again["taps"][b][:n].float(), made["taps"][a][:n].float(), atol=3e-2, rtol=3e-3)
         assert torch.equal(again["topk_ids"][b][p:, :3], made["topk_ids"][a][p:, :3])
+
+
+@pytest.mark.parametrize("row, match", [
+    ({"id": "a", "text": "some text", "ids": [1, 2, 3]}, "has both 'text' and 'ids'; .* keep one"),
+    ({"id": "a", "prompt": "Hi", "text": "some text"}, "has both 'prompt' and 'text'"),
+    ({"id": "a", "ids": [1, 2, 3, 4], "prompt_len": 3}, "needs .*with a \"prompt_len\" \\(default 1\\) at least 2 ids before their end"),
+    ({"id": "a", "ids": [1, "2", 3]}, "needs a non-empty \"prompt\" or \"text\" string, or \"ids\""),
+])
+def test_text_set_rows_refused_with_the_fix(tmp_path, row, match):
+    from dflash_export.train.prompts import read_prompts
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DFlashError, match=re.escape(str(path)) + ":1 " + match):
+        read_prompts(path, allow_text=True)
+
+
+def test_bench_names_a_text_set_as_such(tmp_path):
+    from dflash_export.train.prompts import read_prompts
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(TEXTS[0]) + "\n")
+    with pytest.raises(DFlashError, match="is a text-set row \\('text', for train-draft\\); this command takes a prompt file"):
+        read_prompts(path)
+
+
+def test_id_rows_outside_the_vocabulary_or_context_are_refused_before_reading(tmp_path):
+    """Checked on the loaded target before any row is read: no cache is written."""
+    from dflash_export.checkpoint.sources import embedded_target_dir
+    from dflash_export.train.data import generate_dataset
+
+    def attempt(rows, cut=16):
+        generate_dataset(embedded_target_dir(), rows, (1, 27), tmp_path / "c", cut, 2, torch.device("cpu"), show_progress=False)
+
+    with pytest.raises(DFlashError, match="row 'b' holds token id 49152, outside the target's vocabulary \\(49152 ids\\)"):
+        attempt([{"id": "a", "category": "x", "ids": [1, 2, 3]}, {"id": "b", "category": "x", "ids": [1, 49152, 3]}])
+    with pytest.raises(DFlashError, match="row 'a' is 8200 ids, beyond the target's context of 8192 tokens"):
+        attempt([{"id": "a", "category": "x", "ids": [5] * 8200}])
+    with pytest.raises(DFlashError, match="--max-new-tokens 9000 cuts text rows beyond the target's context of 8192"):
+        attempt(TEXTS, cut=9000)
+    assert not (tmp_path / "c").exists()
+
+
+def test_make_text_set_refuses_bad_input_in_one_line(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "scripts/make_text_set.py", *map(str, args)], capture_output=True, text=True)
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "zeros.txt").write_text("\x00" * 500)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "sequences.json").write_text("{not json")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "sequences.json").write_text("[]")
+    cases = [
+        ((src, "--out", tmp_path / "a.jsonl", "--category", "c", "--license", "MIT"), "no text of at least --min-chars 200"),
+        ((src, "--out", tmp_path / "no" / "a.jsonl", "--category", "c", "--license", "MIT"), "is not a directory; create it"),
+        ((src, "--out", tmp_path / "a.jsonl", "--category", "c", "--license", "MIT", "--max-rows", "0"), "--max-rows 0: give at least 1"),
+        (("--from-cache", tmp_path / "cache", "--out", tmp_path / "a.jsonl"), "is damaged \\(JSONDecodeError"),
+        (("--from-cache", tmp_path / "empty", "--out", tmp_path / "a.jsonl"), "holds no sequence with 2 tokens"),
+        ((src, "--from-cache", tmp_path / "empty", "--out", tmp_path / "a.jsonl"), "give no paths with it"),
+    ]
+    for args, match in cases:
+        done = run(*args)
+        assert done.returncode == 2 and re.search(match, done.stderr) and "Traceback" not in done.stderr, (args, done.stderr)
+    assert not list(tmp_path.glob("*.jsonl")) and not list(tmp_path.glob(".*.tmp"))

@@ -20,7 +20,7 @@ from dflash_export.checkpoint.target import file_sha256, share_permissions
 from dflash_export.train.loss import autocast_dtype, dtype_name
 from dflash_export.train.prompts import is_text_set, read_prompt_sets
 from dflash_export.train.teacher import DISTILL_TOPK, TopKRecorder, rows_of_distribution
-from dflash_export.train.texts import teacher_forced_call
+from dflash_export.train.texts import check_text_rows, teacher_forced_call
 from runtime.errors import DFlashError
 
 def _load_target(target_dir: Path, device, dtype=None):
@@ -91,6 +91,8 @@ def generate_dataset(
     if (cache / "sequences.json").is_file() and (cache / "taps.safetensors").is_file():
         return _read_finished_cache(cache, fingerprint)
     tok, model = _load_target(target_dir, device, dtype)
+    if is_text_set(prompts):
+        check_text_rows(prompts, model, max_new_tokens)
     seqs, chunks, dists = [], [], []
     # round 0 is greedy, rounds 1.. are sampled; each generate call stays within one round
     text = is_text_set(prompts)  # text rows are read once, teacher-forced: no sampled rounds
@@ -411,8 +413,9 @@ def prepare_training_data(args, tspec, target_dir: Path, taps: tuple[int, ...], 
     usable = [i for i, s in enumerate(data["sequences"]) if len(s["ids"]) - s["prompt_len"] >= 2]
     seqs = [data["sequences"][i] for i in usable]
     if not seqs:
-        raise DFlashError(f"no training data: every response is shorter than 2 tokens (--max-new-tokens "
-                          f"{args.max_new_tokens}); raise --max-new-tokens or use other prompts")
+        raise DFlashError(f"no training data: every response (or text row after its first token) is shorter than 2 "
+                          f"tokens (--max-new-tokens {args.max_new_tokens}); raise --max-new-tokens or use other "
+                          "prompts or longer text")
     if getattr(args, "distill", "none") != "none" and data.get("topk_ids") is None:
         raise DFlashError("--distill needs the target's distributions, which a data cache written before they were "
                           "recorded lacks; pass a new --data-cache directory (or delete the old one) to regenerate")

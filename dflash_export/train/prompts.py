@@ -63,11 +63,7 @@ def read_prompts(path: Path, allow_text: bool = False) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DFlashError(f"{path}:{i} is not valid JSON ({exc})") from None
-        row_kind = _row_kind(row, allow_text)
-        if row_kind is None:
-            wanted = ("a non-empty \"prompt\" or \"text\" string, or \"ids\" (token ids) with a \"prompt_len\" "
-                      "within them" if allow_text else "no non-empty \"prompt\" string")
-            raise DFlashError(f"{path}:{i} has {wanted}" if not allow_text else f"{path}:{i} needs {wanted}")
+        row_kind = _row_kind(path, i, row, allow_text)
         if kind is not None and row_kind != kind:
             raise DFlashError(f"{path}:{i} is a {row_kind} row in a file of {kind} rows; a file holds prompts (the "
                               "target answers them), text or ids (read teacher-forced), one kind only: split it")
@@ -82,19 +78,35 @@ def read_prompts(path: Path, allow_text: bool = False) -> list[dict]:
     return rows
 
 
-def _row_kind(row, allow_text: bool) -> str | None:
-    """"prompt", or where allowed "text" (a string) or "ids" (token ids, with a "prompt_len" within
-    them, read teacher-forced as text is), or None for a row that is none of these."""
-    if not isinstance(row, dict):
-        return None
-    for kind in ("prompt", "text") if allow_text else ("prompt",):
-        if isinstance(row.get(kind), str) and row[kind].strip():
-            return "prompt" if kind == "prompt" else "text"
-    ids, start = row.get("ids"), row.get("prompt_len", 1)
-    if (allow_text and isinstance(ids, list) and len(ids) >= 2 and all(type(t) is int and t >= 0 for t in ids)
-            and type(start) is int and 1 <= start < len(ids)):
-        return "ids"
-    return None
+def _row_kind(path: Path, line: int, row, allow_text: bool) -> str:
+    """"prompt", or where allowed "text" (a string) or "ids" (token ids with a "prompt_len" that leaves
+    at least 2 of them to learn from, read teacher-forced as text is).
+
+    Raises:
+        DFlashError: the row is none of these, or more than one.
+    """
+    keys = [k for k in ("prompt", "text", "ids") if isinstance(row, dict) and k in row]
+    if len(keys) > 1:
+        raise DFlashError(f"{path}:{line} has both {keys[0]!r} and {keys[1]!r}; a row is a prompt (the target answers "
+                          "it), a text or token ids (read teacher-forced): keep one")
+    if not allow_text and keys and keys[0] != "prompt":
+        raise DFlashError(f"{path}:{line} is a text-set row ({keys[0]!r}, for train-draft); this command takes a prompt "
+                          "file: rows with a \"prompt\" string")
+    kind = keys[0] if keys else None
+    if kind in ("prompt", "text") and isinstance(row[kind], str) and row[kind].strip():
+        return kind
+    if kind == "ids" and _usable_ids(row):
+        return kind
+    if not allow_text:
+        raise DFlashError(f"{path}:{line} has no non-empty \"prompt\" string")
+    raise DFlashError(f"{path}:{line} needs a non-empty \"prompt\" or \"text\" string, or \"ids\" (token ids) "
+                      "with a \"prompt_len\" (default 1) at least 2 ids before their end")
+
+
+def _usable_ids(row: dict) -> bool:
+    ids, start = row["ids"], row.get("prompt_len", 1)
+    return (isinstance(ids, list) and all(type(t) is int and t >= 0 for t in ids) and type(start) is int
+            and 1 <= start <= len(ids) - 2)
 
 
 def _check_id(path: Path, line: int, row_id, seen: set) -> None:

@@ -11,9 +11,33 @@ at each position) suits this data best.
 from __future__ import annotations
 
 from dflash_export.train.teacher import DISTILL_TOPK
+from runtime.errors import DFlashError
 
 # a text row's first token is context only: anchors start at position 1, so every block has features before it
 TEXT_CONTEXT_TOKENS = 1
+
+
+def check_text_rows(rows: list[dict], model, max_tokens: int) -> None:
+    """Refuse, before any is read, an id row holding an id outside the target's vocabulary or longer
+    than its context, and a text cut (`max_tokens`) beyond that context.
+
+    Raises:
+        DFlashError: naming the row and the fix.
+    """
+    vocab = int(model.config.vocab_size)
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context and max_tokens > context and rows and "text" in rows[0]:
+        raise DFlashError(f"--max-new-tokens {max_tokens} cuts text rows beyond the target's context of {context} "
+                          "tokens; lower it")
+    for r in rows:
+        ids = r.get("ids") or ()
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise DFlashError(f"text-set row {r['id']!r} holds token id {bad}, outside the target's vocabulary "
+                              f"({vocab} ids): were its ids made for another tokenizer?")
+        if context and len(ids) > context:
+            raise DFlashError(f"text-set row {r['id']!r} is {len(ids)} ids, beyond the target's context of {context} "
+                              "tokens: cut or drop it")
 
 
 def teacher_forced_call(tok, model, rows: list[dict], taps, max_tokens: int, device) -> tuple[list, list, list]:
