@@ -91,11 +91,11 @@ def generate_dataset(
     if (cache / "sequences.json").is_file() and (cache / "taps.safetensors").is_file():
         return _read_finished_cache(cache, fingerprint)
     tok, model = _load_target(target_dir, device, dtype)
-    if is_text_set(prompts):
+    text = is_text_set(prompts)  # text rows are read once, teacher-forced: no sampled rounds
+    if text:
         check_text_rows(prompts, model, max_new_tokens)
     seqs, chunks, dists = [], [], []
     # round 0 is greedy, rounds 1.. are sampled; each generate call stays within one round
-    text = is_text_set(prompts)  # text rows are read once, teacher-forced: no sampled rounds
     rounds = 1 if text else responses_per_prompt
     calls = [(rnd, start) for rnd in range(rounds) for start in range(0, len(prompts), batch)]
     bar = tqdm(total=len(prompts) * rounds, desc="reading text" if text else "generating target responses",
