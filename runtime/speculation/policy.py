@@ -403,12 +403,16 @@ class AdaptiveLength(Policy):
                                                     least=int(self.probing))
         return verify_tree(length, alternatives) if alternatives else length
 
+    def _verify_prediction(self, verified: int) -> float:
+        """Predicted seconds of the target call verifying `verified` proposals, at the plain steps' load."""
+        n = min(verified, len(self.confidence.verify_s) - 1)
+        return self.plain_scale * float(self.confidence.verify_s[n])
+
     def observe(self, record: StepRecord) -> None:
         r = record
         verified, accepted, seconds = r.verified, r.accepted, r.seconds
         if r.lookup:  # its own acceptance and timing only: the draft's estimates and the step-cost scales stay
-            n = min(verified, len(self.confidence.verify_s) - 1)
-            self.lookups.observe(verified, accepted, seconds, self.plain_scale * float(self.confidence.verify_s[n]))
+            self.lookups.observe(verified, accepted, seconds, self._verify_prediction(verified))
             return
         if self.probing and seconds > 0:  # net of the tokens it committed beyond a plain step's one
             extra = seconds - (1 + accepted) * self._plain_s()
@@ -419,8 +423,7 @@ class AdaptiveLength(Policy):
         verify_part = seconds - r.draft_seconds if verified and seconds > r.draft_seconds > 0 else 0.0
         if self.lookups is not None and verify_part:
             # the verify part of a drafted step prices lookups too (the same target call, after a draft)
-            n = min(verified, len(self.confidence.verify_s) - 1)
-            self.lookups.observe_time(verify_part, self.plain_scale * float(self.confidence.verify_s[n]))
+            self.lookups.observe_time(verify_part, self._verify_prediction(verified))
         if self.confidence is not None and drafted:
             self.confidence.observe(verified, accepted, seconds, r.catch_up, r.draft_seconds, r.first_rank,
                                     self.smoothing)
