@@ -39,12 +39,13 @@ def is_text_set(rows: list[dict]) -> bool:
 
 def read_prompts(path: Path, allow_text: bool = False) -> list[dict]:
     """Read a JSONL prompt file: one {"id", "category", "prompt"} object a line, or with `allow_text`
-    a text set: one {"id", "category", "text"} object a line (other keys kept).
+    a text set: one {"id", "category", "text"} or {"id", "category", "ids", "prompt_len"} object a line
+    (other keys kept).
 
     Raises:
-        DFlashError: missing file, bad JSON, a line without a non-empty "prompt" (or "text"), a file
-            mixing the two kinds, an "id" that is not a string or integer, ends in "#s<N>" (reserved for
-            sampled responses) or is used twice in the file.
+        DFlashError: missing file, bad JSON, a row that is none of these kinds or several (see
+            `_row_kind`), a file mixing kinds, an "id" that is not a string or integer, ends in "#s<N>"
+            (reserved for sampled responses) or is used twice in the file.
     """
     path = Path(path)
     if path.is_dir():
